@@ -1,0 +1,4 @@
+"""`python -m oomdoctor` runs the command-line interface."""
+from oomdoctor.cli import main
+
+main()

@@ -1,0 +1,365 @@
+"""What CUDA does differently from a CPU trace, applied to fake CPU tensors.
+
+A CPU-only PyTorch cannot make fake ``cuda`` tensors (see docs/simulator.md), so the trace runs
+on fake CPU tensors and this module makes the CPU behave, memory-wise, like CUDA:
+
+- :class:`CudaAutocast` applies CUDA's autocast op policy (``aten/src/ATen/autocast_mode.cpp``,
+  the ``KERNEL_CUDA`` registrations) and its weight cast cache. CPU autocast has other lists.
+- :class:`CudaKernels` replaces ``scaled_dot_product_attention`` with the fused kernel CUDA would
+  pick (flash or memory-efficient: they save ``out`` + ``logsumexp``, never the T x T matrix)
+  and ``dropout`` with CUDA's fused ``native_dropout`` (a 1-byte bool mask; the CPU path keeps a
+  mask in the input's dtype).
+- :func:`cuda_optimizer_defaults` switches optimizers to the ``foreach`` implementation that
+  ``torch/optim/optimizer.py::_default_to_fused_or_foreach`` picks for CUDA tensors.
+- :class:`GradScalerEmulation` does what ``torch.amp.GradScaler`` does to memory without its
+  ``found_inf.item()`` sync, which a fake tensor cannot answer.
+- :func:`apply_checkpointing` wraps repeated blocks in ``torch.utils.checkpoint``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+# CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
+# torch.nn.functional.*). Source: the KERNEL_CUDA(..., lower_precision_fp / fp32 /
+# fp32_set_opt_dtype / promote) registrations in aten/src/ATen/autocast_mode.cpp; the tests
+# check these sets against torch/testing/_internal/autocast_test_lists.py (CUDA lists).
+LOWER_PRECISION = frozenset({
+    "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d", "convolution", "cudnn_convolution",
+    "cudnn_convolution_transpose", "prelu", "addmm", "addmv", "addr", "matmul", "__matmul__",
+    "__rmatmul__", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm",
+    "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
+    "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "scaled_dot_product_attention",
+})
+FP32 = frozenset({
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+    "reciprocal", "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus",
+    "layer_norm", "native_layer_norm", "group_norm", "rms_norm", "frobenius_norm",
+    "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss",
+    "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss",
+    "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
+    "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+    "interpolate", "upsample", "upsample_nearest", "upsample_bilinear",
+    # cross_entropy is log_softmax (fp32_set_opt_dtype) + nll_loss (fp32) on CUDA.
+    "cross_entropy",
+})
+# Run in fp32 unless the caller passed a dtype: CUDA passes dtype=float32 to the op instead of
+# copying the input (the WrapFunction for CastPolicy::fp32_set_opt_dtype).
+FP32_SET_OPT_DTYPE = frozenset({"prod", "softmax", "log_softmax", "cumprod", "cumsum",
+                                "linalg_vector_norm", "linalg_matrix_norm", "sum", "norm"})
+PROMOTE = frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot",
+                     "grid_sampler", "grid_sample", "index_put", "scatter_add", "tensordot",
+                     "cat", "stack", "index_copy"})
+
+# Our modes that are active, outermost first: a checkpointed block re-enters them when it
+# recomputes during backward, as torch.utils.checkpoint re-enters real autocast.
+_ACTIVE: list[TorchFunctionMode] = []
+
+
+def _eligible(t: Any) -> bool:
+    # autocast casts floating tensors except float64 (is_eligible in autocast_mode.h)
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+
+class _OurMode(TorchFunctionMode):
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
+
+class CudaAutocast(_OurMode):
+    """``torch.autocast("cuda", dtype)`` for fake CPU tensors.
+
+    Casts are ordinary autograd-recorded ``.to`` calls made before the op, so autograd saves the
+    16-bit copies, as CUDA autocast does. Casts of leaf tensors that require grad (the weights)
+    are cached until the outermost autocast region exits (``cached_cast`` in autocast_mode.cpp),
+    so a weight used twice is cast once; frozen weights are cast on every use.
+    """
+
+    _depth = 0
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __enter__(self):
+        CudaAutocast._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        CudaAutocast._depth -= 1
+        if CudaAutocast._depth == 0:
+            self.cache.clear()   # torch.clear_autocast_cache() on leaving the outermost region
+        return super().__exit__(*exc)
+
+    def _to_lower(self, t: Any) -> Any:
+        if not _eligible(t) or t.dtype == self.dtype:
+            return t
+        if t.requires_grad and t.is_leaf and not t._is_view() and t.dtype == torch.float32:
+            cached = self.cache.get(id(t))
+            if cached is None:
+                cached = self.cache[id(t)] = t.to(self.dtype)
+            return cached
+        return t.to(self.dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in LOWER_PRECISION:
+            args, kwargs = tree_map(self._to_lower, (args, kwargs))
+        elif name in FP32:
+            args, kwargs = tree_map(_to_fp32, (args, kwargs))
+        elif name in FP32_SET_OPT_DTYPE:
+            if kwargs.get("dtype") is None and any(
+                    _eligible(a) and a.dtype != torch.float32 for a in args[:1]):
+                kwargs = {**kwargs, "dtype": torch.float32}
+        elif name in PROMOTE:
+            floats = [a for a in _flat(args) if _eligible(a)]
+            if len({a.dtype for a in floats}) > 1:
+                widest = torch.float32 if any(a.dtype == torch.float32 for a in floats) \
+                    else floats[0].dtype
+                args, kwargs = tree_map(lambda t: t.to(widest) if _eligible(t) else t,
+                                        (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _to_fp32(t: Any) -> Any:
+    return t.to(torch.float32) if _eligible(t) and t.dtype != torch.float32 else t
+
+
+def _flat(args: Any) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out.extend(a)
+        else:
+            out.append(a)
+    return out
+
+
+def sdpa_kernel(q: torch.Tensor, attn_mask: Any, dropout_p: float,
+                compute_capability: tuple[int, int]) -> str:
+    """The kernel CUDA's ``select_sdp_backend`` (sdp_utils.cpp) would pick: flash, efficient
+    or math. Flash needs sm80+, fp16/bf16, no explicit mask, head dim <= 256; memory-efficient
+    works from sm50 in fp32/fp16 (bf16 from sm80) with masks; head dims not a multiple of 8 are
+    padded by SDPA since 2.1, so they do not force the math path."""
+    head_dim = q.shape[-1]
+    sm = compute_capability
+    if (sm >= (8, 0) and q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None
+            and head_dim <= 256):
+        return "flash"
+    if sm >= (5, 0) and (q.dtype != torch.bfloat16 or sm >= (8, 0)) and head_dim <= 512:
+        return "efficient"
+    return "math"
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Memory-faithful stand-in for CUDA's fused attention on fake tensors.
+
+    Forward allocates ``out`` and the fp32 ``logsumexp`` and saves q, k, v, out, lse (what
+    ``_scaled_dot_product_flash_attention`` / ``_efficient_attention_forward`` save; flash's lse
+    is (B, H, T), memory-efficient pads T to a multiple of 32). Backward allocates dq, dk, dv and
+    the fp32 scratch the kernels use: flash-attention-2 keeps a dq accumulator (B, H, T128, D)
+    and softmax_d (B, H, T128) with T rounded up to 128; memory-efficient keeps delta (B, H, T).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, kernel):
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+        t = q.shape[-2]
+        lse_t = t if kernel == "flash" else math.ceil(t / 32) * 32
+        lse = q.new_empty(q.shape[:-2] + (lse_t,), dtype=torch.float32)
+        ctx.kernel = kernel
+        ctx.save_for_backward(q, k, v, out, lse, mask if isinstance(mask, torch.Tensor) else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        t = q.shape[-2]
+        if ctx.kernel == "flash":
+            t128 = math.ceil(t / 128) * 128
+            scratch = [q.new_empty(q.shape[:-2] + (t128, q.shape[-1]), dtype=torch.float32),
+                       q.new_empty(q.shape[:-2] + (t128,), dtype=torch.float32)]
+        else:
+            scratch = [q.new_empty(q.shape[:-2] + (t,), dtype=torch.float32)]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del scratch
+        return dq, dk, dv, None, None
+
+
+class CudaKernels(_OurMode):
+    """Pick CUDA's kernels where their memory differs from the CPU's: fused SDPA, fused dropout."""
+
+    def __init__(self, compute_capability: tuple[int, int], notes: list[str] | None = None):
+        super().__init__()
+        self.cc = compute_capability
+        self.notes = notes if notes is not None else []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "scaled_dot_product_attention":
+            return self._sdpa(func, args, kwargs)
+        if name == "dropout":
+            return self._dropout(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _sdpa(self, func, args, kwargs):
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                 "enable_gqa")
+        bound = dict(zip(names, args), **kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        mask = bound.get("attn_mask")
+        kernel = sdpa_kernel(q, mask, bound.get("dropout_p", 0.0), self.cc)
+        self.notes.append(f"scaled_dot_product_attention: CUDA would use the {kernel} kernel "
+                          f"(sm{self.cc[0]}{self.cc[1]}, {str(q.dtype).removeprefix('torch.')})")
+        if kernel == "math" or k.shape[-3:-2] != q.shape[-3:-2]:
+            return func(*args, **kwargs)
+        return _FusedAttention.apply(q, k, v, mask, kernel)
+
+    def _dropout(self, func, args, kwargs):
+        names = ("input", "p", "training", "inplace")
+        bound = {"p": 0.5, "training": True, "inplace": False, **dict(zip(names, args)),
+                 **kwargs}
+        x, p = bound["input"], bound["p"]
+        if not bound["training"] or bound["inplace"] or not 0 < p < 1 or x.numel() == 0:
+            return func(*args, **kwargs)
+        # CUDA's dropout takes the fused path (is_fused_kernel_acceptable in Dropout.cpp):
+        # native_dropout saves a bool mask; the CPU path saves a float mask.
+        out, _mask = torch.native_dropout(x, p, True)
+        return out
+
+
+@contextlib.contextmanager
+def _reenter(modes: list[TorchFunctionMode]):
+    with contextlib.ExitStack() as stack:
+        if not _ACTIVE:
+            for m in modes:
+                stack.enter_context(m)
+        yield
+
+
+def find_repeated_blocks(model: torch.nn.Module, class_name: str | None = None) -> list[str]:
+    """Names of the blocks to checkpoint: children of a ModuleList/Sequential that share a
+    class (the class with the most instances, then the most parameters), or every module of
+    ``class_name``."""
+    if class_name:
+        names = [n for n, m in model.named_modules() if type(m).__name__ == class_name and n]
+        if not names:
+            classes = sorted({type(m).__name__ for _, m in model.named_modules()})
+            raise ValueError(f"no module of class {class_name!r} in the model; classes present: "
+                             f"{', '.join(classes)}")
+        return names
+    groups: dict[type, list[str]] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)):
+            for child_name, child in mod.named_children():
+                groups.setdefault(type(child), []).append(f"{name}.{child_name}" if name
+                                                          else child_name)
+    groups = {c: n for c, n in groups.items() if len(n) >= 2
+              and sum(p.numel() for p in model.get_submodule(n[0]).parameters()) > 0}
+    if not groups:
+        raise ValueError("no repeated blocks (ModuleList/Sequential children of one class) "
+                         "to checkpoint; pass --checkpoint-class NAME")
+
+    def weight(c: type) -> tuple[int, int]:
+        names = groups[c]
+        return len(names), sum(p.numel() for p in model.get_submodule(names[0]).parameters())
+    best = max(groups, key=weight)
+    return groups[best]
+
+
+def apply_checkpointing(model: torch.nn.Module, class_name: str | None = None, *,
+                        preserve_rng_state: bool = True) -> tuple[str, ...]:
+    """Wrap each repeated block's forward in non-reentrant ``torch.utils.checkpoint``."""
+    names = find_repeated_blocks(model, class_name)
+    for name in names:
+        _wrap(model.get_submodule(name), preserve_rng_state)
+    return tuple(names)
+
+
+def _wrap(mod: torch.nn.Module, preserve_rng_state: bool) -> None:
+    orig: Callable = mod.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return orig(*args, **kwargs)
+        modes = list(_ACTIVE)
+
+        def run(*a, **k):
+            with _reenter(modes):
+                return orig(*a, **k)
+        return torch.utils.checkpoint.checkpoint(
+            run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+    mod.forward = forward
+
+
+def cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Use the implementation CUDA would: ``foreach`` when the user left it unset."""
+    notes = []
+    for group in optimizer.param_groups:
+        if ("foreach" in group and group["foreach"] is None and not group.get("fused")
+                and not group.get("differentiable")):
+            group["foreach"] = True
+            notes.append(f"{type(optimizer).__name__}: foreach implementation, the CUDA default "
+                         "(about one parameter-sized set of temporaries during step())")
+    return notes
+
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "rmsprop", "adagrad")
+
+
+def build_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The ``--optimizer`` override."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    name = name.lower()
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-4)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-2)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=1e-4)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=1e-2)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+class GradScalerEmulation:
+    """``torch.amp.GradScaler`` for fp16 AMP, memory-wise: a scale tensor, the loss scaled by
+    it, grads unscaled in place with a found-inf flag (``_unscale_grads_``). The real scaler
+    calls ``found_inf.item()`` to decide whether to step, which fake tensors cannot answer; we
+    always step (the step that allocates optimizer state is the one that matters)."""
+
+    def setup(self) -> None:
+        self.scale_t = torch.full((), 65536.0)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_t
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        inv_scale = self.scale_t.double().reciprocal().float()
+        found_inf = torch.full((), 0.0)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

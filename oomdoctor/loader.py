@@ -1,0 +1,203 @@
+"""Load a user's model file and check it follows oomdoctor's model-file protocol.
+
+    oomdoctor estimate sample_models/tiny_mlp.py --batch-size 8
+
+A model file is plain Python that defines:
+
+- ``build_model() -> torch.nn.Module`` - called under oomdoctor's fake-tensor context, so it
+  must create its parameters with default factories and must not load weights from the network.
+- ``make_batch(batch_size: int)`` - returns a tensor, a tuple/list or a dict of tensors built with
+  default-device factory calls (``torch.randn``, ``torch.randint``); oomdoctor sets the device.
+- optional ``loss_fn(model, batch) -> Tensor`` - a scalar loss. Without it oomdoctor calls
+  ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict, ``model(batch)`` otherwise, and the
+  output must be a scalar loss or have a ``.loss`` attribute.
+- optional ``make_optimizer(params) -> torch.optim.Optimizer``; the default is
+  ``torch.optim.AdamW(params, lr=1e-4)`` as it runs on CUDA (the ``foreach`` implementation).
+
+Everything is traced on fake tensors: the file must not call ``.item()``, ``.tolist()`` or
+make shapes depend on tensor values. Problems are reported as :class:`ModelFileError`, a one-line
+message naming the file, the function and the fix.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+class ModelFileError(Exception):
+    """The model file is missing, broken, or does not follow the protocol."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The protocol's functions, loaded from one file."""
+
+    path: str
+    build_model: Callable[[], torch.nn.Module]
+    make_batch: Callable[[int], Any]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None
+
+    @property
+    def name(self) -> str:
+        return os.path.splitext(os.path.basename(self.path))[0]
+
+
+def load_model_file(path: str) -> ModelSpec:
+    """Import ``path`` as a fresh module and pick out the protocol's functions."""
+    if not os.path.exists(path):
+        raise ModelFileError(f"{path}: no such file; pass the path of a Python model file "
+                             "(see `oomdoctor probe --help` for the protocol)")
+    if os.path.isdir(path) or not path.endswith(".py"):
+        raise ModelFileError(f"{path}: not a Python file; pass a .py file that defines "
+                             "build_model() and make_batch(batch_size)")
+    # A unique module name so two loads of the same file (or two files named model.py) never
+    # share state through sys.modules.
+    mod_name = f"oomdoctor_model_{uuid.uuid4().hex}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    # Let the file import its neighbours, as `python model.py` would.
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ModelFileError(f"{path}:{e.lineno}: syntax error: {e.msg}; fix the file so "
+                             f"`python {path}` runs") from e
+    except Exception as e:  # anything the file's top level raises
+        raise ModelFileError(f"{path}: importing the file raised {type(e).__name__}: {e}; "
+                             f"fix the file so `python {path}` runs") from e
+    finally:
+        sys.path.remove(folder)
+
+    def required(name: str, signature: str) -> Callable:
+        fn = getattr(module, name, None)
+        if fn is None:
+            raise ModelFileError(f"{path}: no `{name}` function; define `def {signature}:` "
+                                 "(see the model-file protocol in the README)")
+        if not callable(fn):
+            raise ModelFileError(f"{path}: `{name}` is a {type(fn).__name__}, not a function; "
+                                 f"define `def {signature}:`")
+        return fn
+
+    def optional(name: str, nargs: int) -> Callable | None:
+        fn = getattr(module, name, None)
+        if fn is None:
+            return None
+        if not callable(fn):
+            raise ModelFileError(f"{path}: `{name}` is a {type(fn).__name__}, not a function")
+        try:
+            inspect.signature(fn).bind(*([None] * nargs))
+        except TypeError as e:
+            raise ModelFileError(f"{path}: `{name}` must take {nargs} argument(s): {e}") from e
+        except ValueError:  # builtins without a signature
+            pass
+        return fn
+
+    return ModelSpec(
+        path=path,
+        build_model=required("build_model", "build_model() -> torch.nn.Module"),
+        make_batch=required("make_batch", "make_batch(batch_size: int)"),
+        loss_fn=optional("loss_fn", 2),
+        make_optimizer=optional("make_optimizer", 1),
+    )
+
+
+def build_checked_model(spec: ModelSpec) -> torch.nn.Module:
+    """Call ``build_model()`` and check what it returns."""
+    model = _call(spec, "build_model", spec.build_model)
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(f"{spec.path}: build_model() returned {type(model).__name__}, "
+                             "expected a torch.nn.Module; return the model instance")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelFileError(f"{spec.path}: build_model() returned a model with no trainable "
+                             "parameters; there is nothing to train (set requires_grad=True on "
+                             "the parameters to fine-tune)")
+    return model
+
+
+def make_checked_batch(spec: ModelSpec, batch_size: int) -> Any:
+    """Call ``make_batch(batch_size)`` and check it returns tensors."""
+    batch = _call(spec, "make_batch", spec.make_batch, batch_size)
+    leaves = batch.values() if isinstance(batch, dict) else (
+        batch if isinstance(batch, (tuple, list)) else [batch])
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        raise ModelFileError(f"{spec.path}: make_batch({batch_size}) returned "
+                             f"{_describe(batch)}; return a tensor, a tuple of tensors or a dict "
+                             "of tensors")
+    return batch
+
+
+def compute_loss(spec: ModelSpec, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The protocol's loss: ``loss_fn(model, batch)`` or the model's own output."""
+    if spec.loss_fn is not None:
+        out = _call(spec, "loss_fn", spec.loss_fn, model, batch)
+        where = "loss_fn(model, batch)"
+    else:
+        if isinstance(batch, dict):
+            out = _call(spec, "model.forward", lambda: model(**batch))
+        elif isinstance(batch, (tuple, list)):
+            out = _call(spec, "model.forward", lambda: model(*batch))
+        else:
+            out = _call(spec, "model.forward", lambda: model(batch))
+        where = "the model's output"
+        if not isinstance(out, torch.Tensor) and hasattr(out, "loss"):
+            out = out.loss
+    if not isinstance(out, torch.Tensor):
+        raise ModelFileError(f"{spec.path}: {where} is {_describe(out)}, not a tensor; define "
+                             "loss_fn(model, batch) returning a scalar loss")
+    if out.dim() != 0:
+        raise ModelFileError(f"{spec.path}: {where} has shape {tuple(out.shape)}, expected a "
+                             "scalar loss; reduce it (e.g. .mean()) or define loss_fn(model, batch)")
+    return out
+
+
+def make_optimizer(spec: ModelSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The file's optimizer, or AdamW over the trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if spec.make_optimizer is None:
+        return torch.optim.AdamW(params, lr=1e-4)
+    opt = _call(spec, "make_optimizer", spec.make_optimizer, model.parameters())
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ModelFileError(f"{spec.path}: make_optimizer(params) returned "
+                             f"{_describe(opt)}; return a torch.optim.Optimizer")
+    return opt
+
+
+# Errors raised by fake tensors when the file does something only real data can answer.
+_DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException",
+                   "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
+
+
+def _call(spec: ModelSpec, name: str, fn: Callable, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except ModelFileError:
+        raise
+    except Exception as e:
+        kind = type(e).__name__
+        if kind in _DATA_DEPENDENT or "data-dependent" in str(e) or "item()" in str(e):
+            raise ModelFileError(
+                f"{spec.path}: {name} uses a value computed from tensor data ({kind}: "
+                f"{_first_line(e)}), which a fake-tensor trace cannot follow; remove "
+                ".item()/.tolist()/data-dependent shapes from the training step") from e
+        raise ModelFileError(f"{spec.path}: {name} raised {kind}: {_first_line(e)}; run "
+                             "with --debug for the traceback") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, (tuple, list)):
+        return f"a {type(obj).__name__} of {', '.join(type(x).__name__ for x in obj[:4]) or 'nothing'}"
+    return "None" if obj is None else f"a {type(obj).__name__}"

@@ -1,0 +1,435 @@
+"""Trace training steps on fake CPU tensors and record every storage allocation and free.
+
+    python -c "from oomdoctor.loader import load_model_file; from oomdoctor.trace import *; \
+print(trace_training(load_model_file('sample_models/tiny_mlp.py'), TraceConfig(8)).peak_live_bytes)"
+
+The trace runs the model file's real training step - forward, loss, backward,
+``optimizer.step()``, ``zero_grad(set_to_none=True)`` - for two optimizer steps under
+``FakeTensorMode``: every tensor has the right shape and dtype but no data, so a 7B model traces
+on a laptop. A ``TorchDispatchMode`` sits above the fake mode and sees every ATen op, in eager
+order, after autograd and composite ops have been decomposed - the same ops a CUDA or CPU eager
+run executes. Each op's freshly allocated outputs (outputs without alias information in the op
+schema) are new storages; a weakref finalizer on each storage records its free, which CPython
+runs the moment the last reference dies, exactly when the caching allocator would get the block
+back. The result is an ordered list of (alloc | free, handle, bytes) events that
+:mod:`oomdoctor.allocator` replays, plus what each storage was (parameter, gradient, ...), when
+(phase, iteration) and where (module).
+
+Known limitations:
+- Memory a kernel allocates internally (cuDNN/cuBLAS workspaces, CPU oneDNN scratch) is not an
+  ATen output and is invisible; cuBLAS workspaces are added by :mod:`oomdoctor.estimate`.
+- Tensors created inside custom C++/CUDA extensions that bypass the dispatcher are not seen.
+- Only one stream is modelled.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from oomdoctor import emulate
+from oomdoctor.loader import (ModelFileError, ModelSpec, build_checked_model, compute_loss,
+                              make_checked_batch, make_optimizer)
+
+PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
+
+
+class Category(str, Enum):
+    """What a storage holds. Model state first, then what the step creates."""
+
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUTS = "inputs"
+    ACTIVATIONS = "activations"      # made in the forward and still alive when it ends
+    TEMPORARIES = "temporaries"      # everything else: freed within its phase
+
+
+class Phase(str, Enum):
+    SETUP = "setup"          # model.to(device): parameters and buffers
+    DATA = "data"            # make_batch and its move/cast to the device
+    FORWARD = "forward"      # forward + loss (under autocast for AMP)
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"  # (unscale +) optimizer.step()
+    ZERO_GRAD = "zero_grad"
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """One training configuration to trace."""
+
+    batch_size: int
+    precision: str = "fp32"            # fp32 | fp16 (AMP + GradScaler) | bf16 (AMP) | bf16-pure
+    checkpointing: bool = False        # wrap repeated blocks in torch.utils.checkpoint
+    checkpoint_class: str | None = None  # which block class; default: the most repeated one
+    grad_accum: int = 1                # micro-batches per optimizer step
+    optimizer: str | None = None       # override the file's optimizer: adamw, adam, sgd, ...
+    emulate_cuda: bool = True          # apply what CUDA does differently (see emulate.py)
+    compute_capability: tuple[int, int] = (8, 6)  # picks the SDPA kernel CUDA would use
+    steps: int = 2                     # optimizer steps traced (>= 2: the second has state)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose one of "
+                             f"{', '.join(PRECISIONS)}")
+        if self.grad_accum < 1:
+            raise ValueError(f"--grad-accum must be >= 1, got {self.grad_accum}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+
+
+@dataclass
+class Storage:
+    """One storage's life: what, when, where."""
+
+    handle: int
+    nbytes: int
+    category: Category
+    phase: Phase
+    iteration: int
+    module: str
+    op: str
+    t_alloc: int                 # index of its alloc event
+    t_free: int | None = None    # index of its free event; None = alive at the end
+    host: bool = False           # lives on the host on CUDA (Adam's `step` counters)
+
+
+@dataclass(frozen=True)
+class PhaseMark:
+    start: int                   # first event index of the phase
+    phase: Phase
+    iteration: int               # optimizer step (0-based)
+    micro: int                   # micro-batch within the step
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Everything the estimator needs from one traced configuration."""
+
+    config: TraceConfig
+    events: tuple[tuple[bool, int, int], ...]  # (is_alloc, handle, nbytes) in order
+    storages: dict[int, Storage]
+    marks: tuple[PhaseMark, ...]
+    parameter_bytes: int
+    trainable_parameter_bytes: int
+    num_parameters: int
+    num_trainable_parameters: int
+    buffer_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    checkpointed: tuple[str, ...]
+    notes: tuple[str, ...]
+    flops: int = 0
+
+    def phase_at(self, index: int) -> PhaseMark:
+        """The phase an event index falls in."""
+        found = self.marks[0]
+        for mark in self.marks:
+            if mark.start > index:
+                break
+            found = mark
+        return found
+
+    def live_at(self, index: int) -> list[Storage]:
+        """Storages alive just after event ``index``."""
+        return [s for s in self.storages.values()
+                if s.t_alloc <= index and (s.t_free is None or s.t_free > index) and not s.host]
+
+    @property
+    def peak_live(self) -> tuple[int, int]:
+        """(bytes, event index) of the peak of live bytes, before any allocator rounding."""
+        live = peak = 0
+        at = 0
+        for i, (is_alloc, _, nbytes) in enumerate(self.events):
+            live += nbytes if is_alloc else -nbytes
+            if live > peak:
+                peak, at = live, i
+        return peak, at
+
+    @property
+    def peak_live_bytes(self) -> int:
+        return self.peak_live[0]
+
+
+class _Recorder(TorchDispatchMode):
+    """Sees every ATen op; records fresh output storages and, via weakrefs, their frees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raw: list[tuple[bool, int, int]] = []
+        self.storages: dict[int, Storage] = {}
+        self.live: dict[int, int] = {}          # storage key -> handle
+        self.external: set[int] = set()         # storages made before tracing, not ours
+        self.phase = Phase.SETUP
+        self.iteration = 0
+        self.module_stack: list[str] = []
+        self.closed = False
+        self._next = 0
+        self._fresh: dict[Any, tuple[bool, ...]] = {}
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def add(self, storage: torch.UntypedStorage, category: Category | None, op: str) -> int:
+        key = storage._cdata
+        handle = self._next
+        self._next += 1
+        nbytes = storage.nbytes()
+        if category is None:
+            category = Category.INPUTS if self.phase is Phase.DATA else Category.TEMPORARIES
+        self.storages[handle] = Storage(
+            handle, nbytes, category, self.phase, self.iteration,
+            self.module_stack[-1] if self.module_stack else "", op, len(self.raw))
+        self.raw.append((True, handle, nbytes))
+        self.live[key] = handle
+        weakref.finalize(storage, self._on_free, key, handle)
+        return handle
+
+    def _on_free(self, key: int, handle: int) -> None:
+        if self.closed or self.live.get(key) != handle:
+            return
+        del self.live[key]
+        s = self.storages[handle]
+        s.t_free = len(self.raw)
+        self.raw.append((False, handle, s.nbytes))
+
+    def handle_of(self, t: torch.Tensor) -> int | None:
+        return self.live.get(t.untyped_storage()._cdata)
+
+    def relabel(self, t: torch.Tensor, category: Category, host: bool = False) -> None:
+        h = self.handle_of(t)
+        if h is not None:
+            self.storages[h].category = category
+            self.storages[h].host = host
+
+    def _fresh_outputs(self, func: Any) -> tuple[bool, ...]:
+        # An output with no alias annotation in the schema (`Tensor` rather than `Tensor(a)`)
+        # is a new allocation; views, in-place and out= ops return existing storages.
+        fresh = self._fresh.get(func)
+        if fresh is None:
+            try:
+                fresh = tuple(r.alias_info is None for r in func._schema.returns)
+            except AttributeError:
+                fresh = ()
+            self._fresh[func] = fresh
+        return fresh
+
+    # -- the mode ----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        fresh = self._fresh_outputs(func)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for i, o in enumerate(outs):
+            is_fresh = fresh[i] if i < len(fresh) else True
+            for t in tree_leaves(o) if isinstance(o, (tuple, list)) else (o,):
+                if not isinstance(t, torch.Tensor) or t.is_sparse:
+                    continue
+                st = t.untyped_storage()
+                key = st._cdata
+                if key in self.live:
+                    # resize_ and friends can grow a storage in place: a new allocation.
+                    h = self.live[key]
+                    if st.nbytes() > self.storages[h].nbytes:
+                        self._on_free(key, h)
+                        self.add(st, None, func.__name__)
+                    continue
+                if is_fresh:
+                    self.add(st, None, func.__name__)
+                else:
+                    # A view of a storage made before tracing began (not ours to count).
+                    self.external.add(key)
+        return out
+
+
+def _module_hooks(model: torch.nn.Module, rec: _Recorder) -> list:
+    handles = []
+    for name, mod in model.named_modules():
+        def pre(_m, _a, name=name):
+            rec.module_stack.append(name or type(model).__name__)
+
+        def post(_m, _a, _o):
+            if rec.module_stack:
+                rec.module_stack.pop()
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+    return handles
+
+
+def _storages(tensors) -> dict[int, torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        seen.setdefault(t.untyped_storage()._cdata, t)
+    return seen
+
+
+@contextlib.contextmanager
+def _phase(rec: _Recorder, marks: list[PhaseMark], phase: Phase, it: int, micro: int
+           ) -> Iterator[None]:
+    rec.phase = phase
+    rec.iteration = it
+    marks.append(PhaseMark(len(rec.raw), phase, it, micro))
+    yield
+
+
+def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True) -> Trace:
+    """Run ``cfg.steps`` optimizer steps of the model file's training loop and record memory.
+
+    With ``fake=False`` the same loop runs on real CPU tensors (slow; for checks and smoke runs).
+    """
+    notes: list[str] = []
+    fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    # Cyclic garbage would otherwise be freed whenever the collector happens to run; collect
+    # first so the trace starts clean and frees stay tied to reference counts.
+    gc.collect()
+    torch.manual_seed(0)
+    with fake_mode:
+        model = build_checked_model(spec)
+        model.train()
+        if cfg.precision == "bf16-pure":
+            _to_dtype(model, torch.bfloat16)
+        checkpointed: tuple[str, ...] = ()
+        if cfg.checkpointing:
+            checkpointed = emulate.apply_checkpointing(model, cfg.checkpoint_class,
+                                                       preserve_rng_state=not fake)
+            notes.append(f"checkpointing {len(checkpointed)} blocks of class "
+                         f"{type(model.get_submodule(checkpointed[0])).__name__}")
+        optimizer = (emulate.build_optimizer(cfg.optimizer, model) if cfg.optimizer
+                     else make_optimizer(spec, model))
+        if cfg.emulate_cuda:
+            notes += emulate.cuda_optimizer_defaults(optimizer)
+        scaler = emulate.GradScalerEmulation() if cfg.precision == "fp16" else None
+
+        rec = _Recorder()
+        marks: list[PhaseMark] = []
+        params = _storages(model.parameters())
+        buffers = _storages(b for b in model.buffers() if b.untyped_storage()._cdata not in params)
+        trainable = _storages(p for p in model.parameters() if p.requires_grad)
+        with _phase(rec, marks, Phase.SETUP, 0, 0):
+            for t in params.values():
+                rec.add(t.untyped_storage(), Category.PARAMETERS, "parameter")
+            for t in buffers.values():
+                rec.add(t.untyped_storage(), Category.BUFFERS, "buffer")
+        hooks = _module_hooks(model, rec)
+        amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
+        kernels = emulate.CudaKernels(cfg.compute_capability, notes) if cfg.emulate_cuda else None
+        micro_batches = min(cfg.grad_accum, 2)   # micro-batches 2..K repeat micro-batch 2
+        try:
+            with rec:
+                if scaler is not None:
+                    scaler.setup()
+                for it in range(cfg.steps):
+                    for micro in range(micro_batches):
+                        with _phase(rec, marks, Phase.DATA, it, micro):
+                            batch = make_checked_batch(spec, cfg.batch_size)
+                            if cfg.precision == "bf16-pure":
+                                batch = _cast_floats(batch, torch.bfloat16)
+                        with _phase(rec, marks, Phase.FORWARD, it, micro):
+                            with contextlib.ExitStack() as stack:
+                                if kernels is not None:
+                                    stack.enter_context(kernels)
+                                if amp_dtype is not None:
+                                    stack.enter_context(emulate.CudaAutocast(amp_dtype))
+                                loss = compute_loss(spec, model, batch)
+                            if cfg.grad_accum > 1:
+                                loss = loss / cfg.grad_accum
+                            if scaler is not None:
+                                loss = scaler.scale(loss)
+                        with _phase(rec, marks, Phase.BACKWARD, it, micro):
+                            try:
+                                loss.backward()
+                            except RuntimeError as e:
+                                raise ModelFileError(
+                                    f"{spec.path}: loss.backward() failed: {e}; check that "
+                                    "the loss depends on trainable parameters") from e
+                            del loss, batch
+                            for p in model.parameters():
+                                if p.grad is not None:
+                                    rec.relabel(p.grad, Category.GRADIENTS)
+                    with _phase(rec, marks, Phase.OPTIMIZER, it, 0):
+                        if scaler is not None:
+                            scaler.unscale_(optimizer)
+                        optimizer.step()
+                        for state in optimizer.state.values():
+                            for k, v in state.items():
+                                if isinstance(v, torch.Tensor):
+                                    # Adam's `step` counter stays on the host unless
+                                    # capturable/fused (torch/optim/adam.py _init_group).
+                                    host = (cfg.emulate_cuda and k == "step" and v.dim() == 0
+                                            and not optimizer.defaults.get("fused"))
+                                    rec.relabel(v, Category.OPTIMIZER_STATE, host=host)
+                    with _phase(rec, marks, Phase.ZERO_GRAD, it, 0):
+                        optimizer.zero_grad(set_to_none=True)
+        finally:
+            for h in hooks:
+                h.remove()
+        # Gradient and optimizer-state bytes as held after the last backward / step.
+        gradient_bytes = sum(t.numel() * t.element_size() for t in trainable.values())
+        state_bytes = sum(v.untyped_storage().nbytes() for st in optimizer.state.values()
+                          for k, v in st.items() if isinstance(v, torch.Tensor)
+                          and not (cfg.emulate_cuda and k == "step" and v.dim() == 0
+                                   and not optimizer.defaults.get("fused")))
+        rec.closed = True
+
+    # Categorise what the step made: a forward allocation still alive when the forward ends
+    # is held for backward (an activation); the rest is temporary.
+    ends = _phase_ends(marks, len(rec.raw))
+    for s in rec.storages.values():
+        if s.category is Category.TEMPORARIES and s.phase is Phase.FORWARD:
+            end = ends[s.t_alloc]
+            if s.t_free is None or s.t_free >= end:
+                s.category = Category.ACTIVATIONS
+    host = {h for h, s in rec.storages.items() if s.host}
+    events = tuple(e for e in rec.raw if e[1] not in host)
+    return Trace(
+        config=cfg, events=events, storages=rec.storages, marks=tuple(marks),
+        parameter_bytes=sum(t.untyped_storage().nbytes() for t in params.values()),
+        trainable_parameter_bytes=gradient_bytes,
+        num_parameters=sum(p.numel() for p in params.values()),
+        num_trainable_parameters=sum(p.numel() for p in trainable.values()),
+        buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
+        gradient_bytes=gradient_bytes, optimizer_state_bytes=state_bytes,
+        checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)))
+
+
+def _phase_ends(marks: list[PhaseMark], n: int) -> list[int]:
+    """For every event index, the index where its phase ends."""
+    ends = [n] * n
+    for i, m in enumerate(marks):
+        stop = marks[i + 1].start if i + 1 < len(marks) else n
+        for j in range(m.start, stop):
+            ends[j] = stop
+    return ends
+
+
+def _to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` that keeps tied weights tied. (Module.to swaps tensors in place for
+    fake tensors, which refuses tensors that have weakrefs; rebuilding the Parameters avoids it.)"""
+    memo: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for store, wrap in ((mod._parameters, True), (mod._buffers, False)):
+            for name, t in store.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                if id(t) not in memo:
+                    new = t.detach().to(dtype)
+                    memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if wrap else new
+                store[name] = memo[id(t)]
+
+
+def _cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    if isinstance(batch, dict):
+        return {k: cast(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(cast(t) for t in batch)
+    return cast(batch)

@@ -1,0 +1,59 @@
+"""Independent reference: a real (non-fake) CPU run of the training loop, measured by torch.profiler.
+
+Written in plain PyTorch, separately from oomdoctor's tracer, so tests compare the simulator with
+what the CPU allocator really did: the peak of the profiler's allocator events (``[memory]``
+records, bytes allocated/freed by c10's CPU allocator) plus the parameters and buffers that were
+allocated before profiling started.
+"""
+from __future__ import annotations
+
+import gc
+import importlib.util
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location("ref_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _loss(mod, model, batch):
+    if hasattr(mod, "loss_fn"):
+        return mod.loss_fn(model, batch)
+    out = model(**batch) if isinstance(batch, dict) else (
+        model(*batch) if isinstance(batch, (tuple, list)) else model(batch))
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def real_cpu_peak(path: str, batch_size: int, steps: int = 2) -> int:
+    """Peak bytes allocated by a real CPU run of `steps` AdamW (for-loop, the CPU default)
+    training steps of the model file, parameters and buffers included."""
+    mod = load(path)
+    torch.manual_seed(0)
+    model = mod.build_model().train()
+    opt = (mod.make_optimizer(model.parameters()) if hasattr(mod, "make_optimizer")
+           else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4))
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in list(model.parameters()) + list(model.buffers())}
+    base = sum(storages.values())
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(steps):
+            batch = mod.make_batch(batch_size)
+            loss = _loss(mod, model, batch)
+            loss.backward()
+            del loss, batch
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    # Raw allocator records (name "[memory]", signed nbytes), not the per-op aggregates.
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return base + peak
