@@ -1,0 +1,260 @@
+"""The largest batch that fits, per configuration, with as few traces as possible.
+
+    oomdoctor probe sample_models/gpt2_small.py --gpu rtx3090
+
+A static training step runs the same ops at every batch size; only tensor sizes change, and each
+storage's size is affine in the batch size (``B * T * C * 4`` and the like). So two traces, at
+batch 1 and 2, give every allocation's size at any batch: ``size(b) = s1 + (s2 - s1) * (b - 1)``.
+The allocator is then replayed on those extrapolated events - milliseconds per batch size - to
+find the boundary by doubling and bisection, and one more trace at the predicted maximum checks
+that the extrapolation is exact there. Models whose ops change with the batch size (or whose sizes
+are not affine) fall back to tracing every trial, Lightning-tuner style: double, then bisect.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from oomdoctor.allocator import AllocatorConfig
+from oomdoctor.estimate import Budget, Estimate, estimate_trace, trace_for
+from oomdoctor.loader import ModelSpec
+from oomdoctor.trace import Trace, TraceConfig
+
+MAX_BATCH = 1 << 16          # stop searching here; a model this light fits "at least" this
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Trial:
+    batch_size: int
+    fits: bool
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    method: str             # "traced" or "extrapolated" (allocator replay on extrapolated sizes)
+
+
+@dataclass(frozen=True)
+class ConfigResult:
+    precision: str
+    checkpointing: bool
+    max_batch_size: int | None          # None: even batch 1 does not fit
+    estimate: Estimate | None           # at max_batch_size (at batch 1 when nothing fits)
+    trials: tuple[Trial, ...]
+    capped: bool = False                # the search stopped at MAX_BATCH
+    error: str | None = None            # why this configuration could not be probed
+
+    def to_json(self) -> dict[str, Any]:
+        e = self.estimate
+        return {
+            "precision": self.precision, "checkpointing": self.checkpointing,
+            "max_batch_size": self.max_batch_size,
+            "peak_allocated_bytes": e.peak_allocated_bytes if e else None,
+            "peak_reserved_bytes": e.peak_reserved_bytes if e else None,
+            "breakdown": e.breakdown if e else None,
+            "peak_phase": e.peak_phase if e else None,
+            "capped": self.capped, "error": self.error,
+            "trials": [vars(t) for t in self.trials],
+        }
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    model: str
+    gpu: str
+    device_total_bytes: int
+    budget_bytes: int
+    margin: float
+    grad_accum: int
+    results: tuple[ConfigResult, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "gpu": self.gpu,
+                "device_total_bytes": self.device_total_bytes,
+                "budget_bytes": self.budget_bytes, "margin": self.margin,
+                "grad_accum": self.grad_accum,
+                "results": [r.to_json() for r in self.results]}
+
+
+def _pattern(trace: Trace) -> list[tuple[bool, int]]:
+    return [(a, h) for a, h, _ in trace.events]
+
+
+class _Extrapolation:
+    """Per-event affine sizes from traces at batch 1 and 2."""
+
+    def __init__(self, t1: Trace, t2: Trace) -> None:
+        self.base = t1
+        self.s1 = [n for _, _, n in t1.events]
+        self.d = [n2 - n1 for (_, _, n1), (_, _, n2) in zip(t1.events, t2.events)]
+
+    def sizes(self, b: int) -> list[int]:
+        k = b - 1
+        return [max(0, s + d * k) for s, d in zip(self.s1, self.d)]
+
+
+def probe_config(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
+                 alloc: AllocatorConfig = AllocatorConfig(),
+                 progress: Progress = lambda _: None, max_batch: int = MAX_BATCH
+                 ) -> ConfigResult:
+    """Largest batch size of ``cfg`` (its batch_size is ignored) that fits ``budget``."""
+    label = f"{cfg.precision}{' + checkpointing' if cfg.checkpointing else ''}"
+    trials: list[Trial] = []
+    traces: dict[int, Trace] = {}
+    estimates: dict[int, Estimate] = {}
+
+    def traced(b: int) -> Estimate:
+        if b not in estimates:
+            progress(f"{label}: tracing batch size {b}")
+            traces[b] = trace_for(spec, replace(cfg, batch_size=b), budget.gpu)
+            e = estimates[b] = estimate_trace(traces[b], budget, alloc, spec.name)
+            trials.append(Trial(b, e.fits, e.peak_allocated_bytes, e.peak_reserved_bytes,
+                                "traced"))
+            progress(f"{label}: batch size {b} {'fits' if e.fits else 'does not fit'} "
+                     f"({e.peak_reserved_bytes / 2**30:.2f} GiB reserved)")
+        return estimates[b]
+
+    def result(best: int | None, capped: bool = False) -> ConfigResult:
+        est = traced(best) if best is not None else estimates[1]
+        return ConfigResult(cfg.precision, cfg.checkpointing, best, est, tuple(trials), capped)
+
+    if not traced(1).fits:
+        return result(None)
+    if not traced(2).fits:
+        return result(1)
+    if _pattern(traces[1]) == _pattern(traces[2]):
+        ext = _Extrapolation(traces[1], traces[2])
+
+        def fits(b: int) -> bool:
+            e = estimate_trace(traces[1], budget, alloc, spec.name, sizes=ext.sizes(b))
+            trials.append(Trial(b, e.fits, e.peak_allocated_bytes, e.peak_reserved_bytes,
+                                "extrapolated"))
+            return e.fits
+        best, capped = _search(fits, 2, max_batch)
+        # Check the extrapolation where it matters: trace the predicted maximum.
+        if best > 2:
+            e = traced(best)
+            exact = (_pattern(traces[best]) == _pattern(traces[1])
+                     and [n for _, _, n in traces[best].events] == ext.sizes(best))
+            if exact and e.fits:
+                return result(best, capped)
+            progress(f"{label}: extrapolation was not exact at batch {best}; tracing each trial")
+        else:
+            return result(best, capped)
+    best, capped = _search(lambda b: traced(b).fits, 2, max_batch)
+    return result(best, capped)
+
+
+def _search(fits: Callable[[int], bool], lo: int, max_batch: int) -> tuple[int, bool]:
+    """Largest b in [lo, max_batch] with fits(b), given fits(lo): double, then bisect."""
+    hi = lo * 2
+    while hi <= max_batch and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi > max_batch:
+        if lo < max_batch and fits(max_batch):
+            return max_batch, True
+        hi = max_batch
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, False
+
+
+def default_matrix(bf16: bool) -> list[tuple[str, bool]]:
+    """The design card's matrix: fp32, fp16 AMP, bf16 AMP, pure bf16 x checkpointing off/on."""
+    precisions = ["fp32", "fp16"] + (["bf16", "bf16-pure"] if bf16 else [])
+    return [(p, ck) for p in precisions for ck in (False, True)]
+
+
+def _probe_one(spec: ModelSpec, cfg: TraceConfig, budget: Budget, alloc: AllocatorConfig,
+               progress: Progress, max_batch: int) -> ConfigResult:
+    try:
+        return probe_config(spec, cfg, budget, alloc, progress, max_batch)
+    except ValueError as e:   # e.g. no repeated blocks to checkpoint
+        return ConfigResult(cfg.precision, cfg.checkpointing, None, None, (), error=str(e))
+
+
+# The spec of the probe in progress, inherited by forked workers: the model file's functions
+# live in a module made at run time, which pickle cannot send to a worker by name.
+_WORKER_SPEC: ModelSpec | None = None
+
+
+def _worker(cfg: TraceConfig, budget: Budget, alloc: AllocatorConfig, max_batch: int
+            ) -> ConfigResult:
+    assert _WORKER_SPEC is not None
+    return _probe_one(_WORKER_SPEC, cfg, budget, alloc, lambda _: None, max_batch)
+
+
+def default_jobs() -> int:
+    """Worker processes for a probe: one per core (traces are single-threaded Python)."""
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1, 8))
+
+
+def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
+          configs: list[tuple[str, bool]], alloc: AllocatorConfig = AllocatorConfig(),
+          progress: Progress = lambda _: None, max_batch: int = MAX_BATCH,
+          jobs: int = 1) -> ProbeResult:
+    """Probe every (precision, checkpointing) configuration, in ``jobs`` processes."""
+    global _WORKER_SPEC
+    cfgs = [replace(base, precision=p, checkpointing=ck, batch_size=1) for p, ck in configs]
+    results: list[ConfigResult | None] = [None] * len(cfgs)
+    if jobs > 1 and len(cfgs) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        _WORKER_SPEC = spec
+        try:
+            with ProcessPoolExecutor(min(jobs, len(cfgs)),
+                                     mp_context=multiprocessing.get_context("fork")) as pool:
+                futures = {pool.submit(_worker, c, budget, alloc, max_batch): i
+                           for i, c in enumerate(cfgs)}
+                progress(f"probing {len(cfgs)} configurations in {min(jobs, len(cfgs))} "
+                         "processes")
+                for fut in as_completed(futures):
+                    r = results[futures[fut]] = fut.result()
+                    label = f"{r.precision}{' + checkpointing' if r.checkpointing else ''}"
+                    progress(f"{label}: max batch size {r.max_batch_size} "
+                             f"({sum(t.method == 'traced' for t in r.trials)} traces)")
+        finally:
+            _WORKER_SPEC = None
+    else:
+        for i, c in enumerate(cfgs):
+            results[i] = _probe_one(spec, c, budget, alloc, progress, max_batch)
+    return ProbeResult(spec.name, budget.gpu.name, budget.gpu.total_bytes, budget.limit_bytes,
+                       budget.margin, base.grad_accum, tuple(results))
+
+
+def render_table(r: ProbeResult) -> str:
+    """The configuration matrix as a table, with the breakdown at each maximum."""
+    from tabulate import tabulate
+
+    from oomdoctor.allocator import format_size
+
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.2f}"
+
+    rows = []
+    for c in r.results:
+        e = c.estimate
+        label = c.precision + (" + ckpt" if c.checkpointing else "")
+        if c.error:
+            rows.append((label, "-", *[""] * 7, c.error))
+            continue
+        best = "none" if c.max_batch_size is None else (
+            f">= {c.max_batch_size}" if c.capped else str(c.max_batch_size))
+        b = e.breakdown
+        rows.append((label, best, gib(e.peak_reserved_bytes), gib(b["parameters"]),
+                     gib(b["gradients"]), gib(b["optimizer_state"]),
+                     gib(b["activations"]), gib(b["temporaries"]),
+                     gib(b["allocator_overhead"]), f"{e.peak_phase} "
+                     f"({sum(t.method == 'traced' for t in c.trials)} traces)"))
+    head = (f"{r.model} on {r.gpu}: {format_size(r.device_total_bytes)} capacity, "
+            f"{format_size(r.budget_bytes)} for the allocator after the CUDA context and a "
+            f"{r.margin:.0%} margin")
+    table = tabulate(rows, headers=("config", "max batch", "reserved", "params", "grads",
+                                    "optim", "activ", "temp", "alloc ovh", "peak in"),
+                     colalign=("left", "right") + ("right",) * 7 + ("left",))
+    return f"{head}\n{table}\n(GiB at the largest batch that fits; at batch 1 when none fits)"
