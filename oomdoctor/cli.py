@@ -35,9 +35,7 @@ def _die(e: BaseException, debug: bool, code: int) -> None:
     if debug:
         import traceback
         traceback.print_exception(e)
-    click.echo(f"error: {e}", err=True)
-    if not debug:
-        click.echo("(run with --debug for the traceback)", err=True)
+    click.echo(f"error: {e}" + ("" if debug else " (--debug for the traceback)"), err=True)
     sys.exit(code)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import types
 from typing import Any, Callable
 
 import torch
@@ -77,6 +78,20 @@ class _OurMode(TorchFunctionMode):
         _ACTIVE.remove(self)
         return super().__exit__(*exc)
 
+    def _passthrough(self, func, args, kwargs):
+        """Run ``func`` with this mode still watching the calls inside it.
+
+        A mode is switched off while it handles a call, so a Python composite such as
+        ``F.multi_head_attention_forward`` (nn.MultiheadAttention, torchvision's ViT) would hide
+        the ``linear`` and ``scaled_dot_product_attention`` calls it makes. For Python functions
+        of torch.nn.functional we run a copy whose ``has_torch_function*`` checks say no (so it
+        does not hand itself back to us) with the mode re-entered."""
+        inner = _transparent(func)
+        if inner is None:
+            return func(*args, **kwargs)
+        with self:
+            return inner(*args, **kwargs)
+
 
 class CudaAutocast(_OurMode):
     """``torch.autocast("cuda", dtype)`` for fake CPU tensors.
@@ -132,7 +147,32 @@ class CudaAutocast(_OurMode):
                     else floats[0].dtype
                 args, kwargs = tree_map(lambda t: t.to(widest) if _eligible(t) else t,
                                         (args, kwargs))
+        else:
+            return self._passthrough(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+_TRANSPARENT: dict[Any, Any] = {}
+
+
+def _no_torch_function(*_args: Any, **_kwargs: Any) -> bool:
+    return False
+
+
+def _transparent(func: Any) -> Any:
+    if func in _TRANSPARENT:
+        return _TRANSPARENT[func]
+    inner = None
+    if (isinstance(func, types.FunctionType)
+            and getattr(func, "__module__", "") == "torch.nn.functional"):
+        env = dict(func.__globals__, has_torch_function=_no_torch_function,
+                   has_torch_function_unary=_no_torch_function,
+                   has_torch_function_variadic=_no_torch_function)
+        inner = types.FunctionType(func.__code__, env, func.__name__, func.__defaults__,
+                                   func.__closure__)
+        inner.__kwdefaults__ = func.__kwdefaults__
+    _TRANSPARENT[func] = inner
+    return inner
 
 
 def _to_fp32(t: Any) -> Any:
@@ -215,7 +255,7 @@ class CudaKernels(_OurMode):
             return self._sdpa(func, args, kwargs)
         if name == "dropout":
             return self._dropout(func, args, kwargs)
-        return func(*args, **kwargs)
+        return self._passthrough(func, args, kwargs)
 
     def _sdpa(self, func, args, kwargs):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",

@@ -45,8 +45,9 @@ class Budget:
 
     @property
     def limit_bytes(self) -> int:
-        return (self.gpu.total_bytes - self.cuda_context_bytes - self.other_bytes
-                - int(self.margin * self.gpu.total_bytes))
+        # Never negative: a card whose overheads exceed it has nothing left for the allocator.
+        return max(0, self.gpu.total_bytes - self.cuda_context_bytes - self.other_bytes
+                   - int(self.margin * self.gpu.total_bytes))
 
 
 @dataclass(frozen=True)

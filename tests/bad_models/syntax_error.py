@@ -1,0 +1,3 @@
+import torch
+def build_model(:
+    return torch.nn.Linear(4, 4)

@@ -1,0 +1,105 @@
+"""The command line: exit codes, stdout vs stderr, JSON contract, --help everywhere."""
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from oomdoctor.cli import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
+from oomdoctor.estimate import BREAKDOWN_KEYS
+from oomdoctor.gpus import PROFILES
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+MLP = os.path.join(ROOT, "sample_models", "tiny_mlp.py")
+
+
+def run(*args):
+    return CliRunner().invoke(cli, list(args))
+
+
+@pytest.mark.parametrize("command", ["estimate", "probe", "explain"])
+def test_every_command_has_help(command):
+    res = run(command, "--help")
+    assert res.exit_code == 0 and "Usage:" in res.stdout
+
+
+def test_estimate_json_contract():
+    res = run("estimate", MLP, "-b", "32", "--gpu", "rtx3090", "--json")
+    assert res.exit_code == EXIT_OK, res.stderr
+    d = json.loads(res.stdout)
+    for key in ("batch_size", "precision", "checkpointing", "grad_accum", "gpu",
+                "device_total_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "fits",
+                "breakdown", "peak_phase"):
+        assert key in d
+    assert d["gpu"] == "rtx3090" and d["batch_size"] == 32 and d["fits"] is True
+    assert d["device_total_bytes"] == PROFILES["rtx3090"].total_bytes
+    assert tuple(d["breakdown"]) == BREAKDOWN_KEYS
+    assert all(isinstance(v, int) for v in d["breakdown"].values())
+    # The breakdown is of the reserved peak plus the CUDA context.
+    assert sum(d["breakdown"].values()) == d["peak_reserved_bytes"] + d["breakdown"]["cuda_context"]
+    assert d["peak_reserved_bytes"] >= d["peak_allocated_bytes"] > 0
+
+
+def test_estimate_does_not_fit_exit_code():
+    res = run("estimate", MLP, "-b", "32", "--memory", "600MiB", "--overhead", "590MiB",
+              "--json")
+    assert res.exit_code == EXIT_PROBLEM
+    assert json.loads(res.stdout)["fits"] is False
+
+
+def test_estimate_text_goes_to_stdout_only():
+    res = run("estimate", MLP, "-b", "8", "--gpu", "t4", "--precision", "fp16")
+    assert res.exit_code == EXIT_OK
+    assert "FITS" in res.stdout and "optimizer state" in res.stdout
+    assert res.stderr == ""
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpu", "gtx480"], "unknown GPU"),
+    (["--memory", "24GB"], "ambiguous"),
+    (["--gpu", "rtx3090", "--memory", "24GiB"], "not both"),
+    (["--gpu", "rtx3090", "--margin", "150%"], "between 0% and 100%"),
+    (["--gpu", "rtx3090", "--alloc-conf", "max_split_size_mb:5"], "max_split_size_mb"),
+    (["--gpu", "t4", "--precision", "bf16"], "no bf16 support"),
+])
+def test_usage_errors(args, message):
+    res = run("estimate", MLP, "-b", "8", *args)
+    assert res.exit_code == EXIT_USAGE
+    assert message in res.stderr
+
+
+def test_no_gpu_defaults_to_rtx3090_and_says_so(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = run("estimate", MLP, "-b", "8", "--json")
+    assert json.loads(res.stdout)["gpu"] == "rtx3090"
+    assert "no CUDA GPU" in res.stderr
+
+
+def test_probe_json_and_progress():
+    res = run("probe", MLP, "--gpu", "rtx3090", "--precision", "bf16", "--no-checkpointing",
+              "--max-batch-size", "4096", "-j", "1", "--json")
+    assert res.exit_code == EXIT_OK, res.stderr
+    d = json.loads(res.stdout)
+    assert d["gpu"] == "rtx3090"
+    [r] = d["results"]
+    assert r["precision"] == "bf16" and r["checkpointing"] is False
+    # A 400k-parameter MLP fits any batch up to the cap on a 24 GiB card.
+    assert r["max_batch_size"] == 4096
+    assert r["trials"] and all(set(t) >= {"batch_size", "fits", "method"} for t in r["trials"])
+    assert "tracing batch size 1" in res.stderr
+
+
+def test_probe_nothing_fits():
+    res = run("probe", MLP, "--memory", "600MiB", "--overhead", "595MiB", "--precision", "fp32",
+              "--no-checkpointing", "-j", "1", "--json")
+    assert res.exit_code == EXIT_PROBLEM
+    assert json.loads(res.stdout)["results"][0]["max_batch_size"] is None
+
+
+def test_python_dash_m_entry_point():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "oomdoctor", "--version"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0 and "oomdoctor" in out.stdout

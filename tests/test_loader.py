@@ -1,0 +1,82 @@
+"""Bad model files: a one-line error naming the file, the function and the fix; exit code 3."""
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from oomdoctor.cli import EXIT_MODEL, cli
+from oomdoctor.loader import ModelFileError, load_model_file
+from oomdoctor.trace import TraceConfig, trace_training
+
+HERE = os.path.dirname(__file__)
+BAD = os.path.join(HERE, "bad_models")
+
+CASES = [
+    ("does_not_exist.py", r"no such file"),
+    ("syntax_error.py", r"syntax_error\.py:2: syntax error"),
+    ("import_error.py", r"importing the file raised ModuleNotFoundError"),
+    ("no_build_model.py", r"no `build_model` function; define `def build_model"),
+    ("not_a_module.py", r"build_model\(\) returned str, expected a torch\.nn\.Module"),
+    ("bad_batch.py", r"make_batch\(2\) returned a list of int"),
+    ("item_call.py", r"model\.forward uses a value computed from tensor data"),
+    ("nonzero_call.py", r"loss_fn uses a value computed from tensor data"),
+    ("vector_loss.py", r"has shape \(2, 2\), expected a scalar loss"),
+    ("frozen.py", r"no trainable parameters"),
+]
+
+
+@pytest.mark.parametrize("name,message", CASES)
+def test_library_error(name, message):
+    path = os.path.join(BAD, name)
+    with pytest.raises(ModelFileError, match=message):
+        trace_training(load_model_file(path), TraceConfig(2))
+
+
+@pytest.mark.parametrize("name,message", CASES)
+def test_cli_one_line_and_exit_code(name, message):
+    path = os.path.join(BAD, name)
+    res = CliRunner().invoke(cli, ["estimate", path, "-b", "2", "--gpu", "rtx3090"])
+    assert res.exit_code == EXIT_MODEL, res.output
+    assert res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and name in lines[0]
+    assert "Traceback" not in res.stderr
+
+
+def test_debug_shows_traceback():
+    res = CliRunner().invoke(cli, ["estimate", os.path.join(BAD, "item_call.py"), "-b", "2",
+                                   "--gpu", "rtx3090", "--debug"])
+    assert res.exit_code == EXIT_MODEL
+    assert "Traceback" in res.stderr
+
+
+def test_directory_and_non_python(tmp_path):
+    with pytest.raises(ModelFileError, match="not a Python file"):
+        load_model_file(str(tmp_path))
+    (tmp_path / "model.txt").write_text("x")
+    with pytest.raises(ModelFileError, match="not a Python file"):
+        load_model_file(str(tmp_path / "model.txt"))
+
+
+def test_make_optimizer_must_return_optimizer(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import torch\n"
+                 "def build_model(): return torch.nn.Linear(4, 1)\n"
+                 "def make_batch(b): return torch.randn(b, 4)\n"
+                 "def loss_fn(m, x): return m(x).sum()\n"
+                 "def make_optimizer(params): return 'sgd'\n")
+    with pytest.raises(ModelFileError, match="make_optimizer\\(params\\) returned a str"):
+        trace_training(load_model_file(str(f)), TraceConfig(2))
+
+
+def test_two_files_with_the_same_name_do_not_collide(tmp_path):
+    for sub, width in (("a", 3), ("b", 5)):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "model.py").write_text(
+            "import torch\n"
+            f"def build_model(): return torch.nn.Linear({width}, 1)\n"
+            f"def make_batch(b): return torch.randn(b, {width})\n"
+            "def loss_fn(m, x): return m(x).sum()\n")
+    a = trace_training(load_model_file(str(tmp_path / "a" / "model.py")), TraceConfig(1))
+    b = trace_training(load_model_file(str(tmp_path / "b" / "model.py")), TraceConfig(1))
+    assert (a.num_parameters, b.num_parameters) == (4, 6)
