@@ -1,0 +1,137 @@
+"""estimate and probe: the budget, the breakdown, and the probe's boundary checked by direct traces."""
+import os
+from dataclasses import replace
+
+import pytest
+
+from oomdoctor.allocator import AllocatorConfig, replay, round_size
+from oomdoctor.estimate import Budget, device_events, estimate, estimate_trace
+from oomdoctor.gpus import MiB, PROFILES, custom_profile, get_profile, parse_size
+from oomdoctor.loader import load_model_file
+from oomdoctor.probe import _Extrapolation, default_matrix, probe, probe_config
+from oomdoctor.trace import TraceConfig, trace_training
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+MLP = load_model_file(os.path.join(ROOT, "sample_models", "tiny_mlp.py"))
+LORA = os.path.join(ROOT, "sample_models", "lora_gpt.py")
+
+
+def small_card(total_mib: int) -> Budget:
+    return Budget(custom_profile(total_mib * MiB), margin=0.0, context_bytes=0)
+
+
+def test_budget_arithmetic():
+    b = Budget(get_profile("rtx3090"), margin=0.05, context_bytes=500 * MiB, other_bytes=MiB)
+    total = get_profile("rtx3090").total_bytes
+    assert b.limit_bytes == total - 500 * MiB - MiB - int(0.05 * total)
+    assert Budget(custom_profile(10 * MiB), context_bytes=20 * MiB).limit_bytes == 0
+
+
+def test_profiles_cover_the_design_card():
+    for name in ("rtx3060-12", "rtx3090", "rtx4090", "a10", "l4", "t4", "v100-16", "v100-32",
+                 "a100-40", "a100-80", "h100-80", "a6000"):
+        p = PROFILES[name]
+        assert p.total_bytes > p.context_bytes > 0 and p.tflops_16 > 0 and p.interconnect
+        # bf16 tensor cores come with compute capability 8.0.
+        assert p.bf16 == (p.compute_capability >= (8, 0))
+    # The capacity CUDA reports for a "24 GB" RTX 3090 is 23.69 GiB (OOM messages).
+    assert f"{PROFILES['rtx3090'].total_bytes / 2**30:.2f}" == "23.69"
+
+
+def test_parse_size():
+    assert parse_size("24GiB") == 24 * 2**30
+    assert parse_size("1.5 MiB") == 1572864
+    assert parse_size("512") == 512
+    with pytest.raises(ValueError, match="ambiguous"):
+        parse_size("24GB")
+
+
+def test_breakdown_sums_and_model_state_is_exact():
+    e = estimate(MLP, TraceConfig(64), small_card(1024))
+    assert sum(e.breakdown.values()) == e.peak_reserved_bytes + e.breakdown["cuda_context"]
+    assert e.peak_reserved_bytes >= e.peak_allocated_bytes
+    # tiny_mlp: 399,370 fp32 parameters (sample_models/README.md).
+    assert e.parameter_bytes == 399_370 * 4
+    assert e.gradient_bytes == 399_370 * 4
+    assert e.optimizer_state_bytes == 2 * 399_370 * 4          # AdamW exp_avg + exp_avg_sq
+
+
+def test_allocated_peak_is_rounded_live_peak():
+    """max_memory_allocated counts 512-byte-rounded blocks (plus unsplit remainders): it is at
+    least the rounded live peak and at most a segment-rounding above it."""
+    trace = trace_training(MLP, TraceConfig(64))
+    e = estimate_trace(trace, small_card(1024))
+    rounded = live = 0
+    for is_alloc, _, n in device_events(trace, custom_profile(MiB)).events:
+        live += round_size(n) if is_alloc else -round_size(n)
+        rounded = max(rounded, live)
+    assert rounded <= e.peak_allocated_bytes <= rounded + 2 * MiB * 4
+
+
+def test_probe_boundary_matches_direct_traces():
+    """The probe's answer b must fit and b+1 must not, each checked by its own trace."""
+    budget = small_card(40)
+    r = probe_config(MLP, TraceConfig(1), budget)
+    b = r.max_batch_size
+    assert b is not None and b > 2
+    assert estimate(MLP, TraceConfig(b), budget).fits
+    assert not estimate(MLP, TraceConfig(b + 1), budget).fits
+    assert [t.method for t in r.trials].count("traced") == 3   # batch 1, 2 and the answer
+
+
+def test_extrapolated_events_equal_a_trace():
+    spec = load_model_file(LORA)
+    t1, t2, t5 = (trace_training(spec, TraceConfig(b)) for b in (1, 2, 5))
+    ext = _Extrapolation(t1, t2)
+    assert [n for _, _, n in t5.events] == ext.sizes(5)
+
+
+def test_nothing_fits():
+    r = probe_config(MLP, TraceConfig(1), small_card(2))
+    assert r.max_batch_size is None and r.estimate is not None and not r.estimate.fits
+
+
+def test_probe_matrix_and_parallel_workers_agree():
+    budget = small_card(64)
+    configs = [("fp32", False), ("bf16", False)]
+    serial = probe(MLP, TraceConfig(1), budget, configs, jobs=1)
+    forked = probe(MLP, TraceConfig(1), budget, configs, jobs=2)
+    assert [r.max_batch_size for r in serial.results] == [r.max_batch_size for r in forked.results]
+    assert default_matrix(False) == [("fp32", False), ("fp32", True), ("fp16", False),
+                                     ("fp16", True)]
+    assert len(default_matrix(True)) == 8
+
+
+def test_checkpointing_without_repeated_blocks_is_reported():
+    r = probe(MLP, TraceConfig(1), small_card(64), [("fp32", True)], jobs=1)
+    # tiny_mlp is one Sequential of distinct layers: either it finds repeated Linear layers or
+    # it says why it cannot checkpoint; it never crashes the probe.
+    assert r.results[0].error is None or "repeated blocks" in r.results[0].error
+
+
+def test_expandable_segments_never_reserve_more_here():
+    trace = trace_training(load_model_file(LORA), TraceConfig(4, precision="bf16"))
+    plain = estimate_trace(trace, small_card(8192))
+    expandable = estimate_trace(trace, small_card(8192), AllocatorConfig(expandable_segments=True))
+    # Expandable segments split any block (remainder >= 512 B), so no unsplit remainders are
+    # counted as allocated either.
+    assert expandable.peak_allocated_bytes <= plain.peak_allocated_bytes
+    assert expandable.peak_reserved_bytes <= plain.peak_reserved_bytes
+    assert expandable.breakdown["allocator_overhead"] < plain.breakdown["allocator_overhead"]
+
+
+def test_bf16_refused_on_cards_without_it():
+    with pytest.raises(ValueError, match="no bf16 support"):
+        estimate(MLP, TraceConfig(8, precision="bf16"), Budget(get_profile("t4")))
+
+
+def test_oom_retry_frees_cache_instead_of_failing():
+    """Under a tight limit the allocator releases cached segments and retries, as PyTorch does:
+    a budget just above the unlimited run's peak allocated (but below its peak reserved) can
+    still fit."""
+    trace = trace_training(load_model_file(LORA), TraceConfig(4))
+    dev = device_events(trace, custom_profile(MiB)).events
+    free_run = replay(dev)
+    assert free_run.peak_reserved_bytes >= free_run.peak_allocated_bytes
+    tight = replay(dev, limit_bytes=free_run.peak_reserved_bytes)
+    assert tight.oom is None
