@@ -163,8 +163,12 @@ def _transparent(func: Any) -> Any:
     if func in _TRANSPARENT:
         return _TRANSPARENT[func]
     inner = None
+    # Only functions written in torch/nn/functional.py itself, whose own code makes the
+    # has_torch_function* check (wrappers such as boolean_dispatch live elsewhere and would
+    # keep handing the call back to us).
     if (isinstance(func, types.FunctionType)
-            and getattr(func, "__module__", "") == "torch.nn.functional"):
+            and func.__globals__ is torch.nn.functional.__dict__
+            and any(n.startswith("has_torch_function") for n in func.__code__.co_names)):
         env = dict(func.__globals__, has_torch_function=_no_torch_function,
                    has_torch_function_unary=_no_torch_function,
                    has_torch_function_variadic=_no_torch_function)
