@@ -8,15 +8,12 @@ import sys
 import click
 
 from oomdoctor import __version__
-from oomdoctor import estimate as estimate_mod
-from oomdoctor import probe as probe_mod
 from oomdoctor.allocator import AllocatorConfig
-from oomdoctor.emulate import OPTIMIZERS
-from oomdoctor.estimate import Budget
+from oomdoctor.configs import MAX_BATCH, OPTIMIZERS, PRECISIONS
 from oomdoctor.gpus import PROFILES, custom_profile, get_profile, parse_size
-from oomdoctor.loader import ModelFileError, load_model_file
-from oomdoctor.probe import MAX_BATCH, default_matrix
-from oomdoctor.trace import PRECISIONS, TraceConfig
+
+# estimate/probe/check import torch (seconds, hundreds of MiB): they are imported inside the
+# commands that need them, so `oomdoctor explain` and `--help` stay fast.
 
 # Exit codes, documented in the README ("Exit codes").
 EXIT_OK = 0
@@ -77,7 +74,8 @@ def _budget_options(f):
     return f
 
 
-def _make_budget(gpu_name, memory, overhead, other_mem, margin) -> Budget:
+def _make_budget(gpu_name, memory, overhead, other_mem, margin):
+    from oomdoctor.estimate import Budget
     try:
         if gpu_name and memory:
             raise ValueError("give --gpu or --memory, not both")
@@ -137,6 +135,9 @@ def estimate(model_file, batch_size, precision, checkpointing, gpu_name, memory,
 
     Exit codes: 0 fits, 1 does not fit, 2 usage error, 3 model file error.
     """
+    from oomdoctor import estimate as estimate_mod
+    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.trace import TraceConfig
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     try:
@@ -179,9 +180,12 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, gpu_name,
     Progress goes to stderr, the result to stdout.
     Exit codes: 0 something fits, 1 nothing fits, 2 usage error, 3 model file error.
     """
+    from oomdoctor import probe as probe_mod
+    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.trace import TraceConfig
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
-    configs = default_matrix(budget.gpu.bf16)
+    configs = probe_mod.default_matrix(budget.gpu.bf16)
     if precisions:
         bad = [p for p in precisions if p.startswith("bf16") and not budget.gpu.bf16]
         if bad:
@@ -236,6 +240,7 @@ def check(config_path, update, tolerance, fmt, junit_xml, jobs, as_json, debug):
     from dataclasses import replace as dc_replace
 
     from oomdoctor import check as check_mod
+    from oomdoctor import probe as probe_mod
     try:
         cfg = check_mod.load_config(config_path)
         if tolerance is not None:

@@ -26,6 +26,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from oomdoctor.configs import OPTIMIZERS
+
 # CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
 # torch.nn.functional.*). Source: the KERNEL_CUDA(..., lower_precision_fp / fp32 /
 # fp32_set_opt_dtype / promote) registrations in aten/src/ATen/autocast_mode.cpp; the tests
@@ -363,7 +365,6 @@ def cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> list[str]:
     return notes
 
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "rmsprop", "adagrad")
 
 
 def build_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:

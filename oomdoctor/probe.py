@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from oomdoctor.allocator import AllocatorConfig
+from oomdoctor.configs import MAX_BATCH
 from oomdoctor.estimate import Budget, Estimate, estimate_trace, trace_for
 from oomdoctor.loader import ModelSpec
 from oomdoctor.trace import Trace, TraceConfig
 
-MAX_BATCH = 1 << 16          # stop searching here; a model this light fits "at least" this
 Progress = Callable[[str], None]
 
 

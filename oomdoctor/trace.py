@@ -39,7 +39,7 @@ from oomdoctor import emulate
 from oomdoctor.loader import (ModelFileError, ModelSpec, build_checked_model, compute_loss,
                               make_checked_batch, make_optimizer)
 
-PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
+from oomdoctor.configs import PRECISIONS  # noqa: E402  (re-exported)
 
 
 class Category(str, Enum):
