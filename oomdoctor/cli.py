@@ -9,7 +9,7 @@ import click
 
 from oomdoctor import __version__
 from oomdoctor.allocator import AllocatorConfig
-from oomdoctor.configs import MAX_BATCH, OPTIMIZERS, PRECISIONS
+from oomdoctor.configs import MAX_BATCH, OPTIMIZERS, PRECISIONS, ZERO_GRAD_MODES
 from oomdoctor.gpus import PROFILES, custom_profile, get_profile, parse_size
 
 # estimate/probe/check import torch (seconds, hundreds of MiB): they are imported inside the
@@ -63,6 +63,12 @@ def _budget_options(f):
         click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
                      help="Override the model file's optimizer (default: its make_optimizer, "
                           "else AdamW)."),
+        click.option("--zero-grad", type=click.Choice(ZERO_GRAD_MODES), default="after-step",
+                     show_default=True,
+                     help="When the loop drops gradients: after-step (zero_grad(set_to_none="
+                          "True) after step), after-forward (zero_grad between forward and "
+                          "backward: gradients live through the forward), in-place "
+                          "(set_to_none=False: gradients never freed)."),
         click.option("--no-cuda-emulation", is_flag=True,
                      help="Trace as the CPU runs (CPU kernels, for-loop optimizer): for checks "
                           "against a real CPU run."),
@@ -126,7 +132,7 @@ def _alloc_config(value: str) -> AllocatorConfig:
 @click.option("--checkpointing", is_flag=True, help="Checkpoint the repeated blocks.")
 @_budget_options
 def estimate(model_file, batch_size, precision, checkpointing, gpu_name, memory, overhead,
-             other_mem, margin, alloc_conf, checkpoint_class, grad_accum, optimizer,
+             other_mem, margin, alloc_conf, checkpoint_class, grad_accum, optimizer, zero_grad,
              no_cuda_emulation, as_json, debug):
     """Peak GPU memory of one training configuration, and what it is made of.
 
@@ -143,7 +149,7 @@ def estimate(model_file, batch_size, precision, checkpointing, gpu_name, memory,
     try:
         spec = load_model_file(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
-                          optimizer, not no_cuda_emulation)
+                          optimizer, not no_cuda_emulation, zero_grad=zero_grad)
         result = estimate_mod.estimate(spec, cfg, budget, alloc)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
@@ -170,7 +176,7 @@ def estimate(model_file, batch_size, precision, checkpointing, gpu_name, memory,
 @_budget_options
 def probe(model_file, precisions, checkpointing, max_batch_size, jobs, gpu_name, memory,
           overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum, optimizer,
-          no_cuda_emulation, as_json, debug):
+          zero_grad, no_cuda_emulation, as_json, debug):
     """The largest batch size that fits, for each precision x checkpointing configuration.
 
     \b
@@ -197,7 +203,7 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, gpu_name,
     try:
         spec = load_model_file(model_file)
         base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer,
-                           not no_cuda_emulation)
+                           not no_cuda_emulation, zero_grad=zero_grad)
         result = probe_mod.probe(spec, base, budget, configs, alloc,
                                  progress=lambda msg: click.echo(msg, err=True),
                                  max_batch=max_batch_size,

@@ -4,3 +4,10 @@ from them before any command decides whether it needs torch)."""
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "rmsprop", "adagrad")
 MAX_BATCH = 1 << 16   # the probe stops searching here; a model this light fits "at least" this
+# When the training loop drops its gradients:
+# after-step: step(); zero_grad(set_to_none=True) - the torch >= 2.0 default loop;
+# after-forward: forward; zero_grad(); backward; step() - last step's gradients live through
+#   the forward (common in tutorials and in scripts that zero right before backward);
+# in-place: zero_grad(set_to_none=False), the default before torch 2.0 and in older HF Trainer
+#   versions - gradients are never freed.
+ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")

@@ -39,7 +39,7 @@ from oomdoctor import emulate
 from oomdoctor.loader import (ModelFileError, ModelSpec, build_checked_model, compute_loss,
                               make_checked_batch, make_optimizer)
 
-from oomdoctor.configs import PRECISIONS  # noqa: E402  (re-exported)
+from oomdoctor.configs import PRECISIONS, ZERO_GRAD_MODES  # noqa: E402  (re-exported)
 
 
 class Category(str, Enum):
@@ -76,6 +76,7 @@ class TraceConfig:
     emulate_cuda: bool = True          # apply what CUDA does differently (see emulate.py)
     compute_capability: tuple[int, int] = (8, 6)  # picks the SDPA kernel CUDA would use
     steps: int = 2                     # optimizer steps traced (>= 2: the second has state)
+    zero_grad: str = "after-step"      # when gradients go: see ZERO_GRAD_MODES
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -87,6 +88,9 @@ class TraceConfig:
             raise ValueError(f"--grad-accum must be >= 1, got {self.grad_accum}")
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.zero_grad not in ZERO_GRAD_MODES:
+            raise ValueError(f"unknown zero_grad mode {self.zero_grad!r}; choose one of "
+                             f"{', '.join(ZERO_GRAD_MODES)}")
 
 
 @dataclass
@@ -343,6 +347,10 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True) -> T
                                 loss = loss / cfg.grad_accum
                             if scaler is not None:
                                 loss = scaler.scale(loss)
+                            if cfg.zero_grad == "after-forward" and micro == 0:
+                                # forward, zero_grad(), backward, step: last step's gradients
+                                # stay alive through this forward.
+                                optimizer.zero_grad(set_to_none=True)
                         with _phase(rec, marks, Phase.BACKWARD, it, micro):
                             try:
                                 loss.backward()
@@ -367,7 +375,12 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True) -> T
                                             and not optimizer.defaults.get("fused"))
                                     rec.relabel(v, Category.OPTIMIZER_STATE, host=host)
                     with _phase(rec, marks, Phase.ZERO_GRAD, it, 0):
-                        optimizer.zero_grad(set_to_none=True)
+                        if cfg.zero_grad == "after-step":
+                            optimizer.zero_grad(set_to_none=True)
+                        elif cfg.zero_grad == "in-place":
+                            # zero_grad(set_to_none=False), the default before torch 2.0:
+                            # gradients are zeroed and kept, so they exist during every forward.
+                            optimizer.zero_grad(set_to_none=False)
         finally:
             for h in hooks:
                 h.remove()

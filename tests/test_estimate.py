@@ -135,3 +135,15 @@ def test_oom_retry_frees_cache_instead_of_failing():
     assert free_run.peak_reserved_bytes >= free_run.peak_allocated_bytes
     tight = replay(dev, limit_bytes=free_run.peak_reserved_bytes)
     assert tight.oom is None
+
+
+@pytest.mark.parametrize("mode,grads_alive", [("after-step", False), ("after-forward", True),
+                                              ("in-place", True)])
+def test_zero_grad_modes(mode, grads_alive):
+    """Where the loop drops gradients decides whether last step's gradients (4 B x 399,370
+    tiny_mlp parameters) are alive during the second step's forward."""
+    from oomdoctor.trace import Category, Phase
+    tr = trace_training(MLP, TraceConfig(64, zero_grad=mode))
+    fwd2 = next(m for m in tr.marks if m.phase is Phase.FORWARD and m.iteration == 1)
+    live = sum(s.nbytes for s in tr.live_at(fwd2.start) if s.category is Category.GRADIENTS)
+    assert live == (4 * 399_370 if grads_alive else 0)
