@@ -187,9 +187,11 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
         notes=tuple(notes))
 
 
-def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile) -> Trace:
+def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
+              optimizer_from: Trace | None = None) -> Trace:
     """Trace with the SDPA kernel choice of the target card."""
-    return trace_training(spec, replace(cfg, compute_capability=gpu.compute_capability))
+    return trace_training(spec, replace(cfg, compute_capability=gpu.compute_capability),
+                          optimizer_from=optimizer_from)
 
 
 def estimate(spec: ModelSpec, cfg: TraceConfig, budget: Budget,

@@ -22,7 +22,7 @@ from oomdoctor.allocator import AllocatorConfig
 from oomdoctor.configs import MAX_BATCH
 from oomdoctor.estimate import Budget, Estimate, estimate_trace, trace_for
 from oomdoctor.loader import ModelSpec
-from oomdoctor.trace import Trace, TraceConfig
+from oomdoctor.trace import SpliceMismatch, Trace, TraceConfig
 
 Progress = Callable[[str], None]
 
@@ -82,6 +82,16 @@ def _pattern(trace: Trace) -> list[tuple[bool, int]]:
     return [(a, h) for a, h, _ in trace.events]
 
 
+def _trace(spec: ModelSpec, cfg: TraceConfig, budget: Budget, ref: Trace | None) -> Trace:
+    """Trace ``cfg``, reusing the optimizer steps of the batch-1 trace when they line up."""
+    if ref is not None:
+        try:
+            return trace_for(spec, cfg, budget.gpu, optimizer_from=ref)
+        except SpliceMismatch:
+            pass
+    return trace_for(spec, cfg, budget.gpu)
+
+
 class _Extrapolation:
     """Per-event affine sizes from traces at batch 1 and 2."""
 
@@ -108,7 +118,7 @@ def probe_config(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
     def traced(b: int) -> Estimate:
         if b not in estimates:
             progress(f"{label}: tracing batch size {b}")
-            traces[b] = trace_for(spec, replace(cfg, batch_size=b), budget.gpu)
+            traces[b] = _trace(spec, replace(cfg, batch_size=b), budget, traces.get(1))
             e = estimates[b] = estimate_trace(traces[b], budget, alloc, spec.name)
             trials.append(Trial(b, e.fits, e.peak_allocated_bytes, e.peak_reserved_bytes,
                                 "traced"))

@@ -135,6 +135,7 @@ class Trace:
     checkpointed: tuple[str, ...]
     notes: tuple[str, ...]
     flops: int = 0
+    raw_events: tuple[tuple[bool, int, int], ...] = ()  # events incl. host-side storages
 
     def phase_at(self, index: int) -> PhaseMark:
         """The phase an event index falls in."""
@@ -284,11 +285,70 @@ def _phase(rec: _Recorder, marks: list[PhaseMark], phase: Phase, it: int, micro:
     yield
 
 
-def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True) -> Trace:
+def _optimizer_step(rec: _Recorder, cfg: TraceConfig, optimizer: torch.optim.Optimizer,
+                    scaler: emulate.GradScalerEmulation | None) -> None:
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    optimizer.step()
+    for state in optimizer.state.values():
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                rec.relabel(v, Category.OPTIMIZER_STATE, host=_host_state(cfg, optimizer, k, v))
+
+
+def _host_state(cfg: TraceConfig, optimizer: torch.optim.Optimizer, key: str,
+                v: torch.Tensor) -> bool:
+    # Adam's `step` counter stays on the host unless capturable/fused
+    # (torch/optim/adam.py _init_group), so it is no GPU memory.
+    return (cfg.emulate_cuda and key == "step" and v.dim() == 0
+            and not optimizer.defaults.get("fused"))
+
+
+class SpliceMismatch(Exception):
+    """The optimizer phase of another trace does not line up with this one."""
+
+
+def _splice_optimizer(rec: _Recorder, ref: Trace, marks: list[PhaseMark], virtual: set[int]
+                      ) -> None:
+    """Copy the reference trace's events for the optimizer phase now starting.
+
+    ``optimizer.step()`` touches parameters, gradients and its state - never activations - so
+    its allocations are the same at every batch size; the probe traces it once and splices it
+    into the traces at other batch sizes (a third of a trace's time). It only lines up when
+    everything before it did: same number of events, same next handle."""
+    mark = marks[-1]
+    i = ref.marks.index(mark) if mark in ref.marks else -1
+    if i < 0 or len(rec.raw) != mark.start:
+        raise SpliceMismatch("phase start differs")
+    stop = ref.marks[i + 1].start if i + 1 < len(ref.marks) else len(ref.raw_events)
+    for is_alloc, handle, nbytes in ref.raw_events[mark.start:stop]:
+        if is_alloc:
+            if handle != rec._next:
+                raise SpliceMismatch("handle numbering differs")
+            src = ref.storages[handle]
+            rec.storages[handle] = Storage(handle, nbytes, src.category, src.phase,
+                                           src.iteration, src.module, src.op, len(rec.raw),
+                                           host=src.host)
+            rec._next += 1
+            virtual.add(handle)
+        else:
+            if handle not in virtual:
+                raise SpliceMismatch("the optimizer freed a storage made outside it")
+            virtual.discard(handle)
+            rec.storages[handle].t_free = len(rec.raw)
+        rec.raw.append((is_alloc, handle, nbytes))
+
+
+def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
+                   optimizer_from: Trace | None = None) -> Trace:
     """Run ``cfg.steps`` optimizer steps of the model file's training loop and record memory.
 
     With ``fake=False`` the same loop runs on real CPU tensors (slow; for checks and smoke runs).
+    ``optimizer_from``: take the optimizer steps' events from this trace of the same
+    configuration at another batch size instead of running ``step()`` (raises
+    :class:`SpliceMismatch` when the two traces do not line up).
     """
+    virtual: set[int] = set()
     notes: list[str] = []
     fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
     # Cyclic garbage would otherwise be freed whenever the collector happens to run; collect
@@ -363,17 +423,10 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True) -> T
                                 if p.grad is not None:
                                     rec.relabel(p.grad, Category.GRADIENTS)
                     with _phase(rec, marks, Phase.OPTIMIZER, it, 0):
-                        if scaler is not None:
-                            scaler.unscale_(optimizer)
-                        optimizer.step()
-                        for state in optimizer.state.values():
-                            for k, v in state.items():
-                                if isinstance(v, torch.Tensor):
-                                    # Adam's `step` counter stays on the host unless
-                                    # capturable/fused (torch/optim/adam.py _init_group).
-                                    host = (cfg.emulate_cuda and k == "step" and v.dim() == 0
-                                            and not optimizer.defaults.get("fused"))
-                                    rec.relabel(v, Category.OPTIMIZER_STATE, host=host)
+                        if optimizer_from is not None:
+                            _splice_optimizer(rec, optimizer_from, marks, virtual)
+                        else:
+                            _optimizer_step(rec, cfg, optimizer, scaler)
                     with _phase(rec, marks, Phase.ZERO_GRAD, it, 0):
                         if cfg.zero_grad == "after-step":
                             optimizer.zero_grad(set_to_none=True)
@@ -386,10 +439,10 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True) -> T
                 h.remove()
         # Gradient and optimizer-state bytes as held after the last backward / step.
         gradient_bytes = sum(t.numel() * t.element_size() for t in trainable.values())
-        state_bytes = sum(v.untyped_storage().nbytes() for st in optimizer.state.values()
-                          for k, v in st.items() if isinstance(v, torch.Tensor)
-                          and not (cfg.emulate_cuda and k == "step" and v.dim() == 0
-                                   and not optimizer.defaults.get("fused")))
+        state_bytes = (optimizer_from.optimizer_state_bytes if optimizer_from is not None else
+                       sum(v.untyped_storage().nbytes() for st in optimizer.state.values()
+                           for k, v in st.items() if isinstance(v, torch.Tensor)
+                           and not _host_state(cfg, optimizer, k, v)))
         rec.closed = True
 
     # Categorise what the step made: a forward allocation still alive when the forward ends
@@ -410,7 +463,8 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True) -> T
         num_trainable_parameters=sum(p.numel() for p in trainable.values()),
         buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
         gradient_bytes=gradient_bytes, optimizer_state_bytes=state_bytes,
-        checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)))
+        checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),
+        raw_events=tuple(rec.raw))
 
 
 def _phase_ends(marks: list[PhaseMark], n: int) -> list[int]:

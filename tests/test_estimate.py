@@ -147,3 +147,21 @@ def test_zero_grad_modes(mode, grads_alive):
     fwd2 = next(m for m in tr.marks if m.phase is Phase.FORWARD and m.iteration == 1)
     live = sum(s.nbytes for s in tr.live_at(fwd2.start) if s.category is Category.GRADIENTS)
     assert live == (4 * 399_370 if grads_alive else 0)
+
+
+def test_spliced_optimizer_steps_equal_a_full_trace():
+    """The probe reuses the batch-1 trace's optimizer steps at other batch sizes: the result must
+    be exactly what running step() gives."""
+    from oomdoctor.trace import SpliceMismatch
+    spec = load_model_file(LORA)
+    t1 = trace_training(spec, TraceConfig(1, precision="fp16"))
+    full = trace_training(spec, TraceConfig(3, precision="fp16"))
+    spliced = trace_training(spec, TraceConfig(3, precision="fp16"), optimizer_from=t1)
+    assert spliced.events == full.events
+    assert spliced.optimizer_state_bytes == full.optimizer_state_bytes
+    assert {h: s.category for h, s in spliced.storages.items()} == \
+        {h: s.category for h, s in full.storages.items()}
+    # A trace of another configuration does not line up and says so.
+    with pytest.raises(SpliceMismatch):
+        trace_training(spec, TraceConfig(3, precision="fp32", checkpointing=True),
+                       optimizer_from=t1)
