@@ -50,8 +50,6 @@ FP32 = frozenset({
     "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
     "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
     "interpolate", "upsample", "upsample_nearest", "upsample_bilinear",
-    # cross_entropy is log_softmax (fp32_set_opt_dtype) + nll_loss (fp32) on CUDA.
-    "cross_entropy",
 })
 # Run in fp32 unless the caller passed a dtype: CUDA passes dtype=float32 to the op instead of
 # copying the input (the WrapFunction for CastPolicy::fp32_set_opt_dtype).
@@ -138,9 +136,15 @@ class CudaAutocast(_OurMode):
             args, kwargs = tree_map(self._to_lower, (args, kwargs))
         elif name in FP32:
             args, kwargs = tree_map(_to_fp32, (args, kwargs))
+        elif name == "cross_entropy":
+            return _cross_entropy(func, args, kwargs)
         elif name in FP32_SET_OPT_DTYPE:
             if kwargs.get("dtype") is None and any(
                     _eligible(a) and a.dtype != torch.float32 for a in args[:1]):
+                if name in ("softmax", "log_softmax") and args[0].dtype == torch.float16:
+                    out = _half_to_float_softmax(name, args, kwargs)
+                    if out is not None:
+                        return out
                 kwargs = {**kwargs, "dtype": torch.float32}
         elif name in PROMOTE:
             floats = [a for a in _flat(args) if _eligible(a)]
@@ -181,6 +185,39 @@ def _transparent(func: Any) -> Any:
     return inner
 
 
+def _half_to_float_softmax(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """fp16 softmax/log_softmax with dtype=float32 as CUDA runs it: SoftMax.cpp reads the half
+    input directly (``half_to_float``) when ``input.is_cuda()``; the CPU would first copy the
+    input to fp32. (bf16 takes the copy on CUDA too.)"""
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if not isinstance(dim, int):
+        return None
+    op = torch.ops.aten._softmax if name == "softmax" else torch.ops.aten._log_softmax
+    return op(args[0], dim, True)
+
+
+def _cross_entropy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``F.cross_entropy`` under CUDA autocast. ``cross_entropy_loss`` has no autocast rule; its
+    composite (LossNLL.cpp) calls ``log_softmax(self, 1, self.scalar_type())`` - an explicit
+    dtype, so the log-probabilities stay 16-bit - and ``nll_loss`` (fp32 policy) casts them to
+    fp32: 2 + 4 bytes per logit are saved for backward. Label smoothing and probability
+    targets are left to the op (with the logits cast to fp32)."""
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+             "label_smoothing")
+    b = {"weight": None, "ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0,
+         **dict(zip(names, args)), **kwargs}
+    x, target = b["input"], b["target"]
+    if (not _eligible(x) or x.dtype == torch.float32 or b["label_smoothing"]
+            or target.is_floating_point() or b.get("size_average") is not None
+            or b.get("reduce") is not None):
+        args, kwargs = tree_map(_to_fp32, (args, kwargs))
+        return func(*args, **kwargs)
+    logp = torch.log_softmax(x, 1 if x.dim() > 1 else 0, dtype=x.dtype)
+    weight = b["weight"].float() if isinstance(b["weight"], torch.Tensor) else None
+    return torch.nn.functional.nll_loss(logp.float(), target, weight,
+                                        ignore_index=b["ignore_index"], reduction=b["reduction"])
+
+
 def _to_fp32(t: Any) -> Any:
     return t.to(torch.float32) if _eligible(t) and t.dtype != torch.float32 else t
 
@@ -203,8 +240,11 @@ def sdpa_kernel(q: torch.Tensor, attn_mask: Any, dropout_p: float,
     padded by SDPA since 2.1, so they do not force the math path."""
     head_dim = q.shape[-1]
     sm = compute_capability
+    # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89: no flash backward for
+    # head dims above 192 on consumer Ampere/Ada.
+    big_head_on_consumer = sm in ((8, 6), (8, 9)) and head_dim > 192 and q.requires_grad
     if (sm >= (8, 0) and q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None
-            and head_dim <= 256):
+            and head_dim <= 256 and not big_head_on_consumer):
         return "flash"
     if sm >= (5, 0) and (q.dtype != torch.bfloat16 or sm >= (8, 0)) and head_dim <= 512:
         return "efficient"
@@ -223,7 +263,13 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, kernel):
-        out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+        if q.dim() == 4:
+            # The kernels allocate (B, T, H, D) and return it transposed to (B, H, T, D), so the
+            # model's usual `y.transpose(1, 2).contiguous()` is free (attention.cu).
+            b, h, t, _ = q.shape
+            out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
+        else:
+            out = q.new_empty(q.shape[:-1] + v.shape[-1:])
         t = q.shape[-2]
         lse_t = t if kernel == "flash" else math.ceil(t / 32) * 32
         lse = q.new_empty(q.shape[:-2] + (lse_t,), dtype=torch.float32)
@@ -379,12 +425,16 @@ def build_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=1e-2)
     if name == "sgd-momentum":
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
-    if name == "adafactor":
-        return torch.optim.Adafactor(params, lr=1e-2)
     if name == "rmsprop":
         return torch.optim.RMSprop(params, lr=1e-4)
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=1e-2)
+    if name == "adafactor":
+        # torch.optim.Adafactor calls .item() on tensor data every step (_adafactor.py), which
+        # a fake-tensor trace cannot answer.
+        raise ValueError("adafactor cannot be traced: torch.optim.Adafactor reads tensor values "
+                         "(.item()) every step; estimate with --optimizer sgd-momentum for a "
+                         "close lower bound (Adafactor keeps factored second moments)")
     raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 

@@ -92,16 +92,19 @@ def _trace(spec: ModelSpec, cfg: TraceConfig, budget: Budget, ref: Trace | None)
     return trace_for(spec, cfg, budget.gpu)
 
 
-class _Extrapolation:
-    """Per-event affine sizes from traces at batch 1 and 2."""
+BASE = 2   # the probe's first trace; its optimizer steps are spliced into the others
 
-    def __init__(self, t1: Trace, t2: Trace) -> None:
-        self.base = t1
-        self.s1 = [n for _, _, n in t1.events]
-        self.d = [n2 - n1 for (_, _, n1), (_, _, n2) in zip(t1.events, t2.events)]
+
+class _Extrapolation:
+    """Per-event affine sizes from traces at batch ``base`` and ``base + 1``."""
+
+    def __init__(self, ta: Trace, tb: Trace, base: int = 1) -> None:
+        self.base = base
+        self.s1 = [n for _, _, n in ta.events]
+        self.d = [n2 - n1 for (_, _, n1), (_, _, n2) in zip(ta.events, tb.events)]
 
     def sizes(self, b: int) -> list[int]:
-        k = b - 1
+        k = b - self.base
         return [max(0, s + d * k) for s, d in zip(self.s1, self.d)]
 
 
@@ -118,7 +121,7 @@ def probe_config(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
     def traced(b: int) -> Estimate:
         if b not in estimates:
             progress(f"{label}: tracing batch size {b}")
-            traces[b] = _trace(spec, replace(cfg, batch_size=b), budget, traces.get(1))
+            traces[b] = _trace(spec, replace(cfg, batch_size=b), budget, traces.get(BASE))
             e = estimates[b] = estimate_trace(traces[b], budget, alloc, spec.name)
             trials.append(Trial(b, e.fits, e.peak_allocated_bytes, e.peak_reserved_bytes,
                                 "traced"))
@@ -127,34 +130,68 @@ def probe_config(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
         return estimates[b]
 
     def result(best: int | None, capped: bool = False) -> ConfigResult:
-        est = traced(best) if best is not None else estimates[1]
+        est = traced(best if best is not None else 1)
         return ConfigResult(cfg.precision, cfg.checkpointing, best, est, tuple(trials), capped)
 
-    if not traced(1).fits:
-        return result(None)
-    if not traced(2).fits:
-        return result(1)
-    if _pattern(traces[1]) == _pattern(traces[2]):
-        ext = _Extrapolation(traces[1], traces[2])
+    # Batch 1 is a special case for strides (a size-1 dimension makes some transposes
+    # contiguous, so a .contiguous() copies at B >= 2 but not at B = 1): extrapolate from 2 and 3.
+    if not traced(BASE).fits:
+        return result(1 if traced(1).fits else None)
+    if max_batch <= BASE or not traced(BASE + 1).fits:
+        return result(BASE)
+    lo = BASE + 1
+    if _pattern(traces[BASE]) == _pattern(traces[lo]):
+        ext = _Extrapolation(traces[BASE], traces[lo], BASE)
 
         def fits(b: int) -> bool:
-            e = estimate_trace(traces[1], budget, alloc, spec.name, sizes=ext.sizes(b))
+            e = estimate_trace(traces[BASE], budget, alloc, spec.name, sizes=ext.sizes(b))
             trials.append(Trial(b, e.fits, e.peak_allocated_bytes, e.peak_reserved_bytes,
                                 "extrapolated"))
             return e.fits
-        best, capped = _search(fits, 2, max_batch)
-        # Check the extrapolation where it matters: trace the predicted maximum.
-        if best > 2:
-            e = traced(best)
-            exact = (_pattern(traces[best]) == _pattern(traces[1])
-                     and [n for _, _, n in traces[best].events] == ext.sizes(best))
-            if exact and e.fits:
-                return result(best, capped)
-            progress(f"{label}: extrapolation was not exact at batch {best}; tracing each trial")
-        else:
+        best, capped = _search(fits, lo, max_batch)
+        if best == lo:
             return result(best, capped)
-    best, capped = _search(lambda b: traced(b).fits, 2, max_batch)
+        # Check the extrapolation where it matters: trace the predicted maximum.
+        e = traced(best)
+        exact = (_pattern(traces[best]) == _pattern(traces[BASE])
+                 and [n for _, _, n in traces[best].events] == ext.sizes(best))
+        if exact and e.fits:
+            return result(best, capped)
+        progress(f"{label}: extrapolation was not exact at batch {best}; tracing around it")
+        best, capped = _search_near(lambda b: traced(b).fits, best, lo, max_batch)
+        return result(best, capped)
+    progress(f"{label}: the ops change with the batch size; tracing each trial")
+    best, capped = _search(lambda b: traced(b).fits, lo, max_batch)
     return result(best, capped)
+
+
+def _search_near(fits: Callable[[int], bool], guess: int, lo: int, max_batch: int
+                 ) -> tuple[int, bool]:
+    """Largest b with fits(b), given fits(lo) and a good guess: gallop from the guess, then
+    bisect - a few trials when the guess is close."""
+    if fits(guess):
+        lo, step = guess, 1
+        while lo + step <= max_batch and fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step
+        if hi > max_batch:
+            return (lo, True) if lo == max_batch else _bisect(fits, lo, max_batch + 1)
+        return _bisect(fits, lo, hi)
+    hi, step = guess, 1
+    while hi - step > lo and not fits(hi - step):
+        hi, step = hi - step, step * 2
+    return _bisect(fits, max(lo, hi - step), hi)
+
+
+def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> tuple[int, bool]:
+    """Largest b in [lo, hi) with fits(b), given fits(lo) and not fits(hi)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, False
 
 
 def _search(fits: Callable[[int], bool], lo: int, max_batch: int) -> tuple[int, bool]:
@@ -166,13 +203,7 @@ def _search(fits: Callable[[int], bool], lo: int, max_batch: int) -> tuple[int, 
         if lo < max_batch and fits(max_batch):
             return max_batch, True
         hi = max_batch
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, False
+    return _bisect(fits, lo, hi)
 
 
 def default_matrix(bf16: bool) -> list[tuple[str, bool]]:
@@ -268,3 +299,59 @@ def render_table(r: ProbeResult) -> str:
                                     "optim", "activ", "temp", "alloc ovh", "peak in"),
                      colalign=("left", "right") + ("right",) * 7 + ("left",))
     return f"{head}\n{table}\n(GiB at the largest batch that fits; at batch 1 when none fits)"
+
+
+@dataclass(frozen=True)
+class OomPlan:
+    """The simulator's numbers for an OOM in a log (``oomdoctor explain --model``)."""
+
+    model: str
+    gpu: str
+    device_total_bytes: int
+    batch_size: int | None              # the failing run's micro-batch, when known
+    precision: str                      # the failing run's precision (assumed fp32 if unknown)
+    needed_bytes: int | None            # reserved + CUDA context at that batch size
+    fits: bool | None
+    max_batch: tuple[tuple[str, int | None], ...]   # (configuration, largest batch that fits)
+
+    def summary(self) -> str:
+        from oomdoctor.allocator import format_size
+        parts = []
+        if self.batch_size is not None and self.needed_bytes is not None:
+            parts.append(f"at batch {self.batch_size} ({self.precision}) this step needs "
+                         f"{format_size(self.needed_bytes)} on a "
+                         f"{format_size(self.device_total_bytes)} {self.gpu}")
+        fits = [f"{b} {label}" if b else f"none {label}" for label, b in self.max_batch]
+        parts.append("the largest batch that fits is " + ", ".join(fits))
+        return "; ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "gpu": self.gpu,
+                "device_total_bytes": self.device_total_bytes, "batch_size": self.batch_size,
+                "precision": self.precision, "needed_bytes": self.needed_bytes,
+                "fits": self.fits, "summary": self.summary(),
+                "max_batch": [{"config": c, "max_batch_size": b} for c, b in self.max_batch]}
+
+
+_LABELS = {("fp32", False): "in fp32", ("fp16", False): "with fp16 AMP",
+           ("bf16", False): "with bf16 AMP", ("fp16", True): "with fp16 AMP + checkpointing",
+           ("bf16", True): "with bf16 AMP + checkpointing"}
+
+
+def oom_plan(spec: ModelSpec, budget: Budget, batch_size: int | None = None,
+             precision: str = "fp32", alloc: AllocatorConfig = AllocatorConfig(),
+             progress: Progress = lambda _: None, jobs: int = 1) -> OomPlan:
+    """How much the failing configuration needs and the largest batches that fit instead."""
+    from oomdoctor.estimate import estimate
+    amp = "bf16" if budget.gpu.bf16 else "fp16"
+    configs = [("fp32", False), (amp, False), (amp, True)]
+    result = probe(spec, TraceConfig(1), budget, configs, alloc, progress, jobs=jobs)
+    needed = fits = None
+    if batch_size is not None:
+        progress(f"estimating the failing configuration: batch {batch_size}, {precision}")
+        e = estimate(spec, TraceConfig(batch_size, precision), budget, alloc)
+        needed, fits = e.device_peak_bytes, e.fits
+    return OomPlan(spec.name, budget.gpu.name, budget.gpu.total_bytes, batch_size, precision,
+                   needed, fits,
+                   tuple((_LABELS[(r.precision, r.checkpointing)], r.max_batch_size)
+                         for r in result.results if r.error is None))

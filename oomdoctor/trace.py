@@ -301,7 +301,7 @@ def _host_state(cfg: TraceConfig, optimizer: torch.optim.Optimizer, key: str,
     # Adam's `step` counter stays on the host unless capturable/fused
     # (torch/optim/adam.py _init_group), so it is no GPU memory.
     return (cfg.emulate_cuda and key == "step" and v.dim() == 0
-            and not optimizer.defaults.get("fused"))
+            and not optimizer.defaults.get("fused") and not optimizer.defaults.get("capturable"))
 
 
 class SpliceMismatch(Exception):
@@ -453,8 +453,11 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
             end = ends[s.t_alloc]
             if s.t_free is None or s.t_free >= end:
                 s.category = Category.ACTIVATIONS
+    # Host-side storages stay in the event list with 0 bytes (the allocator ignores 0-byte
+    # requests, as PyTorch never calls it for them), so event indices, t_alloc/t_free and the
+    # phase marks all index the same list.
     host = {h for h, s in rec.storages.items() if s.host}
-    events = tuple(e for e in rec.raw if e[1] not in host)
+    events = tuple((a, h, 0) if h in host else (a, h, n) for a, h, n in rec.raw)
     return Trace(
         config=cfg, events=events, storages=rec.storages, marks=tuple(marks),
         parameter_bytes=sum(t.untyped_storage().nbytes() for t in params.values()),

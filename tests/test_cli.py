@@ -87,7 +87,7 @@ def test_probe_json_and_progress():
     # A 400k-parameter MLP fits any batch up to the cap on a 24 GiB card.
     assert r["max_batch_size"] == 4096
     assert r["trials"] and all(set(t) >= {"batch_size", "fits", "method"} for t in r["trials"])
-    assert "tracing batch size 1" in res.stderr
+    assert "tracing batch size 2" in res.stderr
 
 
 def test_probe_nothing_fits():
@@ -103,3 +103,28 @@ def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "oomdoctor", "--version"], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 0 and "oomdoctor" in out.stdout
+
+
+def test_explain_with_model_adds_the_simulators_numbers(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("RuntimeError: CUDA out of memory. Tried to allocate 1.50 GiB (GPU 0; 23.69 GiB "
+                   "total capacity; 21.93 GiB already allocated; 111.88 MiB free; 23.27 GiB "
+                   "reserved in total by PyTorch)\n")
+    res = run("explain", str(log), "--model", MLP, "-b", "64", "--json")
+    assert res.exit_code == EXIT_OK, res.stderr
+    sim = json.loads(res.stdout)["simulation"]
+    # The card is the one whose capacity the log states (23.69 GiB: an RTX 3090).
+    assert sim["gpu"] == "rtx3090" and "simulating on rtx3090" in res.stderr
+    assert sim["batch_size"] == 64 and sim["fits"] is True
+    assert [m["config"] for m in sim["max_batch"]] == [
+        "in fp32", "with bf16 AMP", "with bf16 AMP + checkpointing"]
+    # Cross-check the needed bytes with `estimate` of the same configuration.
+    est = json.loads(run("estimate", MLP, "-b", "64", "--gpu", "rtx3090", "--json").stdout)
+    assert sim["needed_bytes"] == est["peak_reserved_bytes"] + est["breakdown"]["cuda_context"]
+
+
+def test_explain_with_model_needs_a_card(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("RuntimeError: CUDA error: out of memory\n")
+    res = run("explain", str(log), "--model", MLP)
+    assert res.exit_code == EXIT_USAGE and "--gpu" in res.stderr
