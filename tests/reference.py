@@ -33,35 +33,12 @@ def _loss(mod, model, batch):
 def real_cpu_peak(path: str, batch_size: int, steps: int = 2) -> int:
     """Peak bytes allocated by a real CPU run of `steps` AdamW (for-loop, the CPU default)
     training steps of the model file, parameters and buffers included."""
-    mod = load(path)
-    torch.manual_seed(0)
-    model = mod.build_model().train()
-    opt = (mod.make_optimizer(model.parameters()) if hasattr(mod, "make_optimizer")
-           else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4))
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in list(model.parameters()) + list(model.buffers())}
-    base = sum(storages.values())
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        for _ in range(steps):
-            batch = mod.make_batch(batch_size)
-            loss = _loss(mod, model, batch)
-            loss.backward()
-            del loss, batch
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    # Raw allocator records (name "[memory]", signed nbytes), not the per-op aggregates.
-    events = sorted((e for e in prof.profiler.kineto_results.events()
-                     if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return base + peak
+    return real_cpu_peak_variant(path, batch_size, steps=steps)
 
 
 def _profiled_peak(model, run) -> int:
-    """Parameters/buffers already allocated plus the peak of the allocator events of `run()`."""
+    """Parameters/buffers already allocated plus the peak of the allocator events of `run()`
+    (the raw allocator records, name "[memory]" with signed nbytes, not per-op aggregates)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in list(model.parameters()) + list(model.buffers())}
     base = sum(storages.values())
