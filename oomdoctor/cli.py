@@ -534,9 +534,14 @@ def _smoke_prediction(spec, cfg, budget, alloc):
     _progress("predicting the per-GPU peaks to compare with")
     from oomdoctor.estimate import trace_for
     trace = trace_for(spec, tcfg, budget.gpu)
+    sizes = None
+    if cfg.strategy == "dp":      # GPU 0 holds the whole batch: its sizes from a second trace
+        big = trace_for(spec, dataclasses.replace(tcfg, batch_size=cfg.micro_batch
+                                                  * cfg.num_gpus), budget.gpu)
+        sizes = par.Sizes.affine(trace, big)
     layout = par.model_layout(spec, cfg.precision)
     return cfg, par.estimate_strategy(trace, layout, par.Strategy(cfg.strategy, cfg.num_gpus),
-                                      budget, alloc, grad_accum=cfg.grad_accum)
+                                      budget, alloc, sizes, grad_accum=cfg.grad_accum)
 
 
 @cli.command("smoke")

@@ -54,7 +54,7 @@ PROFILES: dict[str, GpuProfile] = {p.name: p for p in [
     GpuProfile("rtx3060-12", "GeForce RTX 3060 12 GB", _gib(11.76), (8, 6), True,
                12.7, 12.7, 25.4, "PCIe 4.0 x16, no P2P", 25.0, 350 * MiB),
     GpuProfile("rtx3090", "GeForce RTX 3090 24 GB", _gib(23.69), (8, 6), True,
-               35.6, 35.6, 71.0 / 2, "PCIe 4.0 x16 (optional 2-way NVLink bridge, 56 GB/s)",
+               35.6, 35.6, 71.0, "PCIe 4.0 x16 (optional 2-way NVLink bridge, 56 GB/s)",
                25.0, 400 * MiB),
     GpuProfile("rtx4090", "GeForce RTX 4090 24 GB", _gib(23.65), (8, 9), True,
                82.6, 82.6, 165.2, "PCIe 4.0 x16, no P2P, no NVLink", 25.0, 450 * MiB),

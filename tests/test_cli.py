@@ -116,8 +116,8 @@ def test_explain_with_model_adds_the_simulators_numbers(tmp_path):
     # The card is the one whose capacity the log states (23.69 GiB: an RTX 3090).
     assert sim["gpu"] == "rtx3090" and "simulating on rtx3090" in res.stderr
     assert sim["batch_size"] == 64 and sim["fits"] is True
-    assert [m["config"] for m in sim["max_batch"]] == [
-        "in fp32", "with bf16 AMP", "with bf16 AMP + checkpointing"]
+    # tiny_mlp has no repeated blocks to checkpoint, so that configuration is left out.
+    assert [m["config"] for m in sim["max_batch"]] == ["in fp32", "with bf16 AMP"]
     # Cross-check the needed bytes with `estimate` of the same configuration.
     est = json.loads(run("estimate", MLP, "-b", "64", "--gpu", "rtx3090", "--json").stdout)
     assert sim["needed_bytes"] == est["peak_reserved_bytes"] + est["breakdown"]["cuda_context"]

@@ -1,0 +1,170 @@
+"""recommend: what fits, what it costs, what to run - against formulas and direct estimates."""
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from oomdoctor import parallel as par
+from oomdoctor import recommend as rec
+from oomdoctor.cli import EXIT_OK, EXIT_PROBLEM, cli
+from oomdoctor.estimate import Budget, estimate
+from oomdoctor.gpus import MiB, custom_profile, get_profile
+from oomdoctor.loader import load_model_file
+from oomdoctor.trace import TraceConfig, trace_training
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+MLP_PATH = os.path.join(ROOT, "sample_models", "tiny_mlp.py")
+MLP = load_model_file(MLP_PATH)
+LLAMA_PATH = os.path.join(ROOT, "sample_models", "llama7b.py")
+LLAMA_PARAMS = 6_738_415_616          # sample_models/README.md, the published LLaMA-7B count
+RTX3090 = get_profile("rtx3090")
+
+
+@pytest.fixture(scope="module")
+def llama_plan():
+    """LLaMA-7B, two RTX 3090s, AdamW (the file's default optimizer): no trace needed."""
+    spec = load_model_file(LLAMA_PATH)
+    return rec.recommend(spec, rec.hardware(RTX3090, 2), 64, Budget(RTX3090), detail=False)
+
+
+def test_llama7b_cannot_train_with_ddp_on_two_3090s(llama_plan):
+    r = llama_plan
+    assert r.best is None and not r.candidates
+    assert any("DDP cannot train" in n for n in r.notes)
+    floors = {(f.strategy, f.precision): f for f in r.floors}
+    # AdamW with fp32 (or AMP's fp32) weights: 4 + 4 + 8 bytes per parameter on every DDP rank.
+    assert floors["ddp", "fp32"].bytes == 16 * LLAMA_PARAMS
+    assert floors["ddp", "bf16"].bytes == 16 * LLAMA_PARAMS
+    # Sharded by 2 (ZeRO-3) or split in two (at best): half of it, still over 22 GiB; in pure
+    # bf16, 8 bytes per parameter halved - 25.1 GiB, still over the 22.12 GiB budget.
+    assert floors["zero3", "fp32"].bytes == 8 * LLAMA_PARAMS
+    assert floors["zero2", "fp32"].bytes == 4 * LLAMA_PARAMS + 12 * LLAMA_PARAMS // 2
+    assert floors["zero1", "bf16-pure"].bytes == 4 * LLAMA_PARAMS + 4 * LLAMA_PARAMS // 2
+    assert floors["pipeline2", "bf16-pure"].bytes == 4 * LLAMA_PARAMS
+    assert not any(f.fits for f in r.floors)
+    assert {s for s, _ in floors} == set(par.STRATEGIES)
+
+
+def test_llama7b_says_what_would_fit(llama_plan):
+    text = " ".join(llama_plan.alternatives)
+    assert "more GPUs" in text and "ZeRO-3" in text
+    assert "SGD" in text and "offload" in text and "LoRA" in text
+    # DeepSpeed's ZeRO-3 estimator with the optimizer offloaded: 4L + 2P/N (L: the 32000 x 4096
+    # embedding or head).
+    ds = 4 * 32000 * 4096 + int(2 * LLAMA_PARAMS / 2)
+    assert f"{ds / 2**30:.1f} GiB of model states" in text
+    out = rec.render_text(llama_plan)
+    assert "NOTHING FITS" in out and "what would fit" in out and "lower bound" in out
+
+
+def test_every_candidate_has_the_target_batch_and_fits_on_a_direct_estimate():
+    """A card just too small for micro-batch 256 on one GPU: the data-parallel plans split it.
+    Each candidate's micro-batch, estimated directly on one GPU (a different code path), fits
+    where the single-GPU view says it must."""
+    card = custom_profile(48 * MiB)
+    budget = Budget(card, margin=0.0, context_bytes=0)
+    hw = rec.hardware(card, 2, "pcie")
+    r = rec.recommend(MLP, hw, 256, budget, precisions=["fp32"], detail=False)
+    assert r.candidates and r.best is r.candidates[0]
+    for c in r.candidates:
+        dp = par.Strategy(c.strategy, c.num_gpus).data_parallel
+        assert c.micro_batch * c.grad_accum * dp == 256
+        if c.strategy == "single":
+            assert estimate(MLP, TraceConfig(c.micro_batch), budget).fits
+    assert [c.score for c in r.candidates] == sorted(c.score for c in r.candidates)
+    # Going one micro-batch step up does not fit (the search keeps the largest).
+    single = [c for c in r.candidates if c.strategy == "single"]
+    if single and single[0].micro_batch < 256:
+        assert not estimate(MLP, TraceConfig(single[0].micro_batch * 2), budget).fits
+
+
+def test_step_time_formulas():
+    """compute = FLOPs / (datasheet x efficiency); checkpointing +1/3; DDP's all-reduce
+    2(N-1)/N x gradient bytes over the link, less what hides behind the backward."""
+    trace = trace_training(MLP, TraceConfig(1))
+    layout = par.model_layout(MLP)
+    hw = rec.hardware(RTX3090, 2, "pcie-no-p2p")
+    flops = 2_127_872                        # per sample, from the architecture (test_parallel)
+    t = rec.step_time(layout, trace, par.Strategy("single"), hw, "fp32", False, 64, 2)
+    assert t.compute_seconds == pytest.approx(2 * 64 * flops / (35.6e12 * rec.COMPUTE_EFFICIENCY))
+    ck = rec.step_time(layout, trace, par.Strategy("single"), hw, "fp32", True, 64, 2)
+    assert ck.compute_seconds == pytest.approx(t.compute_seconds * 4 / 3)
+    d = rec.step_time(layout, trace, par.Strategy("ddp", 2), hw, "fp32", False, 64, 2)
+    micro = 64 * flops / (35.6e12 * rec.COMPUTE_EFFICIENCY)
+    grads = 399_370 * 4
+    assert d.communication_seconds == pytest.approx(max(0, grads / 12.5e9 - 2 / 3 * micro))
+    z3 = rec.step_time(layout, trace, par.Strategy("zero3", 2), hw, "fp32", False, 64, 2)
+    assert z3.communication_seconds >= d.communication_seconds
+
+
+def test_links():
+    assert rec.default_link(RTX3090) == "pcie-no-p2p"
+    assert rec.link_gbps(RTX3090, "pcie-no-p2p") == 12.5
+    assert rec.link_gbps(RTX3090, "nvlink") == 56.25
+    assert rec.default_link(get_profile("a100-80")) == "nvlink"
+    assert rec.link_gbps(get_profile("t4"), "pcie") == 12.0
+    with pytest.raises(ValueError, match="no NVLink"):
+        rec.link_gbps(get_profile("rtx4090"), "nvlink")
+
+
+def _candidate(**kw):
+    base = dict(strategy="ddp", num_gpus=2, precision="fp16", checkpointing=True, micro_batch=8,
+                grad_accum=16, effective_batch=256, peak_device_bytes=0, per_gpu_bytes=(0, 0),
+                step_seconds=1.0, compute_seconds=1.0, communication_seconds=0.0,
+                samples_per_second=256.0, numerics="", score=1.0)
+    base.update(kw)
+    return rec.Candidate(**base)
+
+
+def test_launch_line_environment_and_snippet():
+    c = _candidate()
+    hw = rec.Hardware(RTX3090, 2, "pcie-no-p2p", 12.5, cores=16)
+    facts = rec._Facts(10, 10, 2, True, "layers")
+    launch = rec._launch(c, hw, MLP, facts)
+    assert launch.command.startswith("torchrun --standalone --nproc_per_node=2 train.py")
+    assert launch.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert launch.env["OMP_NUM_THREADS"] == "8"          # 16 cores / 2 processes
+    s = launch.snippet
+    for needle in ("torch.autocast('cuda', dtype=torch.float16)", "GradScaler", "no_sync",
+                   "DistributedSampler", "set_epoch", "checkpoint(self.block",
+                   "model.layers[i] = Checkpointed(block)", "K = 16"):
+        assert needle in s, needle
+    compile(s.replace("build_model()", "None"), "snippet", "exec")     # valid Python
+    notes = " ".join(launch.quality_notes)
+    assert "256/B" in notes and "practically neutral" in notes
+    assert "smaller effective batch is not neutral" in notes
+
+
+def test_pure_bf16_is_flagged_and_pipeline_launches_one_process():
+    c = _candidate(strategy="pipeline2", precision="bf16-pure", checkpointing=False)
+    hw = rec.Hardware(RTX3090, 2, "pcie-no-p2p", 12.5, cores=16)
+    launch = rec._launch(c, hw, MLP, rec._Facts(10, 10, 2, False))
+    assert launch.command.startswith("python train.py") and launch.env["OMP_NUM_THREADS"] == "16"
+    assert "dispatch_model" in launch.snippet and "autocast" not in launch.snippet
+    assert "not neutral" in " ".join(launch.quality_notes)
+
+
+def test_bf16_refused_on_a_card_without_it():
+    t4 = get_profile("t4")
+    with pytest.raises(ValueError, match="no bf16 support"):
+        rec.recommend(MLP, rec.hardware(t4, 2), 64, Budget(t4), precisions=["bf16"],
+                      detail=False)
+
+
+def test_recommend_cli_llama_nothing_fits():
+    res = CliRunner().invoke(cli, ["recommend", LLAMA_PATH, "--gpu", "rtx3090", "--gpus", "2",
+                                   "--target-batch", "64", "--quick", "--json"])
+    assert res.exit_code == EXIT_PROBLEM, res.stderr
+    d = json.loads(res.stdout)
+    assert d["best"] is None and d["alternatives"] and d["num_gpus"] == 2
+    assert "not traced" in res.stderr
+
+
+def test_recommend_cli_text_plan():
+    res = CliRunner().invoke(cli, ["recommend", MLP_PATH, "--gpu", "rtx3090", "--gpus", "2",
+                                   "--target-batch", "128", "--precision", "fp32", "-j", "1",
+                                   "--quick"])
+    assert res.exit_code == EXIT_OK, res.stderr
+    assert "RECOMMENDED" in res.stdout and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" \
+        in res.stdout and "quality:" in res.stdout
