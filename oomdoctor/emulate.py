@@ -75,7 +75,9 @@ class _OurMode(TorchFunctionMode):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _ACTIVE.remove(self)
+        # Remove the innermost entry: a mode re-entered by _passthrough is on the list twice,
+        # and the outer order must survive for checkpoint recomputation to replay it.
+        del _ACTIVE[len(_ACTIVE) - 1 - _ACTIVE[::-1].index(self)]
         return super().__exit__(*exc)
 
     def _passthrough(self, func, args, kwargs):

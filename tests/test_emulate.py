@@ -585,3 +585,14 @@ def test_adafactor_is_refused_with_a_reason():
     assert "adafactor" not in emulate.OPTIMIZERS
     with pytest.raises(ValueError, match="reads tensor values"):
         traced("tiny_mlp", 8, optimizer="adafactor")
+
+def test_amp_checkpointing_recomputes_under_the_same_emulation():
+    """bert_base: its blocks call F.dropout, a Python composite the emulation re-enters; the
+    recomputation in backward must see the modes in the forward's order (autocast above the
+    kernels), or the attention mask is saved as fp16 in the forward and recomputed as fp32 and
+    torch.utils.checkpoint rejects the mismatch."""
+    for precision in ("fp16", "bf16"):
+        tr = trace_training(load_model_file(path("bert_base")),
+                            TraceConfig(1, precision=precision, checkpointing=True))
+        assert len(tr.checkpointed) == 12
+    assert emulate._ACTIVE == []

@@ -328,3 +328,34 @@ def test_event_pattern_does_not_depend_on_batch_size():
     assert [(x, h) for x, h, _ in a.events] == [(x, h) for x, h, _ in c.events]
     assert any(n1 != n2 for (_, _, n1), (_, _, n2) in zip(a.events, c.events))
     assert c.peak_live_bytes > a.peak_live_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# The two trace backends: meta (used with the CUDA emulation) and fake CPU tensors
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gpt2_small", "bert_base", "vit_b16", "lora_gpt"])
+@pytest.mark.parametrize("precision,ckpt", [("fp32", False), ("fp16", True), ("bf16", False)])
+def test_meta_backend_equals_fake_cpu_backend(name, precision, ckpt):
+    """Where CPU and CUDA kernels agree (no 16-bit normalisation statistics), the meta-device
+    trace is event for event the fake-CPU trace that the real-CPU tests validate."""
+    spec = load_model_file(path(name))
+    cfg = TraceConfig(2, precision=precision, checkpointing=ckpt)
+    meta = trace_training(spec, cfg, backend="meta")
+    fake = trace_training(spec, cfg, backend="fake")
+    assert meta.events == fake.events
+
+
+def test_meta_backend_keeps_cuda_statistics_dtypes():
+    """Where they differ, meta follows CUDA: layer_norm_cuda / batch_norm_cuda allocate mean and
+    rstd (save_mean / save_invstd) in the accumulate type, fp32 for 16-bit inputs; the CPU keeps
+    them in the input dtype. gpt2_small in pure bf16 at batch 2: each LayerNorm over B*T = 2048
+    rows saves 2 x 2048 x 4 bytes of statistics on CUDA, 2 x 2048 x 2 on the CPU."""
+    spec = load_model_file(path("gpt2_small"))
+    cfg = TraceConfig(2, precision="bf16-pure")
+    for backend, width in (("meta", 4), ("fake", 2)):
+        tr = trace_training(spec, cfg, backend=backend)
+        stats = [s.nbytes for s in tr.storages.values()
+                 if s.op.startswith("native_layer_norm") and s.module == "h.0.ln_1"
+                 and s.iteration == 0 and s.nbytes < 2048 * 768 * 2]
+        assert stats == [2048 * width, 2048 * width], backend
