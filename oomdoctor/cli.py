@@ -9,7 +9,8 @@ import click
 
 from oomdoctor import __version__
 from oomdoctor.allocator import AllocatorConfig
-from oomdoctor.configs import MAX_BATCH, OPTIMIZERS, PRECISIONS, ZERO_GRAD_MODES
+from oomdoctor.configs import (MAX_BATCH, OPTIMIZERS, PRECISIONS, STRATEGY_CHOICES,
+                               ZERO_GRAD_MODES)
 from oomdoctor.gpus import PROFILES, custom_profile, get_profile, parse_size
 
 # estimate/probe/check import torch (seconds, hundreds of MiB): they are imported inside the
@@ -130,10 +131,16 @@ def _alloc_config(value: str) -> AllocatorConfig:
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="fp16/bf16: autocast AMP (fp16 with GradScaler); bf16-pure: model.to(bf16).")
 @click.option("--checkpointing", is_flag=True, help="Checkpoint the repeated blocks.")
+@click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
+              show_default=True,
+              help="Multi-GPU strategy: per-GPU memory of DDP, DataParallel, ZeRO-1/2/3 (fsdp) "
+                   "or the naive two-GPU split (pipeline2) on --num-gpus cards.")
+@click.option("--num-gpus", type=click.IntRange(1), default=2, show_default=True,
+              help="GPUs for --strategy (ignored for single).")
 @_budget_options
-def estimate(model_file, batch_size, precision, checkpointing, gpu_name, memory, overhead,
-             other_mem, margin, alloc_conf, checkpoint_class, grad_accum, optimizer, zero_grad,
-             no_cuda_emulation, as_json, debug):
+def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpus, gpu_name,
+             memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
+             optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """Peak GPU memory of one training configuration, and what it is made of.
 
     \b
@@ -150,11 +157,23 @@ def estimate(model_file, batch_size, precision, checkpointing, gpu_name, memory,
         spec = load_model_file(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                           optimizer, not no_cuda_emulation, zero_grad=zero_grad)
-        result = estimate_mod.estimate(spec, cfg, budget, alloc)
+        if strategy != "single":
+            from oomdoctor import parallel as par
+            report = par.estimate_strategies(spec, cfg, budget, num_gpus, [strategy], alloc,
+                                             progress=lambda m: click.echo(m, err=True))
+            if report.errors:
+                raise ValueError(report.errors[0][1])
+        else:
+            result = estimate_mod.estimate(spec, cfg, budget, alloc)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
+    if strategy != "single":
+        # The per-GPU view: every GPU's peak, the model-state floor, DeepSpeed's formula.
+        click.echo(json.dumps(report.to_json(), indent=2) if as_json
+                   else par.render_report(report))
+        sys.exit(EXIT_OK if all(e.fits for e in report.estimates) else EXIT_PROBLEM)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
     else:
@@ -173,10 +192,13 @@ def estimate(model_file, batch_size, precision, checkpointing, gpu_name, memory,
               help="Stop searching here.")
 @click.option("-j", "--jobs", type=click.IntRange(1), default=None,
               help="Worker processes (default: one per core).")
+@click.option("--smoke", "run_smoke", is_flag=True,
+              help="Then run a few real training steps of the recommended configuration "
+                   "(on the GPU if there is one, else on the CPU at a small batch).")
 @_budget_options
-def probe(model_file, precisions, checkpointing, max_batch_size, jobs, gpu_name, memory,
-          overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum, optimizer,
-          zero_grad, no_cuda_emulation, as_json, debug):
+def probe(model_file, precisions, checkpointing, max_batch_size, jobs, run_smoke, gpu_name,
+          memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
+          optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """The largest batch size that fits, for each precision x checkpointing configuration.
 
     \b
@@ -212,12 +234,30 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, gpu_name,
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
+    smoke = None
+    best = probe_mod.recommended(result)
+    if run_smoke and best is not None:
+        from oomdoctor import smoke as smoke_mod
+        try:
+            cfg = smoke_mod.SmokeConfig("single", 1, best.precision, best.checkpointing,
+                                        checkpoint_class, best.max_batch_size, grad_accum,
+                                        optimizer=optimizer)
+            cfg, prediction = _smoke_prediction(spec, cfg, budget, alloc)
+            smoke = smoke_mod.run_smoke(spec, cfg, prediction, progress=_progress)
+        except (smoke_mod.SmokeError, ValueError) as e:
+            _die(e, debug, EXIT_PROBLEM)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        doc = result.to_json()
+        if smoke is not None:
+            doc["smoke"] = smoke.to_json()
+        click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(probe_mod.render_table(result))
+        click.echo(probe_mod.render_recommendation(result))
+        if smoke is not None:
+            click.echo("\n" + smoke_mod.render_text(smoke))
     fits = any(r.max_batch_size for r in result.results)
-    sys.exit(EXIT_OK if fits else EXIT_PROBLEM)
+    sys.exit(EXIT_OK if fits and (smoke is None or smoke.ok) else EXIT_PROBLEM)
 
 
 @cli.command()
@@ -285,7 +325,6 @@ def check(config_path, update, tolerance, fmt, junit_xml, jobs, as_json, debug):
 # --- parallel, split, recommend, smoke (section owned by the multi-GPU modules' author) ---
 # Choices spelled out here so that --help never imports torch; tests/test_parallel.py checks
 # them against oomdoctor.parallel.STRATEGIES and oomdoctor.recommend.LINKS.
-STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp")
 LINK_CHOICES = ("pcie-no-p2p", "pcie", "nvlink")
 
 

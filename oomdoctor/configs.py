@@ -11,3 +11,5 @@ MAX_BATCH = 1 << 16   # the probe stops searching here; a model this light fits 
 # in-place: zero_grad(set_to_none=False), the default before torch 2.0 and in older HF Trainer
 #   versions - gradients are never freed.
 ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")
+# Multi-GPU strategies (oomdoctor.parallel.STRATEGIES, plus "fsdp" as a name for zero3).
+STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp")

@@ -71,11 +71,15 @@ class ProbeResult:
     results: tuple[ConfigResult, ...]
 
     def to_json(self) -> dict[str, Any]:
+        best = recommended(self)
         return {"model": self.model, "gpu": self.gpu,
                 "device_total_bytes": self.device_total_bytes,
                 "budget_bytes": self.budget_bytes, "margin": self.margin,
                 "grad_accum": self.grad_accum,
-                "results": [r.to_json() for r in self.results]}
+                "results": [r.to_json() for r in self.results],
+                "recommended": None if best is None else {
+                    "precision": best.precision, "checkpointing": best.checkpointing,
+                    "batch_size": best.max_batch_size}}
 
 
 def _pattern(trace: Trace) -> list[tuple[bool, int]]:
@@ -355,3 +359,39 @@ def oom_plan(spec: ModelSpec, budget: Budget, batch_size: int | None = None,
                    needed, fits,
                    tuple((_LABELS[(r.precision, r.checkpointing)], r.max_batch_size)
                          for r in result.results if r.error is None))
+
+
+# Preference among configurations that fit, best first: AMP keeps fp32 master weights and is
+# practically neutral for quality while running on tensor cores; bf16 needs no loss scaling;
+# checkpointing costs about a third more compute; pure bf16 changes numerics (bf16 weights and
+# optimizer state) and comes last.
+_PREFERENCE = [("bf16", False), ("fp16", False), ("bf16", True), ("fp16", True),
+               ("fp32", False), ("fp32", True), ("bf16-pure", False), ("bf16-pure", True)]
+
+
+def recommended(r: ProbeResult) -> ConfigResult | None:
+    """The configuration to train with on one card: the most preferred one that fits."""
+    fitting = {(c.precision, c.checkpointing): c for c in r.results if c.max_batch_size}
+    for key in _PREFERENCE:
+        if key in fitting:
+            return fitting[key]
+    return None
+
+
+def render_recommendation(r: ProbeResult) -> str:
+    best = recommended(r)
+    if best is None:
+        return ("recommended: nothing fits one card, even at batch 1 - see "
+                "`oomdoctor recommend` for sharding (ZeRO/FSDP) or a two-GPU split")
+    name = {"fp32": "fp32", "fp16": "fp16 AMP (autocast + GradScaler)", "bf16": "bf16 AMP "
+            "(autocast)", "bf16-pure": "pure bf16 (model.to(torch.bfloat16))"}[best.precision]
+    ckpt = " with activation checkpointing" if best.checkpointing else ""
+    lines = [f"recommended: {name}{ckpt}, micro-batch {best.max_batch_size} (the largest that "
+             "fits); reach a larger effective batch with gradient accumulation (no quality "
+             "cost), and scale the learning rate with the effective batch"]
+    other = [c for c in r.results if c.precision == best.precision
+             and c.checkpointing != best.checkpointing and c.max_batch_size]
+    if other and not best.checkpointing and other[0].max_batch_size > best.max_batch_size:
+        lines.append(f"  checkpointing would allow micro-batch {other[0].max_batch_size} at "
+                     "about a third more compute per step")
+    return "\n".join(lines)

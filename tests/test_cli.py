@@ -128,3 +128,33 @@ def test_explain_with_model_needs_a_card(tmp_path):
     log.write_text("RuntimeError: CUDA error: out of memory\n")
     res = run("explain", str(log), "--model", MLP)
     assert res.exit_code == EXIT_USAGE and "--gpu" in res.stderr
+
+
+def test_estimate_with_a_strategy_is_per_gpu():
+    """DDP holds the whole model on each GPU: its per-GPU peak is the single-GPU peak plus the
+    bucket copy of the gradients (4 B x 399,370 tiny_mlp parameters), never less."""
+    single = json.loads(run("estimate", MLP, "-b", "64", "--gpu", "rtx3090", "--json").stdout)
+    res = run("estimate", MLP, "-b", "64", "--gpu", "rtx3090", "--strategy", "ddp",
+              "--num-gpus", "2", "--json")
+    assert res.exit_code == EXIT_OK, res.stderr
+    [ddp] = json.loads(res.stdout)["strategies"]
+    assert ddp["strategy"] == "ddp" and ddp["num_gpus"] == 2
+    assert ddp["peak_device_bytes"] >= single["peak_reserved_bytes"] + \
+        single["breakdown"]["cuda_context"]
+
+
+def test_probe_recommends_amp_where_it_fits():
+    res = run("probe", MLP, "--gpu", "t4", "--max-batch-size", "256", "-j", "1", "--json")
+    rec = json.loads(res.stdout)["recommended"]
+    # T4 has no bf16: fp16 AMP, without checkpointing, at the largest batch that fits.
+    assert rec == {"precision": "fp16", "checkpointing": False, "batch_size": 256}
+    text = run("probe", MLP, "--gpu", "rtx3090", "--max-batch-size", "64", "-j", "1").stdout
+    assert "recommended: bf16 AMP" in text
+
+
+def test_probe_smoke_runs_the_recommended_configuration():
+    res = run("probe", MLP, "--gpu", "rtx3090", "--precision", "bf16", "--no-checkpointing",
+              "--max-batch-size", "64", "-j", "1", "--smoke", "--json")
+    assert res.exit_code == EXIT_OK, res.stderr
+    smoke = json.loads(res.stdout)["smoke"]
+    assert smoke["ok"] is True and len(smoke["losses"]) == 3
