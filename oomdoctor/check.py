@@ -7,7 +7,7 @@ Cases live in the project's ``setup.cfg`` (or ``--config FILE``), one section pe
 
     [oomdoctor]
     baseline = oomdoctor-baseline.json
-    tolerance = 2%
+    tolerance = 0.02            ; or 2%% (setuptools reads setup.cfg with %-interpolation)
 
     [oomdoctor:gpt2-bf16]
     model = sample_models/gpt2_small.py
@@ -17,8 +17,8 @@ Cases live in the project's ``setup.cfg`` (or ``--config FILE``), one section pe
     grad_accum = 1
     gpu = rtx3090
     budget = 24GiB              ; optional: must fit a card this size ...
-    margin = 5%                 ; ... with this safety margin
-    tolerance = 1%              ; optional per-case override
+    margin = 0.05               ; ... with this safety margin
+    tolerance = 0.01            ; optional per-case override
 
 Everything is computed on fake tensors, so the numbers are identical run after run and process
 after process: no clocks, no randomness. A case that cannot be estimated fails the check with
@@ -138,6 +138,8 @@ class CheckResult:
 # -- configuration --------------------------------------------------------------------------
 
 def _fraction(text: str, what: str) -> float:
+    # "2%%" too: setuptools reads setup.cfg with %-interpolation, so a percent sign there must
+    # be doubled (or written as a fraction, 0.02).
     t = text.strip()
     try:
         v = float(t.rstrip("%")) / 100 if t.endswith("%") else float(t)

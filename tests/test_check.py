@@ -175,3 +175,15 @@ def test_config_errors(tmp_path, body, message):
 def test_the_projects_own_config_loads():
     cfg = load_config(os.path.join(ROOT, "setup.cfg"))
     assert len(cfg.cases) >= 7 and os.path.exists(os.path.join(cfg.root, cfg.baseline))
+
+
+def test_setup_cfg_survives_setuptools_interpolation():
+    """setuptools reads setup.cfg with %-interpolation: a bare `2%` there breaks
+    `pip install -e .` on a fresh machine. The project's own file must parse, and doubled
+    percent signs are accepted."""
+    from setuptools.config.setupcfg import read_configuration
+
+    from oomdoctor.check import _fraction
+    assert read_configuration(os.path.join(ROOT, "setup.cfg"))["metadata"]["name"] == "oomdoctor"
+    assert _fraction("2%%", "tolerance") == pytest.approx(0.02)
+    assert _fraction("0.02", "tolerance") == pytest.approx(0.02)
