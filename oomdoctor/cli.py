@@ -192,11 +192,17 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
               help="Stop searching here.")
 @click.option("-j", "--jobs", type=click.IntRange(1), default=None,
               help="Worker processes (default: one per core).")
+@click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
+              show_default=True,
+              help="Probe the micro-batch per GPU of a multi-GPU strategy on --num-gpus cards.")
+@click.option("--num-gpus", type=click.IntRange(1), default=2, show_default=True,
+              help="GPUs for --strategy.")
 @click.option("--smoke", "run_smoke", is_flag=True,
               help="Then run a few real training steps of the recommended configuration "
                    "(on the GPU if there is one, else on the CPU at a small batch).")
 @_budget_options
-def probe(model_file, precisions, checkpointing, max_batch_size, jobs, run_smoke, gpu_name,
+def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy, num_gpus,
+          run_smoke, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """The largest batch size that fits, for each precision x checkpointing configuration.
@@ -229,13 +235,14 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, run_smoke
         result = probe_mod.probe(spec, base, budget, configs, alloc,
                                  progress=lambda msg: click.echo(msg, err=True),
                                  max_batch=max_batch_size,
-                                 jobs=jobs or probe_mod.default_jobs())
+                                 jobs=jobs or probe_mod.default_jobs(),
+                                 strategy=strategy, num_gpus=num_gpus)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
     smoke = None
-    best = probe_mod.recommended(result)
+    best = probe_mod.recommended(result) if strategy == "single" else None
     if run_smoke and best is not None:
         from oomdoctor import smoke as smoke_mod
         try:
@@ -253,7 +260,8 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, run_smoke
         click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(probe_mod.render_table(result))
-        click.echo(probe_mod.render_recommendation(result))
+        if strategy == "single":
+            click.echo(probe_mod.render_recommendation(result))
         if smoke is not None:
             click.echo("\n" + smoke_mod.render_text(smoke))
     fits = any(r.max_batch_size for r in result.results)
@@ -481,6 +489,11 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
               help="Worker processes (default: one per core).")
 @click.option("--quick", is_flag=True,
               help="Skip the per-strategy table when nothing can fit (no trace).")
+@click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
+              show_default=True,
+              help="Probe the micro-batch per GPU of a multi-GPU strategy on --num-gpus cards.")
+@click.option("--num-gpus", type=click.IntRange(1), default=2, show_default=True,
+              help="GPUs for --strategy.")
 @click.option("--smoke", "run_smoke", is_flag=True,
               help="Then run a few real training steps of the recommended configuration.")
 @_card_options

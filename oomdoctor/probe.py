@@ -45,9 +45,15 @@ class ConfigResult:
     trials: tuple[Trial, ...]
     capped: bool = False                # the search stopped at MAX_BATCH
     error: str | None = None            # why this configuration could not be probed
+    per_gpu: Any = None                 # with --strategy: the parallel.StrategyEstimate there
 
     def to_json(self) -> dict[str, Any]:
         e = self.estimate
+        if self.per_gpu is not None or (e is None and self.error is None and self.trials):
+            return {"precision": self.precision, "checkpointing": self.checkpointing,
+                    "max_batch_size": self.max_batch_size, "capped": self.capped,
+                    "error": self.error, "strategy": self.per_gpu and self.per_gpu.to_json(),
+                    "trials": [vars(t) for t in self.trials]}
         return {
             "precision": self.precision, "checkpointing": self.checkpointing,
             "max_batch_size": self.max_batch_size,
@@ -216,9 +222,58 @@ def default_matrix(bf16: bool) -> list[tuple[str, bool]]:
     return [(p, ck) for p in precisions for ck in (False, True)]
 
 
+def probe_strategy(spec: ModelSpec, cfg: TraceConfig, budget: Budget, strategy: str,
+                   num_gpus: int, alloc: AllocatorConfig = AllocatorConfig(),
+                   progress: Progress = lambda _: None, max_batch: int = MAX_BATCH
+                   ) -> ConfigResult:
+    """Largest micro-batch per GPU of a multi-GPU strategy: traces at batch 2 and 3 give every
+    storage's size at any batch (parallel.Sizes.affine); each trial replays the strategy's
+    per-GPU event lists; the answer is checked with a trace of its own."""
+    from oomdoctor import parallel as par
+    label = f"{strategy} x{num_gpus}, {cfg.precision}{' + checkpointing' if cfg.checkpointing else ''}"
+    st = par.Strategy(par.parse_strategy(strategy), num_gpus)
+    layout = par.model_layout(spec, cfg.precision)
+    exact: dict[int, Trace] = {}
+    trials: list[Trial] = []
+    found: dict[int, Any] = {}
+
+    def traced(b: int) -> Trace:
+        if b not in exact:
+            progress(f"{label}: tracing batch size {b}")
+            exact[b] = trace_for(spec, replace(cfg, batch_size=b), budget.gpu)
+        return exact[b]
+
+    sizes = par.Sizes.affine(traced(BASE), traced(BASE + 1))
+
+    def fits(b: int, method: str | None = None) -> bool:
+        if sizes is not None and b >= BASE and method is None:
+            e, how = par.estimate_strategy(exact[BASE], layout, st, budget, alloc, sizes,
+                                           batch=b), "extrapolated"
+        else:
+            e, how = par.estimate_strategy(traced(b), layout, st, budget, alloc), "traced"
+        found[b] = e
+        peak = e.peak_device_bytes
+        trials.append(Trial(b, e.fits, peak, peak, how))
+        return e.fits
+
+    if not fits(BASE, "traced"):
+        best = 1 if fits(1, "traced") else None
+        return ConfigResult(cfg.precision, cfg.checkpointing, best, None, tuple(trials),
+                            per_gpu=found[best or 1])
+    best, capped = _search(fits, BASE, max_batch)
+    if best > BASE + 1 and not fits(best, "traced"):   # the check trace disagrees: walk down
+        best, capped = _search_near(lambda b: fits(b, "traced"), best - 1, BASE, max_batch)
+    return ConfigResult(cfg.precision, cfg.checkpointing, best, None, tuple(trials), capped,
+                        per_gpu=found[best])
+
+
 def _probe_one(spec: ModelSpec, cfg: TraceConfig, budget: Budget, alloc: AllocatorConfig,
-               progress: Progress, max_batch: int) -> ConfigResult:
+               progress: Progress, max_batch: int, strategy: str = "single",
+               num_gpus: int = 1) -> ConfigResult:
     try:
+        if strategy != "single":
+            return probe_strategy(spec, cfg, budget, strategy, num_gpus, alloc, progress,
+                                  max_batch)
         return probe_config(spec, cfg, budget, alloc, progress, max_batch)
     except ValueError as e:   # e.g. no repeated blocks to checkpoint
         return ConfigResult(cfg.precision, cfg.checkpointing, None, None, (), error=str(e))
@@ -229,10 +284,11 @@ def _probe_one(spec: ModelSpec, cfg: TraceConfig, budget: Budget, alloc: Allocat
 _WORKER_SPEC: ModelSpec | None = None
 
 
-def _worker(cfg: TraceConfig, budget: Budget, alloc: AllocatorConfig, max_batch: int
-            ) -> ConfigResult:
+def _worker(cfg: TraceConfig, budget: Budget, alloc: AllocatorConfig, max_batch: int,
+            strategy: str = "single", num_gpus: int = 1) -> ConfigResult:
     assert _WORKER_SPEC is not None
-    return _probe_one(_WORKER_SPEC, cfg, budget, alloc, lambda _: None, max_batch)
+    return _probe_one(_WORKER_SPEC, cfg, budget, alloc, lambda _: None, max_batch, strategy,
+                      num_gpus)
 
 
 def default_jobs() -> int:
@@ -244,7 +300,7 @@ def default_jobs() -> int:
 def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
           configs: list[tuple[str, bool]], alloc: AllocatorConfig = AllocatorConfig(),
           progress: Progress = lambda _: None, max_batch: int = MAX_BATCH,
-          jobs: int = 1) -> ProbeResult:
+          jobs: int = 1, strategy: str = "single", num_gpus: int = 1) -> ProbeResult:
     """Probe every (precision, checkpointing) configuration, in ``jobs`` processes."""
     global _WORKER_SPEC
     cfgs = [replace(base, precision=p, checkpointing=ck, batch_size=1) for p, ck in configs]
@@ -254,8 +310,8 @@ def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
         try:
             with ProcessPoolExecutor(min(jobs, len(cfgs)),
                                      mp_context=multiprocessing.get_context("fork")) as pool:
-                futures = {pool.submit(_worker, c, budget, alloc, max_batch): i
-                           for i, c in enumerate(cfgs)}
+                futures = {pool.submit(_worker, c, budget, alloc, max_batch, strategy,
+                                       num_gpus): i for i, c in enumerate(cfgs)}
                 progress(f"probing {len(cfgs)} configurations in {min(jobs, len(cfgs))} "
                          "processes")
                 for fut in as_completed(futures):
@@ -267,7 +323,8 @@ def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
             _WORKER_SPEC = None
     else:
         for i, c in enumerate(cfgs):
-            results[i] = _probe_one(spec, c, budget, alloc, progress, max_batch)
+            results[i] = _probe_one(spec, c, budget, alloc, progress, max_batch, strategy,
+                                    num_gpus)
     return ProbeResult(spec.name, budget.gpu.name, budget.gpu.total_bytes, budget.limit_bytes,
                        budget.margin, base.grad_accum, tuple(results))
 
@@ -290,6 +347,12 @@ def render_table(r: ProbeResult) -> str:
             continue
         best = "none" if c.max_batch_size is None else (
             f">= {c.max_batch_size}" if c.capped else str(c.max_batch_size))
+        if e is None:     # a multi-GPU strategy: the fullest GPU's peak
+            pg = c.per_gpu
+            rows.append((label, best, gib(pg.peak_device_bytes), *[""] * 6,
+                         f"{pg.strategy} x{pg.num_gpus}, fullest GPU incl. context "
+                         f"({sum(t.method == 'traced' for t in c.trials)} traces)"))
+            continue
         b = e.breakdown
         rows.append((label, best, gib(e.peak_reserved_bytes), gib(b["parameters"]),
                      gib(b["gradients"]), gib(b["optimizer_state"]),

@@ -165,3 +165,23 @@ def test_spliced_optimizer_steps_equal_a_full_trace():
     with pytest.raises(SpliceMismatch):
         trace_training(spec, TraceConfig(3, precision="fp32", checkpointing=True),
                        optimizer_from=t1)
+
+
+def test_probe_with_strategies_orders_as_the_memory_does():
+    """DDP never lowers per-GPU memory (each rank holds the model plus a bucket copy of the
+    gradients), so its largest micro-batch is at most the single GPU's; ZeRO-3 shards the model
+    state, so its largest micro-batch is at least the single GPU's. Each answer is checked by
+    the strategy estimate of its own trace: b fits, b + 1 does not."""
+    from oomdoctor import parallel as par
+    from oomdoctor.probe import probe_strategy
+    budget = small_card(48)
+    single = probe_config(MLP, TraceConfig(1), budget).max_batch_size
+    ddp = probe_strategy(MLP, TraceConfig(1), budget, "ddp", 2)
+    zero3 = probe_strategy(MLP, TraceConfig(1), budget, "zero3", 2)
+    assert ddp.max_batch_size <= single <= zero3.max_batch_size
+    layout = par.model_layout(MLP)
+    for r, name in ((ddp, "ddp"), (zero3, "zero3")):
+        b = r.max_batch_size
+        at = [par.estimate_strategy(trace_training(MLP, TraceConfig(x)), layout,
+                                    par.Strategy(name, 2), budget).fits for x in (b, b + 1)]
+        assert at == [True, False], (name, b)
