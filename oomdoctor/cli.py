@@ -489,11 +489,6 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
               help="Worker processes (default: one per core).")
 @click.option("--quick", is_flag=True,
               help="Skip the per-strategy table when nothing can fit (no trace).")
-@click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
-              show_default=True,
-              help="Probe the micro-batch per GPU of a multi-GPU strategy on --num-gpus cards.")
-@click.option("--num-gpus", type=click.IntRange(1), default=2, show_default=True,
-              help="GPUs for --strategy.")
 @click.option("--smoke", "run_smoke", is_flag=True,
               help="Then run a few real training steps of the recommended configuration.")
 @_card_options

@@ -17,10 +17,14 @@ def run(*args):
     return CliRunner().invoke(cli, list(args))
 
 
-@pytest.mark.parametrize("command", ["estimate", "probe", "explain"])
+@pytest.mark.parametrize("command", sorted(cli.commands))
 def test_every_command_has_help(command):
     res = run(command, "--help")
     assert res.exit_code == 0 and "Usage:" in res.stdout
+    # every option name is declared once (a duplicated option silently shadows another)
+    params = cli.commands[command].params
+    names = [o for p in params for o in p.opts]
+    assert len(names) == len(set(names)), command
 
 
 def test_estimate_json_contract():
