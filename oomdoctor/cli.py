@@ -653,6 +653,9 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
     sys.exit(EXIT_OK if result.ok else EXIT_PROBLEM)
 
 
+# --- gpus, watch (section owned by the NVML modules' author) ---
+
+
 # --- explain (section owned by the explain module's author) ---
 @cli.command("explain")
 @click.argument("file", type=click.File("rb"))
