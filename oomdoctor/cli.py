@@ -200,9 +200,13 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
 @click.option("--smoke", "run_smoke", is_flag=True,
               help="Then run a few real training steps of the recommended configuration "
                    "(on the GPU if there is one, else on the CPU at a small batch).")
+@click.option("--device", metavar="cuda[:i]",
+              help="Measure for real on this device: real training steps in a search seeded "
+                   "by the simulator's prediction (usually about three trials per "
+                   "configuration), measured peaks next to the predicted ones.")
 @_budget_options
 def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy, num_gpus,
-          run_smoke, gpu_name,
+          run_smoke, device, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """The largest batch size that fits, for each precision x checkpointing configuration.
@@ -241,6 +245,8 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
+    if device:
+        _measure_probe(spec, base, result, device, max_batch_size, as_json, debug)
     smoke = None
     best = probe_mod.recommended(result) if strategy == "single" else None
     if run_smoke and best is not None:
@@ -654,6 +660,105 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
 
 
 # --- gpus, watch (section owned by the NVML modules' author) ---
+EXIT_NO_GPU = 4      # gpus: no NVIDIA driver or no GPU (oomdoctor.nvml.EXIT_NO_DRIVER)
+
+
+@cli.command("gpus")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout (bytes as ints).")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def gpus_command(as_json, debug):
+    """The GPUs as NVML sees them, and what that means for a training run.
+
+    \b
+    oomdoctor gpus
+    oomdoctor gpus --json
+
+    Per GPU: memory used/total, utilisation, temperature, compute capability, bf16, MIG and
+    the processes using it (flagged when another job shares it); the P2P/NVLink matrix;
+    CUDA_VISIBLE_DEVICES and what torch will see; torchrun's variables and whether
+    MASTER_PORT is free; the OMP_NUM_THREADS to use.
+    Exit codes: 0 report printed, 2 usage error, 4 no NVIDIA driver or no GPU (the report,
+    with the launch environment, is still printed; --json stays valid).
+    """
+    from oomdoctor import nvml
+    nv = nvml.Nvml()
+    try:
+        report = nvml.gpus_report(nv)
+    except Exception as e:  # NVML itself degrades to None; this is a bug in oomdoctor
+        _die(e, debug, EXIT_PROBLEM)
+    finally:
+        nv.shutdown()
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        click.echo(nvml.render_text(report))
+    if not report.available:
+        click.echo(f"error: {report.error}", err=True)
+    sys.exit(EXIT_OK if report.available else EXIT_NO_GPU)
+
+
+@cli.command("watch", context_settings={"ignore_unknown_options": True,
+                                        "allow_interspersed_args": False})
+@click.option("--interval", type=click.FloatRange(0.01), default=0.5, show_default=True,
+              help="Seconds between NVML samples.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), metavar="PATH",
+              help="Write the report as JSON to PATH (stdout belongs to the command).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), metavar="PATH",
+              help="Write a PNG of memory and utilisation over time (needs matplotlib).")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def watch_command(interval, json_path, plot_path, debug, command):
+    """Run COMMAND, sample the GPUs meanwhile, and report how they were used.
+
+    \b
+    oomdoctor watch -- python train.py --epochs 1
+    oomdoctor watch --json run.json --plot run.png -- torchrun --nproc-per-node 2 train.py
+
+    The command's stdout/stderr pass through; the report goes to stderr (or to --json PATH):
+    total time, per-GPU peak memory and mean/p50/p95 utilisation, the time two or more GPUs
+    were busy at once, and warnings (input-bound run, an idle GPU, memory near the limit).
+    Only the GPUs in CUDA_VISIBLE_DEVICES are watched. Without NVML the command still runs
+    and only its time is reported.
+    Exit codes: the command's own (128+N if killed by signal N), 2 usage error (e.g. --plot
+    without matplotlib), 126 not executable, 127 command not found.
+    """
+    from oomdoctor import nvml, watch
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--plot needs matplotlib, which is not installed: "
+                                   "pip install matplotlib, or drop --plot")
+    nv = nvml.Nvml()
+    sampler = None
+    if nv.available():
+        n = nv.device_count()
+        gpus = tuple(nvml.read_gpu(nv, i) for i in range(n))
+        sampler = watch.nvml_sampler(
+            nv, nvml.visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus))
+    try:
+        run = watch.run_watched(command, sampler, interval,
+                                unavailable=f"GPU sampling unavailable: {nv.error}")
+    except watch.CommandError as e:
+        _die(e, debug, e.exit_code)
+    finally:
+        nv.shutdown()
+    summary = watch.summarize(run.ticks, run.duration_s, command, run.exit_code, interval,
+                              run.sampling_error, nvml.cpu_cores())
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(summary.to_json(), f, indent=2)
+        click.echo(f"oomdoctor watch: exit {run.exit_code} after {run.duration_s:.1f} s; "
+                   f"report written to {json_path}", err=True)
+    else:
+        click.echo(watch.render_text(summary), err=True)
+    if plot_path:
+        if run.ticks:
+            watch.plot(run.ticks, plot_path)
+        else:
+            click.echo("no GPU samples: no plot written", err=True)
+    sys.exit(run.exit_code)
+
 
 
 # --- explain (section owned by the explain module's author) ---
@@ -730,6 +835,38 @@ def _oom_plan(result, model_file, gpu_name, batch_size, precision, debug):
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
+
+
+def _measure_probe(spec, base, predicted, device, max_batch, as_json, debug):
+    """`probe --device cuda`: measure each probed configuration for real, seeded by the
+    simulator's answer, print measured vs predicted, and exit."""
+    from dataclasses import replace as dc_replace
+
+    from tabulate import tabulate
+
+    from oomdoctor import measure
+    runs = []
+    try:
+        for r in predicted.results:
+            if r.error:
+                continue
+            cfg = dc_replace(base, precision=r.precision, checkpointing=r.checkpointing)
+            runs.append((r, measure.measured_probe(
+                spec, cfg, device, r.max_batch_size or 0, progress=_progress,
+                max_batch=max_batch)))
+    except measure.MeasureError as e:
+        _die(e, debug, EXIT_USAGE)
+    if as_json:
+        click.echo(json.dumps({"predicted": predicted.to_json(),
+                               "measured": [m.to_json() for _, m in runs]}, indent=2))
+    else:
+        rows = [(r.precision + (" + ckpt" if r.checkpointing else ""), r.max_batch_size,
+                 m.max_batch_size, m.num_trials) for r, m in runs]
+        click.echo(tabulate(rows, headers=("config", "predicted max", "measured max",
+                                           "trials")))
+    agree = all(m.max_batch_size is not None and r.max_batch_size is not None
+                and 0 <= m.max_batch_size - r.max_batch_size <= 1 for r, m in runs)
+    sys.exit(EXIT_OK if agree else EXIT_PROBLEM)
 
 
 def _profile_for_capacity(capacity: int):

@@ -162,3 +162,19 @@ def test_probe_smoke_runs_the_recommended_configuration():
     assert res.exit_code == EXIT_OK, res.stderr
     smoke = json.loads(res.stdout)["smoke"]
     assert smoke["ok"] is True and len(smoke["losses"]) == 3
+
+
+def test_probe_measured_on_a_device():
+    """--device runs real steps (here on the CPU, where max_batch caps the search) seeded by the
+    simulator; on this CPU-only torch, --device cuda is a clear usage error."""
+    res = run("probe", MLP, "--gpu", "rtx3090", "--precision", "fp32", "--no-checkpointing",
+              "--max-batch-size", "32", "-j", "1", "--device", "cpu", "--json")
+    assert res.exit_code == EXIT_OK, res.stderr
+    d = json.loads(res.stdout)
+    [m] = d["measured"]
+    assert m["max_batch_size"] == d["predicted"]["results"][0]["max_batch_size"] == 32
+    import torch
+    if not torch.cuda.is_available():
+        res = run("probe", MLP, "--gpu", "rtx3090", "--precision", "fp32",
+                  "--no-checkpointing", "--max-batch-size", "32", "-j", "1", "--device", "cuda")
+        assert res.exit_code == EXIT_USAGE and "CUDA" in res.stderr

@@ -1,0 +1,252 @@
+"""The measured probe's search and cleanup, on a fake-OOM runner, and one real CPU run."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from oomdoctor.loader import ModelFileError, load_model_file
+from oomdoctor.measure import (MeasureError, MeasuredProbe, TorchRunner, measured_probe,
+                               profile_for_device)
+from oomdoctor.trace import TraceConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "sample_models", "tiny_mlp.py")
+MiB = 2**20
+
+
+class FakeRunner:
+    """A device with an OOM threshold: batch b needs ``b`` MiB; above ``threshold`` it raises
+    torch.OutOfMemoryError part-way, with its memory still "allocated" until cleanup."""
+
+    device = "fake:0"
+
+    def __init__(self, threshold: int, raise_at: dict[int, BaseException] | None = None,
+                 base_allocated: int = 7 * MiB) -> None:
+        self.threshold = threshold
+        self.raise_at = raise_at or {}
+        self.base = base_allocated          # what the caller held before the probe
+        self.allocated = base_allocated
+        self.reserved = base_allocated
+        self.peak = (0, 0)
+        self.log: list[tuple[str, int | None]] = []   # ("train", b) / ("cleanup", None)
+
+    def device_name(self) -> str:
+        return "Fake GPU"
+
+    def memory(self):
+        return self.allocated, self.reserved
+
+    def reset_peaks(self) -> None:
+        self.peak = (self.allocated, self.reserved)
+
+    def peaks(self):
+        return self.peak
+
+    def train(self, spec, cfg) -> None:
+        b = cfg.batch_size
+        self.log.append(("train", b))
+        # Allocate as a real step would; a trial that fails leaves its tensors behind.
+        self.allocated += min(b, self.threshold + 1) * MiB
+        self.reserved = max(self.reserved, self.allocated)
+        self.peak = (max(self.peak[0], self.allocated), max(self.peak[1], self.reserved))
+        if b in self.raise_at:
+            raise self.raise_at[b]
+        if b > self.threshold:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {b} MiB.\nmore")
+        self.allocated -= b * MiB             # a finished step drops its activations
+
+    def cleanup(self) -> None:
+        self.log.append(("cleanup", None))
+        self.allocated = self.base
+        self.reserved = self.base
+
+    def trained(self) -> list[int]:
+        return [b for what, b in self.log if what == "train"]
+
+    def assert_cleaned_after_every_trial(self) -> None:
+        for i, (what, _) in enumerate(self.log):
+            if what == "train":
+                assert i + 1 < len(self.log) and self.log[i + 1][0] == "cleanup", self.log
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_model_file(TINY)
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3, 7, 8, 37, 100, 1000])
+@pytest.mark.parametrize("seed_offset", [None, 0, 1, -1, 3, -3, 20])
+def test_finds_the_threshold(spec, threshold, seed_offset):
+    runner = FakeRunner(threshold)
+    seed = None if seed_offset is None else max(0, threshold + seed_offset)
+    r = measured_probe(spec, TraceConfig(1), predicted_max=seed, runner=runner, max_batch=4096)
+    assert r.max_batch_size == threshold
+    assert not r.capped
+    # Every trial's verdict matches the device, and no batch runs twice.
+    assert all(t.fits == (t.batch_size <= threshold) for t in r.trials)
+    assert len(runner.trained()) == len(set(runner.trained())) == r.num_trials
+    runner.assert_cleaned_after_every_trial()
+    assert (r.allocated_after, r.reserved_after) == (r.allocated_before, r.reserved_before)
+
+
+def test_good_seed_needs_at_most_three_trials_and_fewer_than_doubling(spec):
+    for threshold in (5, 37, 300, 1000):
+        for offset in (0, 1, -1):
+            seeded = measured_probe(spec, TraceConfig(1), predicted_max=threshold + offset,
+                                    runner=FakeRunner(threshold))
+            assert seeded.max_batch_size == threshold
+            assert seeded.num_trials <= 3, [t.batch_size for t in seeded.trials]
+        plain = measured_probe(spec, TraceConfig(1), runner=FakeRunner(threshold))
+        assert plain.max_batch_size == threshold
+        assert plain.num_trials > 3
+        assert plain.predicted_max_batch_size is None
+
+
+def test_exact_seed_trials_the_prediction_then_one_above(spec):
+    runner = FakeRunner(37)
+    r = measured_probe(spec, TraceConfig(1), predicted_max=37, runner=runner)
+    assert runner.trained() == [37, 38]
+    assert [t.fits for t in r.trials] == [True, False]
+    oom = r.trials[1]
+    assert oom.error == "CUDA out of memory. Tried to allocate 38 MiB."
+    assert oom.max_memory_allocated == 7 * MiB + 38 * MiB     # measured at the OOM
+
+
+def test_nothing_fits(spec):
+    class Never(FakeRunner):
+        def train(self, spec, cfg):
+            self.log.append(("train", cfg.batch_size))
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+    for seed in (None, 0, 1, 5):
+        runner = Never(0)
+        r = measured_probe(spec, TraceConfig(1), predicted_max=seed, runner=runner)
+        assert r.max_batch_size is None
+        assert 1 in runner.trained()
+        runner.assert_cleaned_after_every_trial()
+
+
+@pytest.mark.parametrize("seed", [None, 10, 64, 500])
+def test_capped_at_max_batch(spec, seed):
+    runner = FakeRunner(10**6)
+    r = measured_probe(spec, TraceConfig(1), predicted_max=seed, runner=runner, max_batch=64)
+    assert (r.max_batch_size, r.capped) == (64, True)
+    assert max(runner.trained()) == 64
+
+
+def test_predicted_bytes_recorded_next_to_measured(spec):
+    r = measured_probe(spec, TraceConfig(1), predicted_max=4, runner=FakeRunner(4),
+                       predict=lambda b: (b * MiB, 2 * b * MiB))
+    for t in r.trials:
+        assert (t.predicted_allocated_bytes, t.predicted_reserved_bytes) == (
+            t.batch_size * MiB, 2 * t.batch_size * MiB)
+        assert t.max_memory_allocated is not None
+    d = r.to_json()
+    assert d["num_trials"] == len(d["trials"]) == 2
+    assert isinstance(d["trials"][0]["max_memory_reserved"], int)
+
+
+def test_progress_reports_each_trial(spec):
+    lines: list[str] = []
+    measured_probe(spec, TraceConfig(1, precision="bf16", checkpointing=True), predicted_max=3,
+                   runner=FakeRunner(3), progress=lines.append)
+    assert lines == ["bf16 + checkpointing: batch size 3 fits (peak reserved 0.01 GiB)",
+                     "bf16 + checkpointing: batch size 4 does not fit (peak reserved 0.01 GiB)"]
+
+
+def test_keyboard_interrupt_cleans_up_and_propagates(spec):
+    runner = FakeRunner(100, raise_at={101: KeyboardInterrupt()})
+    with pytest.raises(KeyboardInterrupt):
+        measured_probe(spec, TraceConfig(1), predicted_max=100, runner=runner)
+    assert runner.trained() == [100, 101]
+    assert runner.log[-1] == ("cleanup", None)
+    runner.assert_cleaned_after_every_trial()
+    assert runner.memory() == (7 * MiB, 7 * MiB)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA error: an illegal memory access"),
+                                   ModelFileError("model.py: loss_fn raised ValueError: x"),
+                                   ValueError("shape mismatch")])
+def test_non_oom_errors_propagate_after_cleanup(spec, error):
+    runner = FakeRunner(100, raise_at={50: error})
+    with pytest.raises(type(error), match=str(error)[:10]):
+        measured_probe(spec, TraceConfig(1), predicted_max=50, runner=runner)
+    assert runner.log[-1] == ("cleanup", None)
+    assert runner.memory() == (7 * MiB, 7 * MiB)
+
+
+def test_bad_arguments(spec):
+    with pytest.raises(MeasureError, match="max_batch must be >= 1"):
+        measured_probe(spec, TraceConfig(1), runner=FakeRunner(3), max_batch=0)
+    with pytest.raises(MeasureError, match="predicted_max must be >= 0"):
+        measured_probe(spec, TraceConfig(1), runner=FakeRunner(3), predicted_max=-1)
+    with pytest.raises(MeasureError, match="not supported"):
+        TorchRunner("meta")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_a_gpu_says_so(spec):
+    with pytest.raises(MeasureError, match="sees none.*without --device"):
+        measured_probe(spec, TraceConfig(1), device="cuda", predicted_max=4)
+
+
+@pytest.mark.parametrize("precision,checkpointing", [("fp32", False), ("bf16", False),
+                                                     ("bf16-pure", True)])
+def test_real_cpu_trials_end_to_end(spec, precision, checkpointing):
+    """The real runner on device "cpu": the training loop runs for real (2 optimizer steps),
+    no CUDA call is made and the memory numbers are None. max_batch caps the search, since
+    nothing OOMs on the host."""
+    # tiny_mlp has no ModuleList of blocks: checkpoint its Linear layers by class name.
+    cfg = TraceConfig(1, precision=precision, checkpointing=checkpointing,
+                      checkpoint_class="Linear" if checkpointing else None)
+    r = measured_probe(spec, cfg, device="cpu", predicted_max=3, max_batch=4,
+                       predict=lambda b: (b, b))
+    assert isinstance(r, MeasuredProbe)
+    assert (r.max_batch_size, r.capped) == (4, True)
+    assert [t.batch_size for t in r.trials] == [3, 4]
+    assert all(t.fits and t.max_memory_allocated is None and t.max_memory_reserved is None
+               for t in r.trials)
+    assert (r.device, r.device_name, r.allocated_before, r.reserved_after) == (
+        "cpu", "cpu", None, None)
+
+
+def test_real_cpu_trial_trains(spec, monkeypatch):
+    """The trial really steps the optimizer twice (the simulator's 2 steps)."""
+    steps = []
+    orig = torch.optim.AdamW.step
+
+    def counting(self, *a, **k):
+        steps.append(1)
+        return orig(self, *a, **k)
+    monkeypatch.setattr(torch.optim.AdamW, "step", counting)
+    TorchRunner("cpu").train(spec, TraceConfig(2))
+    assert len(steps) == 2
+
+
+def test_real_cpu_model_errors_propagate(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\n"
+                   "def build_model():\n    return torch.nn.Linear(4, 2)\n"
+                   "def make_batch(b):\n    return torch.randn(b, 5)\n"
+                   "def loss_fn(model, batch):\n    return model(batch).sum()\n")
+    with pytest.raises(ModelFileError, match="loss_fn raised RuntimeError"):
+        measured_probe(load_model_file(str(bad)), TraceConfig(1), device="cpu", predicted_max=2)
+
+
+@pytest.mark.parametrize("name,total,cc,key", [
+    ("NVIDIA H100 80GB HBM3", 79 * 2**30, (9, 0), "h100-80"),
+    ("NVIDIA A100-SXM4-40GB", 39 * 2**30, (8, 0), "a100-40"),
+    ("NVIDIA A100-SXM4-80GB", 79 * 2**30, (8, 0), "a100-80"),
+    ("NVIDIA A10", 22 * 2**30, (8, 6), "a10"),
+    ("NVIDIA GeForce RTX 3090", 23 * 2**30, (8, 6), "rtx3090"),
+    ("Tesla T4", 14 * 2**30, (7, 5), "t4"),
+    ("NVIDIA L4", 22 * 2**30, (8, 9), "l4"),
+    ("NVIDIA H200", 139 * 2**30, (9, 0), "custom"),
+    ("NVIDIA L40S", 44 * 2**30, (8, 9), "custom"),
+])
+def test_profile_for_device(name, total, cc, key):
+    p = profile_for_device(name, total, cc)
+    assert p.name == key
+    assert p.total_bytes == total
+    assert p.compute_capability == cc
