@@ -251,14 +251,9 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
     best = probe_mod.recommended(result) if strategy == "single" else None
     if run_smoke and best is not None:
         from oomdoctor import smoke as smoke_mod
-        try:
-            cfg = smoke_mod.SmokeConfig("single", 1, best.precision, best.checkpointing,
-                                        checkpoint_class, best.max_batch_size, grad_accum,
-                                        optimizer=optimizer)
-            cfg, prediction = _smoke_prediction(spec, cfg, budget, alloc)
-            smoke = smoke_mod.run_smoke(spec, cfg, prediction, progress=_progress)
-        except (smoke_mod.SmokeError, ValueError) as e:
-            _die(e, debug, EXIT_PROBLEM)
+        smoke = _smoke_run(spec, smoke_mod.SmokeConfig(
+            "single", 1, best.precision, best.checkpointing, checkpoint_class,
+            best.max_batch_size, grad_accum, optimizer=optimizer), budget, alloc, debug)
     if as_json:
         doc = result.to_json()
         if smoke is not None:
@@ -559,6 +554,12 @@ def _smoke_best(spec, best, budget, alloc, checkpoint_class, optimizer, debug):
     cfg = smoke_mod.SmokeConfig(best.strategy, best.num_gpus, best.precision,
                                 best.checkpointing, checkpoint_class, best.micro_batch,
                                 best.grad_accum, optimizer=optimizer)
+    return _smoke_run(spec, cfg, budget, alloc, debug)
+
+
+def _smoke_run(spec, cfg, budget, alloc, debug):
+    """Run a smoke configuration against its prediction (probe --smoke, recommend --smoke)."""
+    from oomdoctor import smoke as smoke_mod
     try:
         cfg, prediction = _smoke_prediction(spec, cfg, budget, alloc)
         return smoke_mod.run_smoke(spec, cfg, prediction, progress=_progress)

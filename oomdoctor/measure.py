@@ -44,7 +44,8 @@ import torch
 from oomdoctor.configs import MAX_BATCH
 from oomdoctor.gpus import GiB, PROFILES, GpuProfile, custom_profile
 from oomdoctor.loader import ModelSpec
-from oomdoctor.trace import TraceConfig
+from oomdoctor.probe import bisect_largest
+from oomdoctor.trace import TraceConfig, cast_floats
 
 Progress = Callable[[str], None]
 # Predicted (allocated, reserved) bytes at a batch size, e.g. from oomdoctor.estimate.
@@ -210,7 +211,7 @@ def _train(spec: ModelSpec, cfg: TraceConfig, dev: torch.device) -> None:
             with dev:   # the trace makes the batch on the device too (trace.py, Phase.DATA)
                 batch = make_checked_batch(spec, cfg.batch_size)
             if cfg.precision == "bf16-pure":
-                batch = _cast_floats(batch, torch.bfloat16)
+                batch = cast_floats(batch, torch.bfloat16)
             with (torch.autocast(dev.type, dtype=amp) if amp is not None
                   else contextlib.nullcontext()):
                 loss = compute_loss(spec, model, batch)
@@ -229,16 +230,6 @@ def _train(spec: ModelSpec, cfg: TraceConfig, dev: torch.device) -> None:
             optimizer.zero_grad(set_to_none=True)
         elif cfg.zero_grad == "in-place":
             optimizer.zero_grad(set_to_none=False)
-
-
-def _cast_floats(batch: Any, dtype: torch.dtype) -> Any:
-    def cast(t):
-        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-    if isinstance(batch, dict):
-        return {k: cast(v) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(cast(t) for t in batch)
-    return cast(batch)
 
 
 def measured_probe(spec: ModelSpec, cfg: TraceConfig, device: str = "cuda:0",
@@ -276,7 +267,7 @@ def measured_probe(spec: ModelSpec, cfg: TraceConfig, device: str = "cuda:0",
 
     allocated_before, reserved_before = runner.memory()
     if predicted_max is None:
-        best, capped = _double_then_bisect(fits, max_batch)
+        best, capped = _double_thenbisect_largest(fits, max_batch)
     else:
         best, capped = _search_from(fits, max(1, min(predicted_max, max_batch)), max_batch)
     allocated_after, reserved_after = runner.memory()
@@ -326,9 +317,9 @@ def _search_from(fits: Callable[[int], bool], guess: int, max_batch: int) -> tup
                     return lo, True
                 if fits(max_batch):
                     return max_batch, True
-                return _bisect(fits, lo, max_batch), False
+                return bisect_largest(fits, lo, max_batch), False
             if not fits(b):
-                return _bisect(fits, lo, b), False
+                return bisect_largest(fits, lo, b), False
             lo, d = b, d * 2
     hi, d = guess, 1
     while True:
@@ -336,13 +327,13 @@ def _search_from(fits: Callable[[int], bool], guess: int, max_batch: int) -> tup
         if b < 1:
             if hi == 1 or not fits(1):
                 return None, False
-            return _bisect(fits, 1, hi), False
+            return bisect_largest(fits, 1, hi), False
         if fits(b):
-            return _bisect(fits, b, hi), False
+            return bisect_largest(fits, b, hi), False
         hi, d = b, d * 2
 
 
-def _double_then_bisect(fits: Callable[[int], bool], max_batch: int) -> tuple[int | None, bool]:
+def _double_thenbisect_largest(fits: Callable[[int], bool], max_batch: int) -> tuple[int | None, bool]:
     """No prediction: Lightning's search - 1, 2, 4, ... until one fails, then bisect."""
     if not fits(1):
         return None, False
@@ -355,18 +346,7 @@ def _double_then_bisect(fits: Callable[[int], bool], max_batch: int) -> tuple[in
         if fits(max_batch):
             return max_batch, True
         hi = max_batch
-    return _bisect(fits, lo, hi), False
-
-
-def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
-    """Largest b in [lo, hi) with fits(b), given fits(lo) and not fits(hi)."""
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return bisect_largest(fits, lo, hi), False
 
 
 # Device names as torch.cuda.get_device_name() reports them -> oomdoctor.gpus.PROFILES keys.

@@ -266,7 +266,7 @@ def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2) 
 
     from oomdoctor import emulate
     from oomdoctor.loader import build_checked_model, compute_loss, make_checked_batch
-    from oomdoctor.trace import _cast_floats, _to_dtype
+    from oomdoctor.trace import _to_dtype, cast_floats
 
     gc.collect()
     torch.manual_seed(0)
@@ -391,7 +391,7 @@ def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2) 
                 with flops, tagger:
                     batch = make_checked_batch(spec, b)
                     if precision == "bf16-pure":
-                        batch = _cast_floats(batch, torch.bfloat16)
+                        batch = cast_floats(batch, torch.bfloat16)
                     with contextlib.ExitStack() as stack:
                         if amp is not None:
                             stack.enter_context(emulate.CudaAutocast(amp))

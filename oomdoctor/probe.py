@@ -193,15 +193,20 @@ def _search_near(fits: Callable[[int], bool], guess: int, lo: int, max_batch: in
     return _bisect(fits, max(lo, hi - step), hi)
 
 
-def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> tuple[int, bool]:
-    """Largest b in [lo, hi) with fits(b), given fits(lo) and not fits(hi)."""
+def bisect_largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """Largest b in [lo, hi) with fits(b), given fits(lo) and not fits(hi) (the measured probe
+    in measure.py searches with it too)."""
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid
         else:
             hi = mid
-    return lo, False
+    return lo
+
+
+def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> tuple[int, bool]:
+    return bisect_largest(fits, lo, hi), False
 
 
 def _search(fits: Callable[[int], bool], lo: int, max_batch: int) -> tuple[int, bool]:

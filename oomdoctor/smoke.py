@@ -34,6 +34,7 @@ import torch
 
 from oomdoctor.loader import ModelSpec, build_checked_model, compute_loss, load_model_file
 from oomdoctor.parallel import STRATEGIES, StrategyEstimate, execution_blocks
+from oomdoctor.trace import cast_floats
 
 TOLERANCE = 0.10          # measured peak vs prediction, relative
 DISTRIBUTED = ("ddp", "zero1", "zero2", "zero3")
@@ -162,16 +163,6 @@ def _to(batch: Any, device: torch.device) -> Any:
     return batch.to(device)
 
 
-def _cast_floats(batch: Any, dtype: torch.dtype) -> Any:
-    def cast(t):
-        return t.to(dtype) if t.is_floating_point() else t
-    if isinstance(batch, dict):
-        return {k: cast(v) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(cast(t) for t in batch)
-    return cast(batch)
-
-
 def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, world: int = 1,
                   want_state: bool = False) -> dict[str, Any]:
     """Build, wrap and train ``cfg.steps`` steps in this process; return losses, step times,
@@ -240,7 +231,7 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
         with torch.device("cpu"):
             batch = make_checked_batch(spec, dp_batch)
         if cfg.precision == "bf16-pure":
-            batch = _cast_floats(batch, torch.bfloat16)
+            batch = cast_floats(batch, torch.bfloat16)
         batches.append(_to(batch, input_device))
     devices = _devices(cfg, cuda, device)
     if cuda:

@@ -416,7 +416,7 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
                         with _phase(rec, marks, Phase.DATA, it, micro):
                             batch = make_checked_batch(spec, cfg.batch_size)
                             if cfg.precision == "bf16-pure":
-                                batch = _cast_floats(batch, torch.bfloat16)
+                                batch = cast_floats(batch, torch.bfloat16)
                         with _phase(rec, marks, Phase.FORWARD, it, micro):
                             with contextlib.ExitStack() as stack:
                                 if kernels is not None:
@@ -516,7 +516,9 @@ def _to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 store[name] = memo[id(t)]
 
 
-def _cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    """A batch (tensor, tuple/list or dict) with its floating tensors cast to ``dtype``
+    (pure bf16 feeds bf16 inputs); integer tensors such as token ids are left alone."""
     def cast(t):
         return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
     if isinstance(batch, dict):
