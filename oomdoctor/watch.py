@@ -218,6 +218,9 @@ def run_watched(argv: Sequence[str], sampler: Sampler | None, interval_s: float 
     stop.set()
     if th is not None:
         th.join(timeout=max(5.0, 2 * interval_s))
+    # The sampler may have taken one more reading between the child's exit and stop.set();
+    # it describes the GPU after the run, so it is not part of the run.
+    ticks[:] = [k for k in ticks if k.t <= duration]
     # A child killed by signal N: the shell's convention, 128 + N.
     code = 128 - code if code < 0 else code
     return RunResult(code, duration, tuple(ticks),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pickle
 import random
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -563,13 +562,22 @@ def _random_events(n: int, seed: int = 0) -> list[tuple[bool, int, int]]:
     return events
 
 
-def test_replay_100k_events_is_fast():
+def test_replay_100k_events_keeps_its_invariants():
+    # Speed is benchmarks/bench_allocator.py's business; here only what must hold at any size:
+    # the allocated peak covers the largest live set of requests, and reserved covers allocated.
     events = _random_events(100_000)
-    start = time.perf_counter()
+    live: dict[int, int] = {}
+    need = top = 0
+    for is_alloc, handle, nbytes in events:
+        if is_alloc:
+            live[handle] = nbytes
+            need += nbytes
+            top = max(top, need)
+        else:
+            need -= live.pop(handle)
     res = replay(events)
-    elapsed = time.perf_counter() - start
-    assert res.peak_reserved_bytes >= res.peak_allocated_bytes > 0
-    assert elapsed < 1.5, f"replay of 100k events took {elapsed:.2f}s"
+    assert res.peak_reserved_bytes >= res.peak_allocated_bytes >= top > 0
+    assert res.oom_index is None
 
 
 # ----------------------------------------------------------------- property test
