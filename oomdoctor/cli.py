@@ -195,8 +195,14 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
 @click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
               show_default=True,
               help="Probe the micro-batch per GPU of a multi-GPU strategy on --num-gpus cards.")
-@click.option("--num-gpus", type=click.IntRange(1), default=2, show_default=True,
-              help="GPUs for --strategy.")
+@click.option("--num-gpus", type=click.IntRange(1), default=None,
+              help="GPUs for --strategy (default 2). With the single-GPU probe and N > 1, "
+                   "the end also plans the recommended precision on N GPUs (strategy, "
+                   "micro-batch, accumulation, launch line); that plan is also made when "
+                   "more than one GPU is detected.")
+@click.option("--target-batch", type=click.IntRange(1), default=256, show_default=True,
+              help="Effective batch for the multi-GPU plan (micro-batch x accumulation x "
+                   "GPUs).")
 @click.option("--smoke", "run_smoke", is_flag=True,
               help="Then run a few real training steps of the recommended configuration "
                    "(on the GPU if there is one, else on the CPU at a small batch).")
@@ -206,13 +212,14 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
                    "configuration), measured peaks next to the predicted ones.")
 @_budget_options
 def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy, num_gpus,
-          run_smoke, device, gpu_name,
+          target_batch, run_smoke, device, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """The largest batch size that fits, for each precision x checkpointing configuration.
 
     \b
     oomdoctor probe sample_models/gpt2_small.py --gpu rtx3090
+    oomdoctor probe sample_models/gpt2_small.py --gpu rtx3090 --num-gpus 2 --target-batch 256
     oomdoctor probe sample_models/llama7b.py --gpu a100-80 --precision bf16-pure --json
 
     Progress goes to stderr, the result to stdout.
@@ -240,11 +247,17 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
                                  progress=lambda msg: click.echo(msg, err=True),
                                  max_batch=max_batch_size,
                                  jobs=jobs or probe_mod.default_jobs(),
-                                 strategy=strategy, num_gpus=num_gpus)
+                                 strategy=strategy, num_gpus=num_gpus or 2)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
+    plan = None
+    if strategy == "single":
+        n = num_gpus or _detected_gpu_count(gpu_name, memory)
+        if n > 1:
+            plan = _multi_gpu_plan(spec, result, budget, alloc, base, n, target_batch, jobs,
+                                   debug)
     if device:
         _measure_probe(spec, base, result, device, max_batch_size, as_json, debug)
     smoke = None
@@ -256,6 +269,8 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
             best.max_batch_size, grad_accum, optimizer=optimizer), budget, alloc, debug)
     if as_json:
         doc = result.to_json()
+        if plan is not None:
+            doc["multi_gpu_plan"] = plan.to_json()
         if smoke is not None:
             doc["smoke"] = smoke.to_json()
         click.echo(json.dumps(doc, indent=2))
@@ -263,10 +278,50 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
         click.echo(probe_mod.render_table(result))
         if strategy == "single":
             click.echo(probe_mod.render_recommendation(result))
+        if plan is not None:
+            from oomdoctor import recommend as rec
+            click.echo(f"\non {plan.num_gpus} GPUs, at the recommended precision (all "
+                       "precisions and strategies: `oomdoctor recommend`):\n")
+            click.echo(rec.render_text(plan))
         if smoke is not None:
             click.echo("\n" + smoke_mod.render_text(smoke))
     fits = any(r.max_batch_size for r in result.results)
     sys.exit(EXIT_OK if fits and (smoke is None or smoke.ok) else EXIT_PROBLEM)
+
+
+def _detected_gpu_count(gpu_name, memory) -> int:
+    """GPUs on this machine, for planning: only when the card was not named (a named card
+    means planning for other hardware), and without importing CUDA when NVML can tell."""
+    if gpu_name or memory:
+        return 1
+    from oomdoctor import recommend as rec
+    found = rec.detect_hardware()
+    return found[1] if found else 1
+
+
+def _multi_gpu_plan(spec, result, budget, alloc, base, num_gpus, target_batch, jobs, debug):
+    """The end of a single-GPU probe on N > 1 GPUs: the recommended precision and
+    checkpointing, planned across every strategy (recommend.recommend, restricted)."""
+    from dataclasses import replace as dc_replace
+
+    from oomdoctor import probe as probe_mod
+    from oomdoctor import recommend as rec
+    from oomdoctor.loader import ModelFileError
+    best = probe_mod.recommended(result)
+    # Nothing fits one card: plan every precision (sharding or the split may still fit).
+    precisions = [best.precision] if best is not None else None
+    checkpointing = [best.checkpointing] if best is not None else None
+    click.echo(f"planning {num_gpus} GPUs for an effective batch of {target_batch}", err=True)
+    try:
+        hw = rec.hardware(budget.gpu, num_gpus)
+        return rec.recommend(spec, hw, target_batch, budget, precisions, None, alloc,
+                             dc_replace(base, grad_accum=1), checkpointing,
+                             jobs=jobs or probe_mod.default_jobs(), top=5, detail=False,
+                             progress=_progress)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
 
 
 @cli.command()

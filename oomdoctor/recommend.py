@@ -59,6 +59,8 @@ _BRIDGE_NVLINK_GBPS = {"rtx3090": 56.25, "a6000": 56.25}
 # Numerics: 0 keeps fp32 weights and updates (fp32, or autocast AMP with fp32 master weights);
 # 1 stores weights and optimizer state in bf16 (small updates are lost to rounding).
 NUMERICS = {"fp32": 0, "fp16": 0, "bf16": 0, "bf16-pure": 1}
+# The order a user would rather run them in, all else being equal.
+SIMPLICITY = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline2", "dp")
 NUMERICS_PENALTY = 1.25           # pure bf16 must be this much faster to be recommended
 
 # Optimizer state per trainable element, in the parameters' dtype, for the lower bound
@@ -152,6 +154,10 @@ class StepTime:
     seconds: float
     compute_seconds: float
     communication_seconds: float      # not hidden behind compute
+    # Bytes each GPU sends per optimizer step, hidden or not: the tie-break when compute hides
+    # every strategy's communication (ZeRO-3 then moves 1.5x DDP's volume per micro-batch for
+    # the same step time - more link contention, more NCCL buffers, for nothing).
+    traffic_bytes: int = 0
 
 
 def throughput(gpu: GpuProfile, precision: str) -> float:
@@ -174,30 +180,37 @@ def step_time(layout: Layout, trace: Trace, strategy: Strategy, hw: Hardware, pr
     ring = (n - 1) / n if n > 1 else 0.0
     compute = grad_accum * t_micro
     comm = 0.0
+    traffic = 0.0
     name = strategy.name
     if name == "ddp":
         # Bucketed all-reduce (2(n-1)/n of the gradients per GPU) overlaps the last backward;
         # earlier micro-batches run under no_sync.
-        comm = max(0.0, 2 * ring * grads / bw - BACKWARD_SHARE * t_micro)
+        traffic = 2 * ring * grads
+        comm = max(0.0, traffic / bw - BACKWARD_SHARE * t_micro)
     elif name == "zero1":
+        traffic = 2 * ring * grads + ring * params
         comm = max(0.0, 2 * ring * grads / bw - BACKWARD_SHARE * t_micro) + ring * params / bw
     elif name == "zero2":
         # Gradients reduce-scattered every micro-batch (sharded gradients cannot wait), updated
         # parameters all-gathered once per step.
+        traffic = grad_accum * ring * grads + ring * params
         comm = grad_accum * max(0.0, ring * grads / bw - BACKWARD_SHARE * t_micro) \
             + ring * params / bw
     elif name == "zero3":
         # Parameters all-gathered for forward and backward, gradients reduce-scattered: 3x the
         # parameter volume per micro-batch (ZeRO paper, 1.5x DDP), prefetched behind compute.
+        traffic = grad_accum * 3 * ring * params
         comm = grad_accum * max(0.0, 3 * ring * params / bw - t_micro)
     elif name == "dp":
         # Replicas broadcast from GPU 0 and gradients reduced onto it every micro-batch, from one
         # Python thread per GPU; nothing overlaps.
-        comm = grad_accum * (n - 1) * (params + grads) / bw
+        traffic = grad_accum * (n - 1) * (params + grads)
+        comm = traffic / bw
     elif name == "pipeline2":
         # Activations forward and their gradients back across the cut, each micro-batch.
-        comm = grad_accum * 2 * boundary_bytes / bw
-    return StepTime(compute + comm, compute, comm)
+        traffic = grad_accum * 2 * boundary_bytes
+        comm = traffic / bw
+    return StepTime(compute + comm, compute, comm, round(traffic))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,6 +237,7 @@ class Candidate:
     numerics: str
     score: float                      # step time with the numerics penalty; lower is better
     extrapolated: bool = True         # sizes from the batch-1/2 traces (False: traced directly)
+    traffic_bytes: int = 0            # sent per GPU per step (StepTime.traffic_bytes)
 
 
 @dataclass(frozen=True)
@@ -405,7 +419,7 @@ def _search_config(spec: ModelSpec, precision: str, checkpointing: bool, hw: Har
             t.compute_seconds, t.communication_seconds, target / t.seconds if t.seconds else 0,
             _numerics(precision),
             t.seconds * (NUMERICS_PENALTY if NUMERICS[precision] else 1.0),
-            extrapolated=b not in exact))
+            extrapolated=b not in exact, traffic_bytes=t.traffic_bytes))
     return out, []
 
 
@@ -487,7 +501,12 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
                                              strategies_for(p), base, progress)
                 candidates += cands
                 errors += errs
-    candidates.sort(key=lambda c: (c.score, c.peak_device_bytes))
+    # Step times equal to the three digits the table shows (typically: compute hides all
+    # communication) are a tie - the estimate is not finer than that. Ties go to the plan that
+    # moves fewer bytes, then to the simpler strategy (DDP before the ZeRO stages: fewer
+    # moving parts, plain checkpoints), then to the one with more headroom.
+    candidates.sort(key=lambda c: (float(f"{c.score:.3g}"), c.traffic_bytes,
+                                   SIMPLICITY.index(c.strategy), c.peak_device_bytes))
     candidates = _verified(spec, candidates, hw, budget, alloc, base, progress)
     best = candidates[0] if candidates else None
     # Per-GPU memory of every strategy for one configuration: the best's, else the one with the

@@ -92,6 +92,34 @@ def test_probe_json_and_progress():
     assert r["max_batch_size"] == 4096
     assert r["trials"] and all(set(t) >= {"batch_size", "fits", "method"} for t in r["trials"])
     assert "tracing batch size 2" in res.stderr
+    assert "multi_gpu_plan" not in d            # one GPU: no GPU here and --num-gpus not given
+
+
+def test_probe_on_two_gpus_ends_with_a_plan_for_them():
+    """A card too small for the whole target batch: the plan spreads it over both GPUs at the
+    probe's recommended precision, with micro-batch x accumulation x GPUs = the target, and a
+    DDP micro-batch never above the single-GPU maximum (DDP replicates the model)."""
+    res = run("probe", MLP, "--memory", "40MiB", "--overhead", "0", "--precision", "fp32",
+              "--no-checkpointing", "--num-gpus", "2", "--target-batch", "1024", "-j", "1",
+              "--json")
+    assert res.exit_code == EXIT_OK, res.stderr
+    d = json.loads(res.stdout)
+    [single] = d["results"]
+    assert 0 < single["max_batch_size"] < 1024
+    plan = d["multi_gpu_plan"]
+    assert plan["num_gpus"] == 2 and plan["target_batch"] == 1024
+    assert plan["best"] and plan["candidates"][0] == plan["best"]
+    for c in plan["candidates"]:
+        assert c["precision"] == "fp32" and c["checkpointing"] is False
+        dp = 1 if c["strategy"] in ("single", "pipeline2") else c["num_gpus"]
+        assert c["micro_batch"] * c["grad_accum"] * dp == 1024
+        if c["strategy"] in ("ddp", "single"):
+            assert c["micro_batch"] <= single["max_batch_size"]
+    assert "planning 2 GPUs for an effective batch of 1024" in res.stderr
+    text = run("probe", MLP, "--memory", "40MiB", "--overhead", "0", "--precision", "fp32",
+               "--no-checkpointing", "--num-gpus", "2", "--target-batch", "1024", "-j", "1")
+    assert "on 2 GPUs, at the recommended precision" in text.stdout
+    assert "RECOMMENDED:" in text.stdout
 
 
 def test_probe_nothing_fits():

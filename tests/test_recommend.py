@@ -72,7 +72,8 @@ def test_every_candidate_has_the_target_batch_and_fits_on_a_direct_estimate():
         assert c.micro_batch * c.grad_accum * dp == 256
         if c.strategy == "single":
             assert estimate(MLP, TraceConfig(c.micro_batch), budget).fits
-    assert [c.score for c in r.candidates] == sorted(c.score for c in r.candidates)
+    shown = [float(f"{c.score:.3g}") for c in r.candidates]    # the table's 3 digits
+    assert shown == sorted(shown)
     # Going one micro-batch step up does not fit (the search keeps the largest).
     single = [c for c in r.candidates if c.strategy == "single"]
     if single and single[0].micro_batch < 256:
@@ -96,6 +97,27 @@ def test_step_time_formulas():
     assert d.communication_seconds == pytest.approx(max(0, grads / 12.5e9 - 2 / 3 * micro))
     z3 = rec.step_time(layout, trace, par.Strategy("zero3", 2), hw, "fp32", False, 64, 2)
     assert z3.communication_seconds >= d.communication_seconds
+    # Bytes sent per GPU per step, hidden or not (ZeRO paper, section 7): DDP all-reduces the
+    # gradients once (2(N-1)/N), ZeRO-3 moves 3(N-1)/N of the parameters every micro-batch.
+    params = 399_370 * 4
+    assert d.traffic_bytes == round(2 * 0.5 * grads)
+    assert z3.traffic_bytes == round(2 * 3 * 0.5 * params)
+
+
+def test_equal_step_times_prefer_the_plan_that_moves_fewer_bytes():
+    """On a link so fast that every strategy's communication hides behind compute, DDP and the
+    ZeRO stages tie on step time; DDP moves the fewest bytes (and is the simplest), so among
+    plans with the same micro-batch it must rank first - never ZeRO-3 for a model DDP fits."""
+    card = custom_profile(48 * MiB)
+    hw = rec.Hardware(card, 2, "nvlink", 1e9, cores=4)
+    r = rec.recommend(MLP, hw, 256, Budget(card, margin=0.0, context_bytes=0),
+                      precisions=["fp32"], strategies=["ddp", "zero1", "zero2", "zero3"],
+                      detail=False)
+    same = [c for c in r.candidates if (c.micro_batch, c.grad_accum) ==
+            (r.best.micro_batch, r.best.grad_accum)]
+    assert len(same) >= 2 and all(c.score == pytest.approx(same[0].score, rel=1e-6) for c in same)
+    assert r.best.strategy == "ddp"
+    assert [c.traffic_bytes for c in same] == sorted(c.traffic_bytes for c in same)
 
 
 def test_links():
