@@ -406,9 +406,13 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
     _AnchorSpec(Kind.CUDA_ASYNC_OOM, ("wouldexceedallowedmemory",),
                 re.compile(r"Allocationondevice-?\d+wouldexceedallowedmemory", _I)),
     _AnchorSpec(Kind.MPS_OOM, ("mpsbackendoutofmemory",), re.compile(r"MPSbackendoutofmemory", _I)),
-    _AnchorSpec(Kind.CUDA_ERROR_OOM, ("outofmemory", "out_of_memory", "memoryallocation"), re.compile(
+    _AnchorSpec(Kind.CUDA_ERROR_OOM, ("outofmemory", "out_of_memory", "memoryallocation",
+                                      "hiperror_t(1002)"), re.compile(
         r"(?:CUDA|HIP)(?:runtime)?(?:error|failure|failedwitherror)\W{0,3}\d{0,3}\W{0,3}outofmemory"
-        r"|error=2:outofmemory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|hipErrorOutOfMemory", _I)),
+        r"|error=2:outofmemory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|hipErrorOutOfMemory"
+        # TensorFlow's ROCm driver (rocm_driver.cc): "failed to allocate 890.06M (933298432
+        # bytes) from device: HIP_ERROR_OutOfMemory", older builds print the raw hipError_t 1002.
+        r"|HIP_ERROR_OutOfMemory|fromdevice:hipError_t\(1002\)", _I)),
     _AnchorSpec(Kind.CUBLAS_ALLOC, ("cublas_status",),
                 re.compile(r"CUBLAS_STATUS_(?:ALLOC_FAILED|NOT_INITIALIZED)", _I)),
     _AnchorSpec(Kind.CUDNN_FAILURE, ("cudnn_status", "cudnnalgorithm", "unabletofindanengine"), re.compile(
@@ -1152,12 +1156,15 @@ def _x_cuda_error(span: str, pre: str, m: re.Match) -> _Draft:
     d = _Draft(Kind.CUDA_ERROR_OOM)
     text = m.group(0).upper()
     context = (pre + span[:200]).lower()
-    if "CUDA_ERROR_OUT_OF_MEMORY" in text and ("stream_executor" in context or "failedtoalloc" in context
-                                               or "tensorflow" in context or "xla" in context):
-        # cuda_driver.cc in TensorFlow/XLA logs, e.g. "failed to alloc N bytes ... result:
-        # CUDA_ERROR_OUT_OF_MEMORY"; the framework's own error usually follows.
+    driver = text in ("CUDA_ERROR_OUT_OF_MEMORY", "HIP_ERROR_OUTOFMEMORY") \
+        or text.startswith("FROMDEVICE:HIPERROR_T")
+    if driver and ("stream_executor" in context or "failedtoalloc" in context
+                   or "tensorflow" in context or "xla" in context):
+        # cuda_driver.cc / rocm_driver.cc in TensorFlow/XLA logs: "failed to alloc N bytes ...
+        # result: CUDA_ERROR_OUT_OF_MEMORY" or "failed to allocate 10.76G (11553462016 bytes)
+        # from device: ..."; the framework's own error usually follows.
         d.details["source"] = "driver (TensorFlow/XLA stream executor)"
-        req = re.search(r"failedtoalloc(?:ate)?(\d+)bytes", pre + span, re.I)
+        req = re.search(r"failedtoalloc(?:ate)?(?:[\d.]+[KMGT]?i?B?\()?(\d+)bytes", pre + span, re.I)
         if req:
             d.numbers["requested"] = int(req.group(1))
     elif "CUDA_ERROR_OUT_OF_MEMORY" in text:
@@ -1166,7 +1173,7 @@ def _x_cuda_error(span: str, pre: str, m: re.Match) -> _Draft:
         d.details["source"] = "old PyTorch THC (cuda runtime error 2)"
     else:
         d.details["source"] = "CUDA runtime/driver"
-    if text.startswith("HIP"):
+    if text.startswith("HIP") or "HIPERROR" in text:
         d.details["platform"] = "ROCm/HIP"
     d.sig = (d.details["source"],)
     return d

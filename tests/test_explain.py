@@ -212,6 +212,15 @@ EXPECTED = {
         numbers=dict(requested=64 * 64 * 112 * 224 * 4, limit=10508943360, in_use=10389219072,
                      max_in_use=10462004736),
         details=dict(shape="[64,64,112,224]", dtype="float", device="GPU:0")),
+    # The framework's driver layer grabbing its pool (retries with less within one message's
+    # reach are one finding); the byte count in parentheses is exact, the first attempt's.
+    "tf_driver_pool_retries.log": dict(
+        kind=Kind.CUDA_ERROR_OOM, cause="framework_driver_oom",
+        numbers=dict(requested=15737028608),
+        details={"source": "driver (TensorFlow/XLA stream executor)", "platform": "ROCm/HIP"}),
+    "tf_cuda_driver_parenthesised.log": dict(
+        kind=Kind.CUDA_ERROR_OOM, cause="framework_driver_oom",
+        numbers=dict(requested=7407239424), first_fix="stop_preallocation"),
     "jax_xla.log": dict(
         kind=Kind.JAX_OOM,
         numbers=dict(requested=4770354232, total_allocation=sz("14.44 GiB"), temp_allocation=sz("4.44 GiB"),
