@@ -1508,7 +1508,8 @@ _CAUSE_ORDER = {name: i for i, name in enumerate((
     "consequence_of_oom", "windows_shared_memory_spill", "request_absurd", "request_exceeds_capacity", "model_states_exceed_card",
     "memory_fraction_limit", "other_process", "evaluation_without_no_grad", "invisible_process",
     "outside_allocator", "non_pytorch_memory", "gpu_full_at_start", "all_ranks_on_one_gpu", "fragmentation",
-    "free_but_unusable", "huge_single_allocation", "model_or_batch_too_big", "container_pid_namespace",
+    "free_but_unusable", "huge_single_allocation", "model_or_batch_too_big", "card_full",
+    "container_pid_namespace",
 ))}
 
 
@@ -1835,10 +1836,23 @@ def _diag_model_states(t: _TorchNums, out: _Out, trainable: int | None, states: 
     out.shortfall = max(out.shortfall or 0, states + (t.req or 0) - t.cap)
 
 
+def _near_full(t: _TorchNums) -> bool:
+    """Free memory barely above the request: cudaMalloc needs headroom beyond the bytes asked
+    for (2 MiB page granularity, driver bookkeeping), so the card is effectively full."""
+    return (t.req is not None and t.free is not None and t.req <= t.free
+            and t.free - t.req < max(128 * MiB, (t.cap or 0) // 100))
+
+
 def _diag_free_but_unusable(t: _TorchNums, out: _Out) -> None:
     req, free = t.req, t.free
     if (req is not None and free is not None and free >= req and t.unalloc is not None and t.unalloc < req
             and "memory_fraction_limit" not in [x.cause for x in out.diagnosis]):
+        if _near_full(t):
+            out.diag("card_full",
+                     f"Only {_F(free)} was free, {_F(free - req)} more than the {_F(req)} requested: "
+                     "cudaMalloc needs headroom beyond the request (page granularity, driver "
+                     "bookkeeping), so the GPU was effectively full.")
+            return
         out.diag("free_but_unusable",
                  f"The driver reported {_F(free)} free, more than the {_F(req)} requested, yet cudaMalloc failed: "
                  "the free memory is not usable in one piece. On Windows (WDDM) the driver reserves part of it; "
@@ -1877,12 +1891,12 @@ def _diag_capacity(t: _TorchNums, out: _Out) -> None:
     """The default: PyTorch's own tensors fill the card."""
     causes = {x.cause for x in out.diagnosis}
     req, free, alloc, cap = t.req, t.free, t.alloc, t.cap
-    short = free is None or req is None or req > free
+    short = free is None or req is None or req > free or _near_full(t)
     if (alloc is not None and cap and not t.spill and short
             and not causes & {"request_exceeds_capacity", "memory_fraction_limit"}
             and (alloc >= cap * 0.5 or not causes)):
         extra = f" and the step needed {_F(req)} more" if req is not None else ""
-        if req is not None and free is not None:
+        if req is not None and free is not None and req > free:
             extra += f" ({_F(req - free)} beyond what was free)"
         out.diag("model_or_batch_too_big",
                  f"PyTorch's own tensors occupy {_F(alloc)} of the {_F(cap)} card ({_pct(alloc, cap)}){extra}. "
@@ -1951,7 +1965,9 @@ def _diag_other_memory(d: _Draft, out: _Out, cap: int | None, free: int | None, 
                     "(TF: tf.config.experimental.set_memory_growth; JAX: XLA_PYTHON_CLIENT_PREALLOCATE=false)",
                     non_pt - _CONTEXT_MARGIN, "up to", _SPEED_NONE, _QUALITY_NONE,
                     "Or load only one framework onto the GPU per process.", cost=0, primary=True)
-        if unexplained > max(_CONTEXT_MARGIN, cap // 10) and not others:
+        # "this process has" already counts this process's CUDA context, so anything beyond it
+        # (a few hundred MiB tolerance for rounding and driver reservations) belongs to others.
+        if unexplained > max(256 * MiB, cap // 10) and not others:
             out.derived["outside_allocator"] = unexplained
             out.diag("invisible_process",
                      f"{_F(unexplained)} of {where} is in use by something this message does not list: usually "

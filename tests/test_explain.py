@@ -221,6 +221,13 @@ EXPECTED = {
     "tf_cuda_driver_parenthesised.log": dict(
         kind=Kind.CUDA_ERROR_OOM, cause="framework_driver_oom",
         numbers=dict(requested=7407239424), first_fix="stop_preallocation"),
+    # A 6 GiB laptop GPU that also drives the display: 0.76 GiB belongs to nobody the message
+    # lists, and 27.31 MiB free is not room for a 20 MiB block - the card is full, not broken.
+    "laptop_display_gpu_full.log": dict(
+        kind=Kind.CUDA_OOM, phase=Phase.BACKWARD, cause="invisible_process",
+        numbers=dict(requested=sz("20.00 MiB"), free=sz("27.31 MiB"), this_process=sz("5.21 GiB")),
+        derived=dict(outside_allocator=sz("6.00 GiB") - sz("27.31 MiB") - sz("5.21 GiB")),
+        causes={"model_or_batch_too_big", "card_full"}, not_causes={"free_but_unusable"}),
     "jax_xla.log": dict(
         kind=Kind.JAX_OOM,
         numbers=dict(requested=4770354232, total_allocation=sz("14.44 GiB"), temp_allocation=sz("4.44 GiB"),
