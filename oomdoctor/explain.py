@@ -429,7 +429,7 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
         r"|Unabletoallocate" + _SZ + r"foranarray|std::bad_alloc|\[Errno12\]Cannotallocatememory", _I), absorb=40),
     _AnchorSpec(Kind.CPU_OOM, ("memoryerror",), re.compile(r"(?<![A-Za-z_])MemoryError(?![A-Za-z_])")),
     _AnchorSpec(Kind.WINDOWS_PAGING_FILE, ("1455", "pagingfile", "页面文件", "auslagerungsdatei"), re.compile(
-        r"WinError1455|pagingfileistoosmall|页面文件太小|Auslagerungsdateiistzuklein", _I), absorb=400),
+        r"WinError1455|pagingfileisto+small|页面文件太小|Auslagerungsdateiistzuklein", _I), absorb=400),
     _AnchorSpec(Kind.OOM_KILLER, ("-9", "sigkill", "oom", "137"), re.compile(
         r"exitcode:?-9(?!\d)|Signal9\(SIGKILL\)receivedbyPID|terminatedwithsignalSIGKILL"
         r"|(?:exits|exited)withreturncode=?-9(?!\d)|Outofmemory:Kill(?:ed)?process|oom[-_]kill"
@@ -527,7 +527,10 @@ _F_TF_LIMIT = re.compile(r"(?<![A-Za-z])Limit:(\d+)")
 _F_TF_INUSE = re.compile(r"(?<![A-Za-z])InUse:(\d+)")
 _F_TF_MAXINUSE = re.compile(r"MaxInUse:(\d+)")
 
-_F_JAX_REQ = _rx(r"Outofmemory(?:whiletryingto)?allocat(?:e|ing)" + _SZ + r"(?:\((\d+)B?\))?")
+# XLA's two wordings: "Out of memory while trying to allocate N bytes" and the PJRT client's
+# "Failed to allocate request for 2.99GiB (3206250496B) on device ordinal 0".
+_F_JAX_REQ = _rx(r"(?:Outofmemory(?:whiletryingto)?allocat(?:e|ing)|Failedtoallocaterequestfor)"
+                 + _SZ + r"(?:\((\d+)B?\))?")
 _F_JAX_TOTAL = _rx(r"totalallocation:" + _SZ)
 _F_JAX_TEMP = _rx(r"preallocatedtempallocation:" + _SZ)
 _F_JAX_PARAM = _rx(r"parameterallocation:" + _SZ)

@@ -228,6 +228,9 @@ EXPECTED = {
         numbers=dict(requested=sz("20.00 MiB"), free=sz("27.31 MiB"), this_process=sz("5.21 GiB")),
         derived=dict(outside_allocator=sz("6.00 GiB") - sz("27.31 MiB") - sz("5.21 GiB")),
         causes={"model_or_batch_too_big", "card_full"}, not_causes={"free_but_unusable"}),
+    "jax_pjrt_request.log": dict(kind=Kind.JAX_OOM, numbers=dict(requested=5873025024)),
+    # Retyped by hand into an issue, misspelling included.
+    "paging_file_paraphrased.log": dict(kind=Kind.WINDOWS_PAGING_FILE),
     "jax_xla.log": dict(
         kind=Kind.JAX_OOM,
         numbers=dict(requested=4770354232, total_allocation=sz("14.44 GiB"), temp_allocation=sz("4.44 GiB"),
