@@ -490,14 +490,17 @@ def _rx(p: str) -> re.Pattern:
 _F_REQUESTED = _rx(r"Triedtoallocate" + _SZ)
 _F_GPU_OLD = _rx(r"\(GPU(\d+);")
 _F_GPU_NEW = _rx(r"GPU(\d+)hasatotalcapac")
-_F_CAP_OLD = _rx(r";" + _SZ + r"totalcapacity")
+# The old format's fields follow a ';'. A message wrapped and pasted as a comment or a quote
+# carries the marker into the joined line ("...allocated;\n # 0 bytes free;"), hence [#>*]*.
+_SEP = r";[#>*]{0,3}"
+_F_CAP_OLD = _rx(_SEP + _SZ + r"totalcapacity")
 _F_CAP_NEW = _rx(r"hasatotalcapac\w{0,4}?of" + _SZ)
-_F_FREE_OLD = _rx(r";" + _SZ + r"free")
+_F_FREE_OLD = _rx(_SEP + _SZ + r"free")
 _F_FREE_NEW = _rx(r"ofwhich" + _SZ + r"isfree")
-_F_ALLOC_OLD = _rx(r";" + _SZ + r"alreadyallocated")
+_F_ALLOC_OLD = _rx(_SEP + _SZ + r"alreadyallocated")
 _F_ALLOC_NEW = _rx(r"Oftheallocatedmemory" + _SZ + r"isallocatedbyPyTorch")
-_F_CACHED = _rx(r";" + _SZ + r"cached")
-_F_RESERVED = _rx(r";" + _SZ + r"reservedintotalbyPyTorch")
+_F_CACHED = _rx(_SEP + _SZ + r"cached")
+_F_RESERVED = _rx(_SEP + _SZ + r"reservedintotalbyPyTorch")
 _F_ALLOWED = _rx(_SZ + r"allowed;")
 _F_POOLS = _rx(r"with" + _SZ + r"allocatedinprivatepools")
 _F_UNALLOC = _rx(r"and" + _SZ + r"isreservedbyPyTorchbutunallocated")

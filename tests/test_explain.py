@@ -231,6 +231,9 @@ EXPECTED = {
     "jax_pjrt_request.log": dict(kind=Kind.JAX_OOM, numbers=dict(requested=5873025024)),
     # Retyped by hand into an issue, misspelling included.
     "paging_file_paraphrased.log": dict(kind=Kind.WINDOWS_PAGING_FILE),
+    "commented_wrapped_old.log": dict(
+        kind=Kind.CUDA_OOM, numbers=dict(requested=sz("640.00 MiB"), capacity=sz("7.79 GiB"),
+                                         allocated=sz("5.12 GiB"), free=0, reserved=sz("6.40 GiB"))),
     "jax_xla.log": dict(
         kind=Kind.JAX_OOM,
         numbers=dict(requested=4770354232, total_allocation=sz("14.44 GiB"), temp_allocation=sz("4.44 GiB"),
