@@ -784,7 +784,7 @@ def watch_command(interval, json_path, plot_path, debug, command):
             import matplotlib  # noqa: F401
         except ImportError:
             raise click.UsageError("--plot needs matplotlib, which is not installed: "
-                                   "pip install matplotlib, or drop --plot")
+                                   "pip install 'oomdoctor[plot]' (or matplotlib), or drop --plot")
     nv = nvml.Nvml()
     sampler = None
     if nv.available():

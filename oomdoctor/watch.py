@@ -14,7 +14,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from oomdoctor.gpus import GiB, MiB
 
@@ -250,19 +250,34 @@ def render_text(s: WatchSummary) -> str:
 
 def plot(ticks: Sequence[Tick], path: str) -> None:
     """PNG of memory (GiB) and utilisation (%) per GPU over time; needs matplotlib."""
+    import matplotlib.pyplot as plt
+    fig = figure(ticks)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def figure(ticks: Sequence[Tick]) -> Any:
+    """The plot as a matplotlib Figure: memory above, utilisation below, one line per GPU."""
     import matplotlib
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")            # no display needed; files only
     import matplotlib.pyplot as plt
     fig, (ax_m, ax_u) = plt.subplots(2, 1, sharex=True, figsize=(9, 5))
     gpus = sorted({r.gpu for k in ticks for r in k.readings})
     for g in gpus:
         pts = [(k.t, r) for k in ticks for r in k.readings if r.gpu == g]
-        ax_m.plot([t for t, _ in pts], [r.used_bytes / GiB for _, r in pts], label=f"GPU {g}")
-        ax_u.plot([t for t, _ in pts], [r.util_percent or 0 for _, r in pts], label=f"GPU {g}")
+        line, = ax_m.plot([t for t, _ in pts], [r.used_bytes / GiB for _, r in pts],
+                          label=f"GPU {g}")
+        # The card's capacity, dashed in the same colour: how close the run came to an OOM.
+        ax_m.axhline(pts[-1][1].total_bytes / GiB, color=line.get_color(), linestyle="--",
+                     linewidth=0.8)
+        # No utilisation reading (NVML_ERROR_NOT_SUPPORTED on some cards) is a gap, not 0%.
+        ax_u.plot([t for t, _ in pts],
+                  [float("nan") if r.util_percent is None else r.util_percent for _, r in pts],
+                  label=f"GPU {g}")
+    ax_u.set_ylim(0, 105)
     ax_m.set_ylabel("memory used (GiB)")
     ax_u.set_ylabel("utilisation (%)")
     ax_u.set_xlabel("time (s)")
     ax_m.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig

@@ -176,3 +176,49 @@ def test_cli_watch_samples_visible_gpus_through_fake_nvml(monkeypatch):
     assert "GPU 0: 23552/24576 MiB (95.8%) peak" in res.stderr
     assert "GPU 1" not in res.stderr                   # hidden by CUDA_VISIBLE_DEVICES
     assert "peaked at 23.00 of 24.00 GiB" in res.stderr
+
+
+# ----------------------------------------------------------------------------- the plot
+
+def test_plot_draws_each_gpus_memory_capacity_and_utilisation(tmp_path):
+    """The figure's lines carry the samples (GiB, %), a dashed capacity line per GPU, and a gap
+    (NaN) where NVML gave no utilisation; the PNG on disk has the figure's 900 x 500 pixels."""
+    pytest.importorskip("matplotlib")
+    import math
+
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+    samples = [Tick(0.0, (Reading(0, 2 * GiB, TOTAL, 10), Reading(1, GiB, 12 * GiB, None))),
+               Tick(0.5, (Reading(0, 20 * GiB, TOTAL, 95), Reading(1, 3 * GiB, 12 * GiB, 40))),
+               Tick(1.0, (Reading(0, 22 * GiB, TOTAL, 99), Reading(1, 3 * GiB, 12 * GiB, 41)))]
+    fig = watch.figure(samples)
+    ax_m, ax_u = fig.axes
+    mem = [list(line.get_ydata()) for line in ax_m.lines]
+    # GPU 0's samples, its 24 GiB capacity, GPU 1's samples, its 12 GiB capacity.
+    assert mem[0] == [2.0, 20.0, 22.0] and mem[2] == [1.0, 3.0, 3.0]
+    assert mem[1] == [24.0, 24.0] and mem[3] == [12.0, 12.0]
+    assert ax_m.lines[1].get_linestyle() == "--"
+    util = [list(line.get_ydata()) for line in ax_u.lines]
+    assert util[0] == [10, 95, 99]
+    assert math.isnan(util[1][0]) and util[1][1:] == [40, 41]
+    assert list(ax_m.lines[0].get_xdata()) == [0.0, 0.5, 1.0]
+    plt.close(fig)
+    path = tmp_path / "run.png"
+    watch.plot(samples, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.image.imread(str(path)).shape[:2] == (500, 900)
+
+
+def test_cli_watch_plot_writes_the_png(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    from test_nvml import FakeNvml, rtx3090
+    fake = FakeNvml([rtx3090(used=5 * GiB, util=60)])
+    monkeypatch.setattr(nvml.Nvml, "__init__", lambda self, lib=None: (
+        setattr(self, "_lib", fake), setattr(self, "_ready", None),
+        setattr(self, "error", None))[0])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    path = tmp_path / "gpus.png"
+    res = CliRunner().invoke(cli, ["watch", "--interval", "0.02", "--plot", str(path), "--",
+                                   sys.executable, "-c", "import time; time.sleep(0.2)"])
+    assert res.exit_code == 0, res.stderr
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
