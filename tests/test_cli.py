@@ -5,7 +5,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from oomdoctor.cli import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
+from oomdoctor.cli import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
 from oomdoctor.estimate import BREAKDOWN_KEYS
 from oomdoctor.gpus import PROFILES
 
@@ -135,6 +135,28 @@ def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "oomdoctor", "--version"], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 0 and "oomdoctor" in out.stdout
+
+
+def test_console_entry_point_skips_teardown_but_keeps_output_and_exit_codes(tmp_path):
+    """The real entry point leaves through os._exit once torch is loaded: the output must still
+    be complete when piped, and every exit code the command chose must survive."""
+    import subprocess
+    import sys
+
+    def run_main(*args):
+        return subprocess.run([sys.executable, "-m", "oomdoctor", *args], capture_output=True,
+                              text=True, cwd=ROOT)
+    ok = run_main("estimate", MLP, "-b", "4", "--gpu", "rtx3090", "--json")
+    assert ok.returncode == EXIT_OK, ok.stderr
+    assert json.loads(ok.stdout)["batch_size"] == 4          # the whole document arrived
+    too_big = run_main("estimate", MLP, "-b", "4", "--memory", "600MiB", "--overhead", "599MiB")
+    assert too_big.returncode == EXIT_PROBLEM and "DOES NOT FIT" in too_big.stdout
+    bad = tmp_path / "broken.py"
+    bad.write_text("def build_model(:\n")
+    broken = run_main("estimate", str(bad), "-b", "1")
+    assert broken.returncode == EXIT_MODEL and "broken.py" in broken.stderr
+    usage = run_main("estimate", MLP, "-b", "0")
+    assert usage.returncode == EXIT_USAGE and "Usage:" in usage.stderr
 
 
 def test_explain_with_model_adds_the_simulators_numbers(tmp_path):
