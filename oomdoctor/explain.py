@@ -455,7 +455,7 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
     _AnchorSpec(Kind.PORT_PERMISSION, ("errno:13", "eacces"),
                 re.compile(r"errno:13-?Permissiondenied|EACCES", _I), absorb=300),
     _AnchorSpec(Kind.P2P, ("peeraccess", "peermapping", "p2p"), re.compile(
-        r"peeraccessisnotsupportedbetweenthesetwodevices|cudaErrorPeerAccessUnsupported"
+        r"peeraccessisnotsupport(?:ed)?betweenthesetwodevices|cudaErrorPeerAccessUnsupported"
         r"|peermappingresourcesexhausted|P2P(?:access)?(?:is)?notsupported", _I), absorb=300),
     _AnchorSpec(Kind.ILLEGAL_MEMORY_ACCESS, ("illegalmemoryaccess", "illegaladdress"), re.compile(
         r"anillegalmemoryaccesswasencountered|cudaErrorIllegalAddress", _I), absorb=400),

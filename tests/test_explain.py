@@ -253,6 +253,8 @@ EXPECTED = {
     "port_in_use_new.log": dict(kind=Kind.PORT_IN_USE, numbers=dict(port=29500)),
     "port_permission.log": dict(kind=Kind.PORT_PERMISSION, numbers=dict(port=80)),
     "p2p_unsupported.log": dict(kind=Kind.P2P, first_fix="nccl_p2p_disable"),
+    # Retyped by hand ("is not support").
+    "p2p_retyped_in_issue.log": dict(kind=Kind.P2P, first_fix="nccl_p2p_disable"),
     "illegal_memory_access.log": dict(kind=Kind.ILLEGAL_MEMORY_ACCESS, first_fix="launch_blocking"),
     "device_side_assert.log": dict(kind=Kind.DEVICE_ASSERT, details=dict(assertion="t >= 0 && t < n_classes")),
     "misaligned_address.log": dict(kind=Kind.MISALIGNED_ADDRESS),
