@@ -280,8 +280,10 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
             click.echo(probe_mod.render_recommendation(result))
         if plan is not None:
             from oomdoctor import recommend as rec
-            click.echo(f"\non {plan.num_gpus} GPUs, at the recommended precision (all "
-                       "precisions and strategies: `oomdoctor recommend`):\n")
+            scope = ("at the recommended precision (all precisions and strategies: "
+                     "`oomdoctor recommend`)" if probe_mod.recommended(result) is not None
+                     else "every precision, since none fits one card")
+            click.echo(f"\non {plan.num_gpus} GPUs, {scope}:\n")
             click.echo(rec.render_text(plan))
         if smoke is not None:
             click.echo("\n" + smoke_mod.render_text(smoke))

@@ -605,9 +605,12 @@ def _alternatives(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[str
     for n in range(hw.num_gpus + 1, 65):
         need = floor_bytes(facts, p, Strategy("zero3", n)) + extra
         if need <= lim:
+            what = (f"model states / {n} + {extra / 2**30:.1f} GiB of activations and "
+                    "temporaries" if zero3 else
+                    f"model states / {n}; activations and temporaries come on top - not "
+                    "traced here")
             out.append(f"more GPUs: ZeRO-3/FSDP over {n} x {hw.gpu.name} needs about "
-                       f"{need / 2**30:.1f} GiB per GPU ({p}: model states / {n} + "
-                       f"{extra / 2**30:.1f} GiB of activations and temporaries)")
+                       f"{need / 2**30:.1f} GiB per GPU ({p}: {what})")
             break
     for slots, name in ((0, "plain SGD (no momentum: no optimizer state)"),
                         (1, "SGD with momentum or Adafactor-like state (1 slot)")):
@@ -616,7 +619,8 @@ def _alternatives(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[str
             need = floor_bytes(facts, p, st, slots) + extra
             if need <= lim:
                 out.append(f"a lighter optimizer: {name} with {st.name} on {hw.num_gpus} GPUs "
-                           f"needs about {need / 2**30:.1f} GiB per GPU in {p}")
+                           f"needs about {need / 2**30:.1f} GiB per GPU in {p}"
+                           + ("" if zero3 else " before activations"))
                 break
         else:
             continue

@@ -49,6 +49,10 @@ def test_llama7b_cannot_train_with_ddp_on_two_3090s(llama_plan):
 def test_llama7b_says_what_would_fit(llama_plan):
     text = " ".join(llama_plan.alternatives)
     assert "more GPUs" in text and "ZeRO-3" in text
+    # Nothing was traced (detail=False): no made-up "0.0 GiB of activations".
+    assert "not traced here" in text and "0.0 GiB of activations" not in text
+    # 3 x 3090 in pure bf16: 8 bytes per parameter over 3 GPUs, the first count that fits.
+    assert f"over 3 x rtx3090 needs about {8 * LLAMA_PARAMS / 3 / 2**30:.1f} GiB" in text
     assert "SGD" in text and "offload" in text and "LoRA" in text
     # DeepSpeed's ZeRO-3 estimator with the optimizer offloaded: 4L + 2P/N (L: the 32000 x 4096
     # embedding or head).
