@@ -278,6 +278,9 @@ class Recommendation:
     alternatives: tuple[str, ...]              # what would fit, when nothing does
     notes: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
+    # The best plan's samples/s over one GPU's at the same precision and checkpointing (the
+    # same effective batch through accumulation); None when one GPU cannot run it.
+    speedup: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -530,6 +533,12 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
     alternatives = () if best is not None else _alternatives(facts, hw, budget, allowed,
                                                             by_strategy)
     launch = _launch(best, hw, spec, facts) if best is not None else None
+    speedup = None
+    if best is not None and best.num_gpus > 1:
+        one = [c for c in candidates if c.strategy == "single" and c.precision == best.precision
+               and c.checkpointing == best.checkpointing]
+        if one and best.step_seconds:
+            speedup = one[0].step_seconds / best.step_seconds
     notes = []
     if "ddp" in names and hw.num_gpus > 1:
         ddp = [e for e in by_strategy if e.strategy == "ddp"]
@@ -545,7 +554,8 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
     return Recommendation(
         spec.name, gpu.name, hw.num_gpus, hw.link, hw.link_gbps, target_batch, gpu.total_bytes,
         budget.limit_bytes, facts.num_parameters, tuple(candidates[:top]), best, launch,
-        by_strategy, ref, tuple(floors), tuple(alternatives), tuple(notes), tuple(errors))
+        by_strategy, ref, tuple(floors), tuple(alternatives), tuple(notes), tuple(errors),
+        speedup)
 
 
 def _verified(spec: ModelSpec, candidates: list[Candidate], hw: Hardware, budget: Budget,
@@ -662,10 +672,11 @@ def _launch(c: Candidate, hw: Hardware, spec: ModelSpec, facts: _Facts) -> Launc
         command = f"torchrun --standalone --nproc_per_node={procs} {args}"
     else:
         command = f"python {args}"
-    return Launch(command, env, snippet(c, facts.blocks_parent), quality_notes(c, facts))
+    return Launch(command, env, snippet(c, facts.blocks_parent, facts.has_batchnorm),
+                  quality_notes(c, facts))
 
 
-def snippet(c: Candidate, blocks: str = "") -> str:
+def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False) -> str:
     """The training-loop changes for this configuration, as a short code sketch."""
     distributed = c.strategy in ("ddp", "zero1", "zero2", "zero3")
     lines = ["import os, torch"]
@@ -695,6 +706,8 @@ def snippet(c: Candidate, blocks: str = "") -> str:
                   "        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)",
                   f"for i, block in enumerate({where}):",
                   f"    {where}[i] = Checkpointed(block)"]
+    if distributed and batchnorm and c.num_gpus > 1:
+        lines.append("model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # global BN")
     if c.strategy == "ddp":
         lines += ["model = torch.nn.parallel.DistributedDataParallel(",
                   "    model.to(device), device_ids=[local_rank], gradient_as_bucket_view=True)",
@@ -777,7 +790,8 @@ def quality_notes(c: Candidate, facts: _Facts | None = None) -> tuple[str, ...]:
              "batch's up to float rounding"
              + (" (BatchNorm sees micro-batches only: statistics from "
                 f"{c.micro_batch} samples; use SyncBatchNorm or GroupNorm)"
-                if facts is not None and getattr(facts, "has_batchnorm", False) else ""),
+                if facts is not None and getattr(facts, "has_batchnorm", False)
+                and c.grad_accum > 1 else ""),
              ]
     if c.precision in ("fp16", "bf16"):
         notes.append(f"{c.precision} AMP: practically neutral (weights, gradients and optimizer "
@@ -797,6 +811,11 @@ def quality_notes(c: Candidate, facts: _Facts | None = None) -> tuple[str, ...]:
     if c.strategy in ("ddp", "zero1", "zero2", "zero3"):
         notes.append("data parallelism is neutral in theory: every rank sees a different shard "
                      "(DistributedSampler + set_epoch), gradients are averaged")
+        if facts is not None and getattr(facts, "has_batchnorm", False) and c.num_gpus > 1:
+            notes.append(f"BatchNorm: without SyncBatchNorm each GPU normalises over its own "
+                         f"{c.micro_batch} samples, not the global batch; the snippet converts "
+                         "it (one all-reduce per BN layer in the forward, a little slower). "
+                         "With large micro-batches plain BatchNorm is usually fine")
     return tuple(notes)
 
 
@@ -868,7 +887,11 @@ def render_text(r: Recommendation) -> str:
                   f"{', activation checkpointing' if c.checkpointing else ''}, micro-batch "
                   f"{c.micro_batch} x {c.grad_accum} accumulation = effective batch "
                   f"{c.effective_batch}; {gib(c.peak_device_bytes)} GiB on the fullest GPU, "
-                  f"~{_duration(c.step_seconds)} per step", "",
+                  f"~{_duration(c.step_seconds)} per step"
+                  + (f", up to ~{r.speedup:.1f}x the throughput of one GPU (communication "
+                     "hidden where it can be; real runs also lose time to synchronisation and "
+                     "the data pipeline)" if r.speedup else ""),
+                  "",
                   " ".join(f"{k}={v}" for k, v in lc.env.items()) + " \\",
                   f"  {lc.command}", "", "code changes:", "",
                   *["    " + ln for ln in lc.snippet.splitlines()], "", "quality:",

@@ -194,3 +194,32 @@ def test_recommend_cli_text_plan():
     assert res.exit_code == EXIT_OK, res.stderr
     assert "RECOMMENDED" in res.stdout and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" \
         in res.stdout and "quality:" in res.stdout
+
+
+def test_speedup_over_one_gpu_is_n_when_communication_is_free():
+    """Same effective batch: one GPU computes all of it, each of N data-parallel GPUs 1/N of it.
+    On a link that hides every byte, the plan's throughput is exactly N times one GPU's."""
+    card = custom_profile(48 * MiB)
+    hw = rec.Hardware(card, 4, "nvlink", 1e9, cores=8)
+    r = rec.recommend(MLP, hw, 256, Budget(card, margin=0.0, context_bytes=0),
+                      precisions=["fp32"], strategies=["single", "ddp"], checkpointing=[False],
+                      detail=False)
+    assert r.best.strategy == "ddp" and r.best.num_gpus == 4
+    assert r.speedup == pytest.approx(4.0, rel=1e-6)
+    assert "up to ~4.0x the throughput of one GPU" in rec.render_text(r)
+    assert rec.Recommendation.to_json(r)["speedup"] == pytest.approx(4.0, rel=1e-6)
+
+
+def test_batchnorm_models_get_syncbatchnorm_in_data_parallel_plans():
+    c = _candidate(strategy="ddp", num_gpus=8, micro_batch=64, grad_accum=1, effective_batch=512)
+    facts = rec._Facts(10, 10, 2, True, "layers", has_batchnorm=True)
+    hw = rec.Hardware(RTX3090, 8, "pcie-no-p2p", 12.5, cores=32)
+    launch = rec._launch(c, hw, MLP, facts)
+    assert "SyncBatchNorm.convert_sync_batchnorm(model)" in launch.snippet
+    # Converted before DDP wraps the model (DDP must see the SyncBatchNorm layers).
+    assert launch.snippet.index("convert_sync_batchnorm") < launch.snippet.index("Distributed" "DataParallel(")
+    assert any("own 64 samples" in n for n in launch.quality_notes)
+    plain = rec._launch(c, hw, MLP, rec._Facts(10, 10, 2, True, "layers"))
+    assert "SyncBatchNorm" not in plain.snippet
+    single = rec._launch(_candidate(strategy="single", num_gpus=1), hw, MLP, facts)
+    assert "convert_sync_batchnorm" not in single.snippet
