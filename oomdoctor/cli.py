@@ -252,16 +252,17 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
+    if device:     # measures, prints and exits: the plan below would be thrown away
+        _measure_probe(spec, base, result, device, max_batch_size, as_json, debug)
+    best = probe_mod.recommended(result) if strategy == "single" else None
     plan = None
     if strategy == "single":
-        n = num_gpus or _detected_gpu_count(gpu_name, memory)
+        detected = _detect_gpus(gpu_name, memory, num_gpus)
+        n = num_gpus or (detected[1] if detected else 1)
         if n > 1:
-            plan = _multi_gpu_plan(spec, result, budget, alloc, base, n, target_batch, jobs,
-                                   debug)
-    if device:
-        _measure_probe(spec, base, result, device, max_batch_size, as_json, debug)
+            plan = _multi_gpu_plan(spec, best, budget, alloc, base, n, detected, target_batch,
+                                   jobs, debug)
     smoke = None
-    best = probe_mod.recommended(result) if strategy == "single" else None
     if run_smoke and best is not None:
         from oomdoctor import smoke as smoke_mod
         smoke = _smoke_run(spec, smoke_mod.SmokeConfig(
@@ -281,7 +282,7 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
         if plan is not None:
             from oomdoctor import recommend as rec
             scope = ("at the recommended precision (all precisions and strategies: "
-                     "`oomdoctor recommend`)" if probe_mod.recommended(result) is not None
+                     "`oomdoctor recommend`)" if best is not None
                      else "every precision, since none fits one card")
             click.echo(f"\non {plan.num_gpus} GPUs, {scope}:\n")
             click.echo(rec.render_text(plan))
@@ -291,31 +292,31 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
     sys.exit(EXIT_OK if fits and (smoke is None or smoke.ok) else EXIT_PROBLEM)
 
 
-def _detected_gpu_count(gpu_name, memory) -> int:
-    """GPUs on this machine, for planning: only when the card was not named (a named card
-    means planning for other hardware), and without importing CUDA when NVML can tell."""
-    if gpu_name or memory:
-        return 1
+def _detect_gpus(gpu_name, memory, num_gpus):
+    """This machine's CUDA GPUs as (profile, count, link), or None: only when the hardware was
+    not given (a named card or count means planning for other hardware)."""
+    if gpu_name or memory or num_gpus:
+        return None
     from oomdoctor import recommend as rec
-    found = rec.detect_hardware()
-    return found[1] if found else 1
+    return rec.detect_hardware()
 
 
-def _multi_gpu_plan(spec, result, budget, alloc, base, num_gpus, target_batch, jobs, debug):
+def _multi_gpu_plan(spec, best, budget, alloc, base, num_gpus, detected, target_batch, jobs,
+                    debug):
     """The end of a single-GPU probe on N > 1 GPUs: the recommended precision and
-    checkpointing, planned across every strategy (recommend.recommend, restricted)."""
+    checkpointing (``best``), planned across every strategy (recommend.recommend, restricted)."""
     from dataclasses import replace as dc_replace
 
     from oomdoctor import probe as probe_mod
     from oomdoctor import recommend as rec
     from oomdoctor.loader import ModelFileError
-    best = probe_mod.recommended(result)
     # Nothing fits one card: plan every precision (sharding or the split may still fit).
     precisions = [best.precision] if best is not None else None
     checkpointing = [best.checkpointing] if best is not None else None
     click.echo(f"planning {num_gpus} GPUs for an effective batch of {target_batch}", err=True)
     try:
-        hw = rec.hardware(budget.gpu, num_gpus)
+        hw = rec.hardware(budget.gpu, num_gpus, detected[2] if detected else None,
+                          detected is not None)
         return rec.recommend(spec, hw, target_batch, budget, precisions, None, alloc,
                              dc_replace(base, grad_accum=1), checkpointing,
                              jobs=jobs or probe_mod.default_jobs(), top=5, detail=False,
@@ -567,7 +568,7 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     from oomdoctor.loader import ModelFileError, load_model_file
     from oomdoctor.parallel import parse_strategy
     from oomdoctor.trace import TraceConfig
-    detected = None if (gpu_name or memory or num_gpus) else rec.detect_hardware()
+    detected = _detect_gpus(gpu_name, memory, num_gpus)
     if detected is not None:
         gpu_name = gpu_name or detected[0].name
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
