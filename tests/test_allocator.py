@@ -7,8 +7,9 @@ from the simulator's own output.
 
 from __future__ import annotations
 
+import importlib.util
 import pickle
-import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -539,27 +540,13 @@ def test_replay_stops_at_first_oom():
 
 
 def _random_events(n: int, seed: int = 0) -> list[tuple[bool, int, int]]:
-    rng = random.Random(seed)
-    live: list[int] = []
-    events: list[tuple[bool, int, int]] = []
-    handle = 0
-    while len(events) < n:
-        if live and (rng.random() < 0.5 or len(live) > 2000):
-            k = rng.randrange(len(live))
-            live[k], live[-1] = live[-1], live[k]
-            events.append((False, live.pop(), 0))
-        else:
-            x = rng.random()
-            if x < 0.5:
-                nbytes = rng.randint(1, MiB)
-            elif x < 0.9:
-                nbytes = rng.randint(1, 10 * MiB)
-            else:
-                nbytes = rng.randint(10 * MiB, 200 * MiB)
-            handle += 1
-            live.append(handle)
-            events.append((True, handle, nbytes))
-    return events
+    """The stream benchmarks/bench_allocator.py times: one generator for both."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_allocator", Path(__file__).resolve().parent.parent / "benchmarks" /
+        "bench_allocator.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.random_events(n, seed)
 
 
 def test_replay_100k_events_keeps_its_invariants():
