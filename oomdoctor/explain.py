@@ -1301,20 +1301,23 @@ def _x_oom_killer(span: str, pre: str, m: re.Match) -> _Draft:
         d.details["source"] = "scheduler/container OOM kill (Slurm/Kubernetes)"
     else:
         d.details["source"] = "exit status 137 (128 + SIGKILL)"
+    _add_torchrun_rank(d, span)
+    d.sig = ()
+    return d
+
+
+def _add_torchrun_rank(d: _Draft, span: str) -> None:
+    """The failing rank from torchrun's failure report ("rank : 2 (local_rank" or "local_rank: 2")."""
     rank = _F_RANK_TORCHRUN.search(span)
     if rank is not None:
         d.ranks.append(int(rank.group(1) or rank.group(2)))
-    d.sig = ()
-    return d
 
 
 def _x_shm(span: str, pre: str, m: re.Match) -> _Draft:
     d = _Draft(Kind.SHARED_MEMORY)
     if m.group(0).lower().startswith("exitcode"):
         d.details["signal"] = "SIGBUS (torchrun exitcode -7)"
-        rank = _F_RANK_TORCHRUN.search(span)
-        if rank is not None:
-            d.ranks.append(int(rank.group(1) or rank.group(2)))
+        _add_torchrun_rank(d, span)
     d.sig = ()
     return d
 
