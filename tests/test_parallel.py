@@ -107,13 +107,22 @@ def _profiled_peak(run) -> int:
     return peak
 
 
+# Each job is measured this many times and the smallest peak kept. The profiler records memory
+# events only on threads it follows, and gloo's worker thread is not one: when that thread happens
+# to drop the last reference to a tensor (the first DDP bucket, whose allreduce work it still holds
+# for a moment after the future completes), the free is never seen and the tensor looks alive to
+# the end. CI saw this once in ~15 runs on rank 0 (+1 bucket, 1,597,480 B). A missed free can only
+# inflate a peak, so the minimum over repeats is the true one.
+REPEATS = 3
+
+
 def _real_rank(rank, world, init, results, jobs):
     """Two AdamW steps (the CPU's for-loop implementation) of each job, written from scratch with
     torch.distributed: DDP, DDP + ZeroRedundancyOptimizer, FSDP2 without / with resharding."""
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     out = {}
-    for name, path, mode, batch_size in jobs:
+    for name, path, mode, batch_size in [job for job in jobs for _ in range(REPEATS)]:
         mod = _load(path)
         torch.manual_seed(0)
         model = mod.build_model().train()
@@ -146,7 +155,7 @@ def _real_rank(rank, world, init, results, jobs):
                 del loss, batch
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        out[name] = base + _profiled_peak(run)
+        out[name] = min(out.get(name, float("inf")), base + _profiled_peak(run))
     results.put((rank, out))
     dist.destroy_process_group()
 
