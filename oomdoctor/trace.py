@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
+import types
 import weakref
 from dataclasses import dataclass, field
 from enum import Enum
@@ -343,6 +345,56 @@ def _splice_optimizer(rec: _Recorder, ref: Trace, marks: list[PhaseMark], virtua
         rec.raw.append((is_alloc, handle, nbytes))
 
 
+@contextlib.contextmanager
+def _dynamo_left_unloaded() -> Iterator[None]:
+    """Keep ``torch._dynamo`` from being imported by a fake trace: it costs ~1.9 s, a third of
+    an ``estimate`` on a 2-core runner, and buys nothing there.
+
+    torch marks some of its functions (the meta/fake kernels behind ``nn.init``, optimizer
+    methods, checkpoint) with ``torch._compile._disable_dynamo``, whose wrapper imports
+    ``torch._dynamo`` on the first call only to wrap the function in ``torch._dynamo.disable`` and
+    cache the result on it as ``fn.__dynamo_disable``; ``Optimizer.step`` calls
+    ``torch._dynamo.graph_break()``. Both change nothing in eager mode, and a trace never runs
+    under ``torch.compile``. So while the trace runs, a stand-in module answers ``disable`` with
+    the function itself and ``graph_break`` with nothing, and afterwards the cached attributes are
+    removed: the next call outside the trace goes through the real ``torch._dynamo.disable``.
+    Any other use of ``torch._dynamo`` (an attribute, a submodule) imports the real module on
+    the spot, so this can cost speed, never correctness.
+    """
+    if "torch._dynamo" in sys.modules:
+        yield
+        return
+    wrapped: list = []
+    stand_in = types.ModuleType("torch._dynamo", "stand-in; see oomdoctor.trace")
+
+    def disable(fn=None, *args, **kwargs):
+        wrapped.append(fn)
+        return fn
+
+    def real_module():
+        if sys.modules.get("torch._dynamo") is stand_in:
+            del sys.modules["torch._dynamo"]
+            torch.__dict__.pop("_dynamo", None)
+        import torch._dynamo as real
+        return real
+
+    stand_in.disable = disable
+    # Optimizer.step calls torch._dynamo.graph_break() around every step; eagerly it does nothing.
+    stand_in.graph_break = lambda msg="": None
+    stand_in.__getattr__ = lambda name: getattr(real_module(), name)
+    sys.modules["torch._dynamo"] = stand_in
+    try:
+        yield
+    finally:
+        if sys.modules.get("torch._dynamo") is stand_in:
+            del sys.modules["torch._dynamo"]
+            if torch.__dict__.get("_dynamo") is stand_in:
+                del torch._dynamo
+        for fn in wrapped:
+            if getattr(fn, "__dict__", {}).get("__dynamo_disable") is fn:
+                del fn.__dynamo_disable
+
+
 def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
                    optimizer_from: Trace | None = None, backend: str = "auto") -> Trace:
     """Run ``cfg.steps`` optimizer steps of the model file's training loop and record memory.
@@ -374,7 +426,7 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
     # first so the trace starts clean and frees stay tied to reference counts.
     gc.collect()
     torch.manual_seed(0)
-    with fake_mode:
+    with fake_mode, (_dynamo_left_unloaded() if fake else contextlib.nullcontext()):
         model = build_checked_model(spec)
         model.train()
         if cfg.precision == "bf16-pure":
