@@ -265,6 +265,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGTP]i?B|bytes?|B)\s*$", 
 # 2**64 bytes printed as "17179869184.00 GiB" is PyTorch's "no limit" sentinel (the default
 # allowed memory of cudaMallocAsync); anything this large is not a real amount.
 _NO_LIMIT = 1 << 60
+_NO_GPU_HAS = 1 << 40          # 1 TiB: no single accelerator has this much memory (2026: <= 288 GB)
 
 
 def parse_size(text: str) -> int:
@@ -371,6 +372,7 @@ _KEYWORDS = (
     "illegal", "device-side", "misaligned", "assertion", "inuse", "params", "parameters =",
     "parameters:", "batch size", "batch_size",
     "accumulat", "world_size", "world size", "nproc", "unable to write", "unable to find", "tried to",
+    "'local_rank'",
 )
 _TRACEBACK_HINTS = ("Traceback (most recent", 'File "', "File ~", "Cell In[", ".py:")
 
@@ -396,6 +398,8 @@ class _AnchorSpec:
     triggers: tuple[str, ...]   # lower-case literals, one of which the match must contain: the
     pattern: re.Pattern         # regex only runs on regions that have one (regexes cost ~50 ns/char)
     absorb: int = 150           # a same-kind anchor this close after a kept one is the same message
+    fallback: bool = False      # a fragment (a quoted part, a cut message): kept only when no other
+                                # anchor of its kind is in the region, and only once per region
 
 
 _ANCHORS: tuple[_AnchorSpec, ...] = (
@@ -403,6 +407,13 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
     # An excerpt that starts mid-message ("ut of memory. Tried to allocate ...").
     _AnchorSpec(Kind.CUDA_OOM, ("triedtoallocate",),
                 re.compile(r"Triedtoallocate(?=" + _SZ + r"(?:\(GPU\d|\.GPU\d))", _I), absorb=60),
+    # Fragments quoted without the first sentence: the bracket of torch 1.0-2.0 ("(GPU 0; 15.75 GiB
+    # total capacity; ...)") or the sentences of torch>=2.2 ("Of the allocated memory ...").
+    _AnchorSpec(Kind.CUDA_OOM, ("totalcapacity",), re.compile(
+        r"\(GPU\d+;" + _SZ + r"totalcapacity;" + _SZ + r"alreadyallocated", _I), fallback=True),
+    _AnchorSpec(Kind.CUDA_OOM, ("isallocatedbypytorch",), re.compile(
+        r"(?:Includingnon-PyTorchmemory,thisprocesshas" + _SZ + r"memoryinuse\.)?"
+        r"Oftheallocatedmemory" + _SZ + r"isallocatedbyPyTorch", _I), fallback=True),
     _AnchorSpec(Kind.CUDA_ASYNC_OOM, ("wouldexceedallowedmemory",),
                 re.compile(r"Allocationondevice-?\d+wouldexceedallowedmemory", _I)),
     _AnchorSpec(Kind.MPS_OOM, ("mpsbackendoutofmemory",), re.compile(r"MPSbackendoutofmemory", _I)),
@@ -410,15 +421,20 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
                                       "hiperror_t(1002)"), re.compile(
         r"(?:CUDA|HIP)(?:runtime)?(?:error|failure|failedwitherror)\W{0,3}\d{0,3}\W{0,3}outofmemory"
         r"|error=2:outofmemory|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|hipErrorOutOfMemory"
+        # Caffe and other glog CHECKs: "Check failed: error == cudaSuccess (2 vs. 0)  out of memory".
+        r"|cudaSuccess\(2vs\.0\)outofmemory"
         # TensorFlow's ROCm driver (rocm_driver.cc): "failed to allocate 890.06M (933298432
         # bytes) from device: HIP_ERROR_OutOfMemory", older builds print the raw hipError_t 1002.
         r"|HIP_ERROR_OutOfMemory|fromdevice:hipError_t\(1002\)", _I)),
     _AnchorSpec(Kind.CUBLAS_ALLOC, ("cublas_status",),
                 re.compile(r"CUBLAS_STATUS_(?:ALLOC_FAILED|NOT_INITIALIZED)", _I)),
-    _AnchorSpec(Kind.CUDNN_FAILURE, ("cudnn_status", "cudnnalgorithm", "unabletofindanengine"), re.compile(
+    _AnchorSpec(Kind.CUDNN_FAILURE, ("cudnn_status", "cudnnalgorithm", "unabletofindanengine",
+                                     "convolutionalgorithms"), re.compile(
         r"CUDNN_STATUS_(?:ALLOC_FAILED|NOT_SUPPORTED|NOT_ENOUGH_WORKSPACE|NOT_INITIALIZED|INTERNAL_ERROR"
         r"|MAPPING_ERROR)"
-        r"|Unabletofindavalidcudnnalgorithm|(?:GET|FIND)wasunabletofindanengine", _I), absorb=300),
+        r"|Unabletofindavalidcudnnalgorithm|(?:GET|FIND)wasunabletofindanengine"
+        # torch 1.x: "no valid convolution algorithms available in CuDNN"
+        r"|novalidconvolutionalgorithmsavailableinCuDNN", _I), absorb=300),
     _AnchorSpec(Kind.TF_OOM, ("oomwhenallocating", "ranoutofmemory", "failedtoallocatememory"), re.compile(
         r"OOMwhenallocatingtensor|Allocator\(\w+\)ranoutofmemorytryingtoallocate"
         r"|ResourceExhaustedError:failedtoallocatememory", _I)),
@@ -461,6 +477,11 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
         r"anillegalmemoryaccesswasencountered|cudaErrorIllegalAddress", _I), absorb=400),
     _AnchorSpec(Kind.DEVICE_ASSERT, ("device-sideassert", "cudaerrorassert"),
                 re.compile(r"device-sideasserttriggered|cudaErrorAssert", _I), absorb=400),
+    # The kernel's own report, printed once per failing thread before the RuntimeError (which a
+    # pasted excerpt may leave out): "Loss.cu:103: nll_loss_forward_kernel: block: [5,0,0],
+    # thread: [996,0,0] Assertion `t >= 0 && t < n_classes` failed."
+    _AnchorSpec(Kind.DEVICE_ASSERT, ("assertion",), re.compile(
+        r"\.cuh?:\d+:\w+:block:\[[\d,]+\],thread:\[[\d,]+\]Assertion`", _I), fallback=True),
     _AnchorSpec(Kind.MISALIGNED_ADDRESS, ("misaligned",),
                 re.compile(r"misalignedaddress|cudaErrorMisalignedAddress", _I), absorb=400),
 )
@@ -470,6 +491,15 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
 _KILLED_LINE = re.compile(r"^(?:.*?\bline\s\d+:\s+\d+\s+|\[\d+\]\+?\s+|\+\s+|\d+\s+)?"
                           r"Killed(?:\s{2,}\S.*|\s+\S+\.py.*)?$")
 _BUS_ERROR_LINE = re.compile(r"^(?:.*\s)?Bus error(?: \(core dumped\))?\.?$")
+# cudaMallocAsync's OOM cut right after "device": the device index is an int8 streamed as a char,
+# so device 0 writes a NUL that ends the C string (pytorch/pytorch#168369). ComfyUI, which runs
+# cudaMallocAsync by default, shows only "torch.OutOfMemoryError: Allocation on device ".
+_CUT_ASYNC_LINE = re.compile(r"(?:^|[\s:*])Allocation on device\s*\x00?$")
+# A KeyError printed by str() (an IDE, a logger): a line that is only the quoted variable.
+_BARE_ENV_LINE = re.compile(r"^(?:KeyError:\s*)?['\"](LOCAL_RANK|RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR"
+                            r"|MASTER_PORT)['\"]$")
+# Markdown emphasis around a whole line ("**Killed**").
+_EMPHASIS = "*_`"
 
 # An anchor of kind K is dropped when it starts within N squashed characters after a kept anchor
 # of one of these kinds: it is a second sentence of the same message.
@@ -513,7 +543,7 @@ _F_ASYNC_REQ = _rx(r"Requested:?" + _SZ)
 _F_ASYNC_LIMIT = _rx(r"Devicelimit:?" + _SZ)
 _F_ASYNC_FREE = _rx(r"Free\(accordingtoCUDA\):?" + _SZ)
 _F_ASYNC_PTLIMIT = _rx(r"PyTorchlimit\(setbyuser-suppliedmemoryfraction\):?" + _SZ)
-_F_ASYNC_DEV = _rx(r"Allocationondevice-?(\d+)")
+_F_ASYNC_DEV = _rx(r"Allocationondevice-?(\d+)wouldexceed")
 
 _F_MPS_ALLOC = _rx(r"MPSallocated:?" + _SZ)
 _F_MPS_OTHER = _rx(r"otherallocations:?" + _SZ)
@@ -937,8 +967,12 @@ class _Scanner:
             for m in spec.pattern.finditer(sq):
                 found.append((m.start(), spec, m))
         found.sort(key=lambda t: t[0])
+        whole = {spec.kind for _, spec, _ in found if not spec.fallback}
         kept: list[tuple[int, _AnchorSpec, re.Match]] = []
         for item in found:
+            spec = item[1]
+            if spec.fallback and (spec.kind in whole or any(k[1].kind is spec.kind for k in kept)):
+                continue
             if not self._absorbed(item, kept):
                 kept.append(item)
 
@@ -959,13 +993,31 @@ class _Scanner:
                         break
             self._place(draft, st, key, lineno, body)
 
-        if "killed" not in low and "buserror" not in low:
+        # Messages recognised by a whole line; the last two only when no anchor of their kind is here.
+        kinds = {spec.kind for _, spec, _ in kept}
+        cut_async = "allocationondevice" in low and Kind.CUDA_ASYNC_OOM not in kinds
+        bare_env = Kind.MISSING_LAUNCH_ENV not in kinds and "os.environ[" in low
+        if "killed" not in low and "buserror" not in low and not cut_async and not bare_env:
             return
         for lineno, body in lines:
             if stop_line is not None and lineno >= stop_line:
                 break
-            b = body.strip()
-            if _KILLED_LINE.match(b):
+            b = body.strip().strip(_EMPHASIS).strip()
+            if cut_async and _CUT_ASYNC_LINE.search(b):
+                cut_async = False
+                d = _Draft(Kind.CUDA_ASYNC_OOM)
+                d.details["format"] = "unknown (cut after 'Allocation on device')"
+                d.sig = (None, None)
+                self._place(d, st, key, lineno, body)
+            elif bare_env and _BARE_ENV_LINE.match(b):
+                var = _BARE_ENV_LINE.match(b).group(1)
+                if f"os.environ[\"{var.lower()}\"]" in low or f"os.environ['{var.lower()}']" in low:
+                    bare_env = False
+                    d = _Draft(Kind.MISSING_LAUNCH_ENV)
+                    d.details["variable"] = var
+                    d.sig = (var,)
+                    self._place(d, st, key, lineno, body)
+            elif _KILLED_LINE.match(b):
                 d = _Draft(Kind.OOM_KILLER)
                 d.details["source"] = "shell reported 'Killed'"
                 d.sig = ("shell",)
@@ -1108,6 +1160,9 @@ def _x_torch(span: str, pre: str, m: re.Match) -> _Draft:
         if len(d.processes) < 64:
             d.processes.append(ProcessUse(int(pm.group(1)), _to_bytes(pm.group(2), pm.group(3))))
     d.details["format"] = _torch_format(span, sentence)
+    if not sentence and re.match(r"(?:CUDA|HIP)outofmemory\.Triedtoallocate" + _SZ + r"\.GPU(?!\d+has)",
+                                 span, re.I):
+        d.details["format"] = "unknown (cut after 'GPU')"
     hint = _F_HINT_ENV.search(span)
     if hint:
         d.details["alloc_conf_env"] = f"PYTORCH_{hint.group(1).upper()}_ALLOC_CONF"
@@ -1170,7 +1225,7 @@ def _x_cuda_error(span: str, pre: str, m: re.Match) -> _Draft:
         # result: CUDA_ERROR_OUT_OF_MEMORY" or "failed to allocate 10.76G (11553462016 bytes)
         # from device: ..."; the framework's own error usually follows.
         d.details["source"] = "driver (TensorFlow/XLA stream executor)"
-        req = re.search(r"failedtoalloc(?:ate)?(?:[\d.]+[KMGT]?i?B?\()?(\d+)bytes", pre + span, re.I)
+        req = re.search(r"failedtoalloc(?:ate)?(?:[\d.]+[KMGTPE]?i?B?\()?(\d+)bytes", pre + span, re.I)
         if req:
             d.numbers["requested"] = int(req.group(1))
     elif "CUDA_ERROR_OUT_OF_MEMORY" in text:
@@ -1188,6 +1243,13 @@ def _x_cuda_error(span: str, pre: str, m: re.Match) -> _Draft:
 def _x_cublas(span: str, pre: str, m: re.Match) -> _Draft:
     d = _Draft(Kind.CUBLAS_ALLOC)
     d.details["status"] = m.group(0).upper()
+    # TensorFlow logs "failed to create cublas handle: CUBLAS_STATUS_NOT_INITIALIZED" and then the
+    # driver's "CUDA_ERROR_OUT_OF_MEMORY" (absorbed into this finding): the GPU was full.
+    if re.search(r"CUDA_ERROR_OUT_OF_MEMORY|(?:CUDA|HIP)(?:error:?)?outofmemory", span[:1500], re.I):
+        d.details["driver_oom_follows"] = "yes"
+    # (the glog prefix naming tensorflow/stream_executor is stripped; the wording is TensorFlow's)
+    if re.search(r"tensorflow|stream_executor|failedtocreatecublashandle", pre + span[:1500], re.I):
+        d.details["framework"] = "TensorFlow"
     d.sig = (d.details["status"],)
     return d
 
@@ -1318,6 +1380,11 @@ def _x_shm(span: str, pre: str, m: re.Match) -> _Draft:
     if m.group(0).lower().startswith("exitcode"):
         d.details["signal"] = "SIGBUS (torchrun exitcode -7)"
         _add_torchrun_rank(d, span)
+    # NCCL: "Call to shm_open failed : Permission denied", then "Error while creating shared
+    # memory segment": /dev/shm is not writable, which is not the same as full.
+    if re.search(r"shm_open(?:failed)?:?Permissiondenied|/dev/shm.{0,40}Permissiondenied",
+                 pre + span[:400], re.I):
+        d.details["reason"] = "permission denied"
     d.sig = ()
     return d
 
@@ -1766,7 +1833,7 @@ def _diag_torch(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _
         _diag_other_memory(d, out, t.cap, t.free, t.reserved, t.this, t.req, t.where, t.sentence)
         _diag_free_but_unusable(t, out)
     _diag_fragmentation(t, out)
-    _diag_capacity(t, out)
+    _diag_capacity(t, out, cut_at_gpu=d.details.get("format") == "unknown (cut after 'GPU')")
     if out.shortfall:
         out.derived["shortfall"] = out.shortfall
     _phase_diag(out, phase, no_grad, d, act)
@@ -1896,7 +1963,7 @@ def _diag_fragmentation(t: _TorchNums, out: _Out) -> None:
                 cost=0, primary=primary)
 
 
-def _diag_capacity(t: _TorchNums, out: _Out) -> None:
+def _diag_capacity(t: _TorchNums, out: _Out, cut_at_gpu: bool = False) -> None:
     """The default: PyTorch's own tensors fill the card."""
     causes = {x.cause for x in out.diagnosis}
     req, free, alloc, cap = t.req, t.free, t.alloc, t.cap
@@ -1915,6 +1982,11 @@ def _diag_capacity(t: _TorchNums, out: _Out) -> None:
         what = f"a {_F(req)} request" if req is not None else "an allocation"
         why = ("the message is truncated, so the numbers that would say why are missing. Paste the complete "
                "message for a full diagnosis." if cap is None else "the numbers point to no single cause.")
+        if cap is None and cut_at_gpu:
+            why = ("PyTorch itself cut the message after 'GPU': it streamed the device index as a raw byte, and "
+                   "GPU 0 is a NUL that ends the text (pytorch/pytorch#123984, fixed in later releases). So it "
+                   "is the first visible GPU, and the capacity, free and per-process figures were never printed; "
+                   "torch.cuda.memory_summary() in an except handler shows them.")
         out.diag("out_of_memory", f"{t.where} could not serve {what}; {why}")
 
 
@@ -2026,6 +2098,12 @@ def _diag_async(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _
                      f"({_pct(alloc, cap)}); the model, its optimizer state and the batch's activations do not fit.")
     if not out.diagnosis:
         out.diag("out_of_memory", "The cudaMallocAsync allocator could not get memory for this request.")
+    if d.details.get("format", "").startswith("unknown (cut"):
+        out.notes.append("The message stops after 'Allocation on device': PyTorch streams the device index as a "
+                         "raw byte, and device 0 is a NUL that ends the text (pytorch/pytorch#168369), so the "
+                         "GPU is the first visible one and the request and free-memory figures were lost. ComfyUI "
+                         "runs this backend by default; its --disable-cuda-malloc flag switches to the caching "
+                         "allocator, whose OOM report keeps its numbers.")
     out.notes.append("This process uses the cudaMallocAsync backend (PYTORCH_CUDA_ALLOC_CONF="
                      "backend:cudaMallocAsync): expandable_segments and max_split_size_mb do not apply to it.")
     _phase_diag(out, phase, no_grad, d, None)
@@ -2062,6 +2140,14 @@ def _diag_mps(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Ou
 def _diag_cuda_error(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
     funcs = {f.func for f in d.frames}
     source = d.details.get("source", "")
+    req = d.numbers.get("requested")
+    if req is not None and req > _NO_GPU_HAS:
+        out.diag("request_absurd", f"The request is {_F(req)} in one piece, more than any GPU has: a size bug "
+                 "(a garbage or negative size read as unsigned, a wrong shape), not a memory shortage.")
+        out.fix("find_bad_size", "Find the operation that asks for it and check the shapes/sizes passed to it "
+                "(CUDA_LAUNCH_BLOCKING=1 makes PyTorch report the failing call; TensorFlow/JAX name the op in "
+                "the error that follows)", None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0, primary=True)
+        return
     if source.startswith("driver"):
         out.diag("framework_driver_oom", "The TensorFlow/XLA runtime could not get memory from the CUDA driver. "
                  "Both frameworks preallocate most of the GPU per process, so a second process (or PyTorch in the "
@@ -2107,9 +2193,18 @@ def _diag_cublas(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: 
         out.diag("library_alloc_failed", "cuBLAS could not allocate its handle/workspace, which happens on the "
                  "first matrix multiply on a stream: the GPU was already full at that moment. It is an "
                  "out-of-memory error reported without numbers.")
+    elif d.details.get("driver_oom_follows"):
+        out.diag("library_not_initialized_oom", "cuBLAS could not initialise because the GPU had no memory left "
+                 "for its handle: the same log shows the driver refusing an allocation (CUDA_ERROR_OUT_OF_MEMORY). "
+                 "An out-of-memory error, not a broken installation.")
     else:
         out.diag("library_not_initialized", "cuBLAS could not initialise: most often the GPU was already full "
                  "when its handle was created (an OOM in disguise); otherwise a CUDA/driver/PyTorch build mismatch.")
+    if d.details.get("framework") == "TensorFlow":
+        out.fix("stop_preallocation", "Stop TensorFlow from taking the whole GPU up front: "
+                "TF_FORCE_GPU_ALLOW_GROWTH=true (or tf.config.experimental.set_memory_growth)", None, None,
+                "slightly slower allocation", _QUALITY_NONE, "A second TensorFlow process (or a notebook kernel "
+                "still holding the GPU) otherwise leaves nothing for the next one.", cost=0, primary=True)
     out.fix("find_gpu_users", "Check what already holds the GPU (nvidia-smi) and free it", None, None, _SPEED_NONE,
             _QUALITY_NONE, "", cost=0, primary=True)
     _phase_diag(out, phase, no_grad, d, None)
@@ -2258,6 +2353,16 @@ def _diag_dataloader(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, o
 
 
 def _diag_shm(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    if d.details.get("reason") == "permission denied":
+        out.diag("shared_memory_permission", "/dev/shm is not writable for this user (shm_open: Permission "
+                 "denied), so NCCL cannot create the shared-memory segments it uses between processes on one "
+                 "machine. Nothing is full.")
+        out.fix("fix_shm_permissions", "Make /dev/shm writable again: sudo chmod 1777 /dev/shm (the usual mode; "
+                "check with ls -ld /dev/shm)", None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0, primary=True)
+        out.fix("nccl_shm_disable", "Or let NCCL skip shared memory: NCCL_SHM_DISABLE=1", None, None,
+                "slower GPU-to-GPU transfers inside the machine (falls back to sockets/P2P)", _QUALITY_NONE, "",
+                cost=1)
+        return
     out.diag("shared_memory_exhausted", "Shared memory (/dev/shm) is full: DataLoader workers hand batches to "
              "the main process through it, and NCCL uses it between processes on one machine. Docker gives "
              "containers only 64 MB of /dev/shm by default. This is host memory, not the GPU.")
@@ -2419,6 +2524,11 @@ _DIAGNOSE = {
 
 def _title(d: _Draft) -> str:
     base = _KIND_INFO[d.kind][1]
+    if d.kind is Kind.CUDA_ERROR_OOM and d.details.get("platform") == "ROCm/HIP":
+        # The same error from AMD's runtime (hipErrorOutOfMemory); the kind name stays stable.
+        base = base.replace("CUDA", "HIP (ROCm)")
+    if d.kind is Kind.SHARED_MEMORY and d.details.get("reason") == "permission denied":
+        base = "Shared memory (/dev/shm) not writable"
     fmt = d.details.get("format")
     if fmt and not fmt.startswith("unknown"):
         base += f" ({fmt} message)"

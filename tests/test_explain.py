@@ -310,6 +310,38 @@ EXPECTED = {
     "torchrun_sigbus_shm.log": dict(kind=Kind.SHARED_MEMORY, ranks=(2,), first_fix="grow_shm"),
     "fork_errno12.log": dict(kind=Kind.CPU_OOM, phase=Phase.DATA_LOADING, cause="host_memory",
                              details=dict(source="OS refused memory (errno 12, e.g. fork of DataLoader workers)")),
+    # Fragments and cut messages (as users quote them in issue threads).
+    "quoted_bracket_only.log": dict(
+        kind=Kind.CUDA_OOM, gpus=(0,), cause="model_or_batch_too_big",
+        numbers=dict(capacity=sz("10.76 GiB"), allocated=sz("9.41 GiB"), free=sz("14.56 MiB"),
+                     reserved=sz("9.62 GiB")),
+        details=dict(format="torch 1.5-2.0")),
+    "quoted_sentences_only.log": dict(
+        kind=Kind.CUDA_OOM,
+        numbers=dict(this_process=sz("23.41 GiB"), allocated=sz("21.87 GiB"),
+                     reserved_unallocated=sz("1.12 GiB"))),
+    "torch22_cut_at_gpu.log": dict(
+        kind=Kind.CUDA_OOM, phase=Phase.BACKWARD, numbers=dict(requested=sz("20.00 MiB")),
+        details=dict(format="unknown (cut after 'GPU')")),
+    "comfyui_async_cut.log": dict(
+        kind=Kind.CUDA_ASYNC_OOM, occurrences=1, numbers={},
+        details=dict(format="unknown (cut after 'Allocation on device')")),
+    "caffe_check_failed_oom.log": dict(kind=Kind.CUDA_ERROR_OOM, cause="out_of_memory_no_numbers"),
+    "cudnn_no_valid_algorithms.log": dict(kind=Kind.CUDNN_FAILURE, phase=Phase.FORWARD, cause="cudnn_workspace"),
+    "hip_error_raw.log": dict(kind=Kind.CUDA_ERROR_OOM, details=dict(platform="ROCm/HIP")),
+    "xla_rocm_absurd_request.log": dict(
+        kind=Kind.CUDA_ERROR_OOM, cause="request_absurd", first_fix="find_bad_size",
+        numbers=dict(requested=18446744073709027328), details=dict(platform="ROCm/HIP")),
+    "markdown_killed.log": dict(kind=Kind.OOM_KILLER, cause="host_oom_killer",
+                                details=dict(source="shell reported 'Killed'")),
+    "bare_local_rank.log": dict(kind=Kind.MISSING_LAUNCH_ENV, cause="not_launched_with_torchrun",
+                                details=dict(variable="LOCAL_RANK")),
+    "kernel_assert_only.log": dict(kind=Kind.DEVICE_ASSERT, details=dict(assertion="t >= 0 && t < n_classes")),
+    "tf_cublas_not_initialized_oom.log": dict(
+        kind=Kind.CUBLAS_ALLOC, cause="library_not_initialized_oom", first_fix="stop_preallocation",
+        details=dict(status="CUBLAS_STATUS_NOT_INITIALIZED")),
+    "nccl_shm_permission.log": dict(kind=Kind.SHARED_MEMORY, cause="shared_memory_permission",
+                                    first_fix="fix_shm_permissions", not_causes={"shared_memory_exhausted"}),
 }
 
 MULTI = {
@@ -841,3 +873,13 @@ def test_cli_utf16_file(runner):
     res = runner.invoke(cli, ["explain", str(LOGS / "utf16_powershell.log"), "--json"])
     assert res.exit_code == 0
     assert json.loads(res.stdout)["findings"][0]["cause"] == "windows_shared_memory_spill"
+
+
+def test_messages_pytorch_cut_itself_say_so():
+    """PyTorch printed the device index as a raw byte, so device 0 ended the message (a NUL); the
+    explanation names that instead of asking for the 'complete' message, which never existed."""
+    cut_gpu = only(explain_file("torch22_cut_at_gpu.log"))
+    assert "pytorch/pytorch#123984" in cut_gpu.diagnosis[0].text
+    assert "Paste the complete" not in cut_gpu.diagnosis[0].text
+    cut_async = only(explain_file("comfyui_async_cut.log"))
+    assert any("pytorch/pytorch#168369" in n and "--disable-cuda-malloc" in n for n in cut_async.notes)
