@@ -345,54 +345,84 @@ def _splice_optimizer(rec: _Recorder, ref: Trace, marks: list[PhaseMark], virtua
         rec.raw.append((is_alloc, handle, nbytes))
 
 
+# Functions torch handed to torch._dynamo.disable during our traces (weak: checkpoint decorates a
+# fresh closure per call).
+_DISABLE_SEEN: "weakref.WeakSet" = weakref.WeakSet()
+_CACHE = "__dynamo_disable"      # where torch._compile._disable_dynamo caches the disabled function
+
+
+def _identity_disable(fn=None, *args, **kwargs):
+    """``torch._dynamo.disable`` for eager-only code: the function itself."""
+    if fn is None:                                   # used as @disable(recursive=...)
+        return _identity_disable
+    _DISABLE_SEEN.add(fn)
+    return fn
+
+
 @contextlib.contextmanager
 def _dynamo_left_unloaded() -> Iterator[None]:
-    """Keep ``torch._dynamo`` from being imported by a fake trace: it costs ~1.9 s, a third of
-    an ``estimate`` on a 2-core runner, and buys nothing there.
+    """Keep ``torch._dynamo`` out of a fake trace: importing it costs ~1.9 s, a third of an
+    ``estimate`` on a 2-core runner, and its ``disable`` wrappers add ~10% to every trace after.
 
-    torch marks some of its functions (the meta/fake kernels behind ``nn.init``, optimizer
-    methods, checkpoint) with ``torch._compile._disable_dynamo``, whose wrapper imports
-    ``torch._dynamo`` on the first call only to wrap the function in ``torch._dynamo.disable`` and
-    cache the result on it as ``fn.__dynamo_disable``; ``Optimizer.step`` calls
+    torch marks some of its functions (the meta/fake kernels behind ``nn.init`` and the refs,
+    optimizer methods, checkpoint) with ``torch._compile._disable_dynamo``, whose wrapper imports
+    ``torch._dynamo`` on the first call only to wrap the function in ``torch._dynamo.disable``
+    and cache the result on it as ``fn.__dynamo_disable``; ``Optimizer.step`` calls
     ``torch._dynamo.graph_break()``. Both change nothing in eager mode, and a trace never runs
-    under ``torch.compile``. So while the trace runs, a stand-in module answers ``disable`` with
-    the function itself and ``graph_break`` with nothing, and afterwards the cached attributes are
-    removed: the next call outside the trace goes through the real ``torch._dynamo.disable``.
-    Any other use of ``torch._dynamo`` (an attribute, a submodule) imports the real module on
-    the spot, so this can cost speed, never correctness.
+    under ``torch.compile``. So while the trace runs, ``disable`` answers with the function itself
+    and ``graph_break`` with nothing — through a stand-in module when ``torch._dynamo`` is not
+    loaded, by patching the real one when it is (checkpointing reads ``torch._dynamo.config``,
+    which imports it) — and afterwards every cache is put back as it was: calls outside the trace
+    go through the real ``torch._dynamo.disable``. Any other use of ``torch._dynamo`` imports the
+    real module on the spot, so this can cost speed, never correctness. Not thread-safe: a
+    ``torch.compile`` running in another thread during a trace would see undisabled functions.
     """
-    if "torch._dynamo" in sys.modules:
-        yield
-        return
-    wrapped: list = []
-    stand_in = types.ModuleType("torch._dynamo", "stand-in; see oomdoctor.trace")
+    stashed = {}
+    for fn in list(_DISABLE_SEEN):                   # real wrappers cached between traces
+        cached = fn.__dict__.get(_CACHE)
+        if cached is not None and cached is not fn:
+            stashed[fn] = cached
+            fn.__dict__[_CACHE] = fn
+    patched = []                                     # real modules whose disable we replaced
 
-    def disable(fn=None, *args, **kwargs):
-        wrapped.append(fn)
-        return fn
-
-    def real_module():
-        if sys.modules.get("torch._dynamo") is stand_in:
-            del sys.modules["torch._dynamo"]
-            torch.__dict__.pop("_dynamo", None)
-        import torch._dynamo as real
+    def patch(real):
+        if real.__dict__.get("disable") is not _identity_disable:
+            patched.append((real, real.__dict__.get("disable"), real.__dict__.get("graph_break")))
+            real.disable = _identity_disable
         return real
 
-    stand_in.disable = disable
-    # Optimizer.step calls torch._dynamo.graph_break() around every step; eagerly it does nothing.
-    stand_in.graph_break = lambda msg="": None
-    stand_in.__getattr__ = lambda name: getattr(real_module(), name)
-    sys.modules["torch._dynamo"] = stand_in
+    stand_in = None
+    if "torch._dynamo" in sys.modules:
+        patch(sys.modules["torch._dynamo"])
+    else:
+        stand_in = types.ModuleType("torch._dynamo", "stand-in; see oomdoctor.trace")
+
+        def real_module():
+            if sys.modules.get("torch._dynamo") is stand_in:
+                del sys.modules["torch._dynamo"]
+                torch.__dict__.pop("_dynamo", None)
+            import torch._dynamo as real
+            return patch(real)
+
+        stand_in.disable = _identity_disable
+        # Optimizer.step calls torch._dynamo.graph_break() around every step; eagerly a no-op.
+        stand_in.graph_break = lambda msg="": None
+        stand_in.__getattr__ = lambda name: getattr(real_module(), name)
+        sys.modules["torch._dynamo"] = stand_in
     try:
         yield
     finally:
-        if sys.modules.get("torch._dynamo") is stand_in:
+        if stand_in is not None and sys.modules.get("torch._dynamo") is stand_in:
             del sys.modules["torch._dynamo"]
             if torch.__dict__.get("_dynamo") is stand_in:
                 del torch._dynamo
-        for fn in wrapped:
-            if getattr(fn, "__dict__", {}).get("__dynamo_disable") is fn:
-                del fn.__dynamo_disable
+        for real, disable, _ in patched:
+            real.disable = disable
+        for fn in list(_DISABLE_SEEN):
+            if fn.__dict__.get(_CACHE) is fn:
+                del fn.__dict__[_CACHE]
+        for fn, cached in stashed.items():
+            fn.__dict__[_CACHE] = cached
 
 
 def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,

@@ -392,6 +392,14 @@ opt = torch.optim.AdamW(model.parameters())
 model(torch.randn(2, 4)).sum().backward()
 opt.step()
 out["left_behind_after_real_step"] = cached_identity()
+# a trace now swaps those real wrappers for the function itself, and puts them back after
+def real_wrappers():
+    return {id(o): id(o.__dict__["__dynamo_disable"]) for o in gc.get_objects() if callable(o) and
+            getattr(o, "__dict__", {}).get("__dynamo_disable") not in (None, o)}
+before = real_wrappers()
+trace_training(spec, cfgs[0])
+out["real_wrappers_before"] = len(before)
+out["real_wrappers_restored"] = real_wrappers() == before
 print(json.dumps(out))
 '''
 
@@ -414,3 +422,4 @@ def test_fake_trace_leaves_torch_dynamo_unloaded_and_changes_nothing(tmp_path):
     assert out["left_behind_at_end"] == 0
     assert out["events"] == out["events_real"]
     assert out["left_behind_after_real_step"] == 0
+    assert out["real_wrappers_before"] > 0 and out["real_wrappers_restored"] is True
