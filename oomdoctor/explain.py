@@ -203,7 +203,7 @@ class Collective:
     """One rank's timed-out NCCL operation, from the watchdog message."""
 
     rank: int | None
-    seq: int
+    seq: int | None           # None: PyTorch <= 1.10 did not print it
     op: str
     numel: int | None
     timeout_ms: int
@@ -438,8 +438,10 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
     _AnchorSpec(Kind.TF_OOM, ("oomwhenallocating", "ranoutofmemory", "failedtoallocatememory"), re.compile(
         r"OOMwhenallocatingtensor|Allocator\(\w+\)ranoutofmemorytryingtoallocate"
         r"|ResourceExhaustedError:failedtoallocatememory", _I)),
-    _AnchorSpec(Kind.JAX_OOM, ("resource_exhausted", "resourceexhausted", "memoryspace"), re.compile(
-        r"RESOURCE_?EXHAUSTED:(?:Outofmemory|XLA:TPUcompile|Failedtoallocate)|Ranoutofmemoryinmemoryspace", _I)),
+    _AnchorSpec(Kind.JAX_OOM, ("resource_exhausted", "resourceexhausted", "memoryspace", "xlaruntimeerror"), re.compile(
+        r"RESOURCE_?EXHAUSTED:(?:Outofmemory|XLA:TPUcompile|Failedtoallocate)|Ranoutofmemoryinmemoryspace"
+        # the same shortage under another status: "INTERNAL: Failed to allocate N bytes for new constant"
+        r"|XlaRuntimeError:INTERNAL:Failedtoallocate(?=\d+bytes)", _I)),
     _AnchorSpec(Kind.CPU_OOM, ("defaultcpuallocator", "notenoughmemory", "foranarray", "bad_alloc", "errno12"), re.compile(
         r"DefaultCPUAllocator:(?:can'?tallocatememory|notenoughmemory)|Torch:notenoughmemory"
         r"|Unabletoallocate" + _SZ + r"foranarray|std::bad_alloc|\[Errno12\]Cannotallocatememory", _I), absorb=40),
@@ -452,9 +454,14 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
         r"|OOMKilled|(?:exitcode|exitstatus|exitedwithcode|returnedexitcode)137(?!\d)", _I), absorb=80),
     _AnchorSpec(Kind.DATALOADER_KILLED, ("dataloaderworker",), re.compile(
         r"DataLoaderworker\(pid(?:\(s\))?[\d,]*\)(?:iskilledbysignal|exitedunexpectedly)", _I), absorb=300),
-    _AnchorSpec(Kind.SHARED_MEMORY, ("sharedmemory", "</torch_", "buserror", "sharedmemorysegment", "-7"), re.compile(
+    _AnchorSpec(Kind.SHARED_MEMORY, ("sharedmemory", "</torch_", "buserror", "sharedmemorysegment", "-7",
+                                     "semlock"), re.compile(
         r"insufficientsharedmemory|outofsharedmemory|raiseyoursharedmemorylimit"
         r"|unabletowritetofile</torch_|Unexpectedbuserrorencounteredinworker"
+        r"|unabletoopensharedmemoryobject</torch_"
+        # a DataLoader's semaphores live in /dev/shm too: "SemLock(...) OSError: [Errno 28] No space
+        # left on device" is a full /dev/shm, not a full disk
+        r"|_multiprocessing\.SemLock\(.{0,400}?\[Errno28\]Nospaceleftondevice"
         r"|Errorwhilecreatingsharedmemorysegment"
         # torchrun reports a child killed by SIGBUS as exitcode -7: a full /dev/shm, almost always.
         r"|exitcode:?-7(?!\d)", _I), absorb=400),
@@ -481,7 +488,7 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
     # pasted excerpt may leave out): "Loss.cu:103: nll_loss_forward_kernel: block: [5,0,0],
     # thread: [996,0,0] Assertion `t >= 0 && t < n_classes` failed."
     _AnchorSpec(Kind.DEVICE_ASSERT, ("assertion",), re.compile(
-        r"\.cuh?:\d+:\w+:block:\[[\d,]+\],thread:\[[\d,]+\]Assertion`", _I), fallback=True),
+        r"\.cuh?:\d+:(?:\w+:)?block:\[[\d,]+\],thread:\[[\d,]+\]Assertion`", _I), fallback=True),
     _AnchorSpec(Kind.MISALIGNED_ADDRESS, ("misaligned",),
                 re.compile(r"misalignedaddress|cudaErrorMisalignedAddress", _I), absorb=400),
 )
@@ -498,6 +505,9 @@ _CUT_ASYNC_LINE = re.compile(r"(?:^|[\s:*])Allocation on device\s*\x00?$")
 # A KeyError printed by str() (an IDE, a logger): a line that is only the quoted variable.
 _BARE_ENV_LINE = re.compile(r"^(?:KeyError:\s*)?['\"](LOCAL_RANK|RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR"
                             r"|MASTER_PORT)['\"]$")
+# A line that starts something of its own, never the wrapped rest of the line before.
+_STARTS_ANEW = re.compile(r"Traceback \(|File \"|During handling|The above exception|[\w.]+(?:Error|Exception|"
+                          r"Warning|Interrupt)\b:?")
 # Markdown emphasis around a whole line ("**Killed**").
 _EMPHASIS = "*_`"
 
@@ -523,7 +533,7 @@ _F_GPU_NEW = _rx(r"GPU(\d+)hasatotalcapac")
 # The old format's fields follow a ';'. A message wrapped and pasted as a comment or a quote
 # carries the marker into the joined line ("...allocated;\n # 0 bytes free;"), hence [#>*]*.
 _SEP = r";[#>*]{0,3}"
-_F_CAP_OLD = _rx(_SEP + _SZ + r"totalcapacity")
+_F_CAP_OLD = _rx(_SEP + _SZ + r"totalcapa(?:city|cit?$)")   # also cut mid-word at the end
 _F_CAP_NEW = _rx(r"hasatotalcapac\w{0,4}?of" + _SZ)
 _F_FREE_OLD = _rx(_SEP + _SZ + r"free")
 _F_FREE_NEW = _rx(r"ofwhich" + _SZ + r"isfree")
@@ -562,7 +572,7 @@ _F_TF_MAXINUSE = re.compile(r"MaxInUse:(\d+)")
 
 # XLA's two wordings: "Out of memory while trying to allocate N bytes" and the PJRT client's
 # "Failed to allocate request for 2.99GiB (3206250496B) on device ordinal 0".
-_F_JAX_REQ = _rx(r"(?:Outofmemory(?:whiletryingto)?allocat(?:e|ing)|Failedtoallocaterequestfor)"
+_F_JAX_REQ = _rx(r"(?:Outofmemory(?:whiletryingto)?allocat(?:e|ing)|Failedtoallocaterequestfor|Failedtoallocate)"
                  + _SZ + r"(?:\((\d+)B?\))?")
 _F_JAX_TOTAL = _rx(r"totalallocation:" + _SZ)
 _F_JAX_TEMP = _rx(r"preallocatedtempallocation:" + _SZ)
@@ -576,7 +586,8 @@ _F_DL_PIDS = _rx(r"DataLoaderworker\(pid(?:\(s\))?([\d,]+)\)")
 _F_DL_SIGNAL = _rx(r"iskilledbysignal:(Killed|Buserror|Segmentationfault|Aborted|Terminated|\w{1,20}?)(?:\.|It|$)")
 _F_ENV_VAR = re.compile(r"(LOCAL_WORLD_SIZE|LOCAL_RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT|RANK)")
 _F_DESERIALIZE = _rx(r"AttemptingtodeserializeobjectonCUDAdevice(\d+)buttorch\.cuda\.device_count\(\)is(\d+)")
-_F_NCCL = _rx(r"WorkNCCL\(SeqNum=(\d+),OpType=(\w+?)(?:,NumelIn=(\d+))?(?:,NumelOut=\d+)?,Timeout\(ms\)=(\d+)\)"
+# (PyTorch <= 1.10 prints no SeqNum)
+_F_NCCL = _rx(r"WorkNCCL\((?:SeqNum=(\d+),)?OpType=(\w+?)(?:,NumelIn=(\d+))?(?:,NumelOut=\d+)?,Timeout\(ms\)=(\d+)\)"
               r"ranfor(\d+)milliseconds")
 _F_RANK_IN_TEXT = _rx(r"\[(?:PG[^\]]*)?Rank(\d+)\]")
 _F_PORT = _rx(r"(?:port[:=]|\]:|0\.0\.0\.0:|localhost:|127\.0\.0\.1:|MASTER_PORT=)(\d{2,5})")
@@ -749,6 +760,11 @@ class _Scanner:
         self.facts: dict[str, int] = {}
         self.ranks_seen: set[int] = set()
         self.tf_stats: tuple[int, dict[str, int]] | None = None
+        # A rank-prefixed line that stops mid-sentence, hard-wrapped by a terminal: the next line
+        # arrives without the prefix but belongs to the same rank ("... Of the allocated memory 4"
+        # / "0.30 GiB is allocated by PyTorch, ...").
+        self.wrap_rank: int | None = None
+        self.wrap_line = -1
 
     # batches: a cheap pre-filter decides which lines need real work
     def feed_batch(self, batch: list[str]) -> None:
@@ -833,6 +849,12 @@ class _Scanner:
 
     def _logical(self, text: str, lineno: int, check: bool = True) -> None:
         rank, body = _strip_prefixes(text)
+        if rank is None and self.wrap_rank is not None and lineno == self.wrap_line + 1 \
+                and body == text.lstrip() and not _STARTS_ANEW.match(body):
+            rank = self.wrap_rank
+        tail = body.rstrip()[-1:]
+        self.wrap_rank = rank if rank is not None and (tail.isalnum() or tail in ",;(") else None
+        self.wrap_line = lineno
         if rank is not None and len(self.ranks_seen) < _MAX_RANKS:
             self.ranks_seen.add(rank)
         st = self._state(rank)
@@ -1131,7 +1153,7 @@ def _merge(into: _Draft, other: _Draft) -> None:
         into.frames = other.frames
     if len(into.collectives) < 64:
         into.collectives.extend(other.collectives[:64 - len(into.collectives)])
-        into.collectives.sort(key=lambda c: (c.rank is None, c.rank or 0, c.seq))
+        into.collectives.sort(key=lambda c: (c.rank is None, c.rank or 0, _seq(c)))
 
 
 # --- extractors: squashed message text -> draft ----------------------------------------------
@@ -1225,6 +1247,8 @@ def _x_cuda_error(span: str, pre: str, m: re.Match) -> _Draft:
         # result: CUDA_ERROR_OUT_OF_MEMORY" or "failed to allocate 10.76G (11553462016 bytes)
         # from device: ..."; the framework's own error usually follows.
         d.details["source"] = "driver (TensorFlow/XLA stream executor)"
+        if "onhost" in context or "pinnedhostmemory" in context:
+            d.details["source"] = "driver: pinned host memory (TensorFlow/XLA)"
         req = re.search(r"failedtoalloc(?:ate)?(?:[\d.]+[KMGTPE]?i?B?\()?(\d+)bytes", pre + span, re.I)
         if req:
             d.numbers["requested"] = int(req.group(1))
@@ -1289,6 +1313,8 @@ def _x_tf(span: str, pre: str, m: re.Match) -> _Draft:
         d.details["device"] = f"{dev.group(1).upper()}:{dev.group(2)}"
         if dev.group(1).upper() == "GPU":
             d.gpus.append(int(dev.group(2)))
+    if "thecallerindicatesthatthisisnotafailure" in span[:600].lower():
+        d.details["severity"] = "warning (the caller indicates this is not a failure)"
     alloc = _F_TF_ALLOCATOR.search(span)
     if alloc is not None:
         d.details["allocator"] = alloc.group(1)
@@ -1385,6 +1411,8 @@ def _x_shm(span: str, pre: str, m: re.Match) -> _Draft:
     if re.search(r"shm_open(?:failed)?:?Permissiondenied|/dev/shm.{0,40}Permissiondenied",
                  pre + span[:400], re.I):
         d.details["reason"] = "permission denied"
+    elif m.group(0).lower().startswith("unabletoopen"):
+        d.details["reason"] = "cannot open"
     d.sig = ()
     return d
 
@@ -1432,7 +1460,7 @@ def _x_nccl(span: str, pre: str, m: re.Match) -> _Draft:
     rank = int(rank_m[-1].group(1)) if rank_m else None
     w = _F_NCCL.search(span)
     if w:
-        c = Collective(rank, int(w.group(1)), w.group(2).upper(), int(w.group(3)) if w.group(3) else None,
+        c = Collective(rank, int(w.group(1)) if w.group(1) else None, w.group(2).upper(), int(w.group(3)) if w.group(3) else None,
                        int(w.group(4)), int(w.group(5)))
         d.collectives.append(c)
         d.numbers["timeout_ms"] = c.timeout_ms
@@ -2148,6 +2176,14 @@ def _diag_cuda_error(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, o
                 "(CUDA_LAUNCH_BLOCKING=1 makes PyTorch report the failing call; TensorFlow/JAX name the op in "
                 "the error that follows)", None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0, primary=True)
         return
+    if source.startswith("driver: pinned host"):
+        out.diag("pinned_host_memory", "The CUDA driver could not page-lock (pin) "
+                 + (f"{_F(req)} of " if req is not None else "") + "host RAM for fast host-GPU copies: it is the "
+                 "machine's RAM (or the locked-memory limit) that ran short, not the GPU.")
+        out.fix("free_host_ram", "Free host RAM (free -g; fewer data-pipeline workers and smaller prefetch/shuffle "
+                "buffers); in a container raise the locked-memory limit: docker run --ulimit memlock=-1", None, None,
+                _SPEED_NONE, _QUALITY_NONE, "", cost=0, primary=True)
+        return
     if source.startswith("driver"):
         out.diag("framework_driver_oom", "The TensorFlow/XLA runtime could not get memory from the CUDA driver. "
                  "Both frameworks preallocate most of the GPU per process, so a second process (or PyTorch in the "
@@ -2240,6 +2276,15 @@ def _diag_tf(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out
     device = d.details.get("device", "")
     if device.startswith("CPU"):
         out.diag("host_memory", "TensorFlow ran out of host RAM on the CPU device, not GPU memory.")
+    if d.details.get("severity", "").startswith("warning"):
+        out.diag("tf_warning_only", "Only a warning: the BFC allocator could not get "
+                 + (f"{_F(req)}" if req is not None else "the memory") + " for an optional workspace, and the "
+                 "caller goes on without it (a slower algorithm); training continues. Act on it only if the run "
+                 "is slow or a real OOM error follows.")
+        out.fix("stop_preallocation", "If another process shares this GPU: TF_FORCE_GPU_ALLOW_GROWTH=true in "
+                "both (TensorFlow takes almost the whole GPU per process by default)", None, None, _SPEED_NONE,
+                _QUALITY_NONE, "", cost=0)
+        return
     what = f"a tensor of shape {d.details['shape']} ({d.details.get('dtype', '?')}, {_F(req)})" \
         if "shape" in d.details and req is not None else (f"{_F(req)}" if req is not None else "a tensor")
     detail = f"TensorFlow's BFC allocator could not allocate {what}"
@@ -2363,6 +2408,17 @@ def _diag_shm(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Ou
                 "slower GPU-to-GPU transfers inside the machine (falls back to sockets/P2P)", _QUALITY_NONE, "",
                 cost=1)
         return
+    if d.details.get("reason") == "cannot open":
+        out.diag("shared_memory_open_failed", "A process could not open a shared-memory segment (/dev/shm) that "
+                 "another process handed it a tensor through. With PyTorch's default file_descriptor sharing "
+                 "strategy this is most often the open-file limit (ulimit -n) running out under many workers or "
+                 "a deep prefetch; a full /dev/shm does it too.")
+        out.fix("sharing_strategy", "torch.multiprocessing.set_sharing_strategy('file_system') at the top of the "
+                "script, or raise the open-file limit (ulimit -n 65535)", None, None, _SPEED_NONE, _QUALITY_NONE,
+                "", cost=0, primary=True)
+        out.fix("grow_shm", "If /dev/shm is small (df -h /dev/shm): docker run --shm-size=16g (or --ipc=host)",
+                None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0)
+        return
     out.diag("shared_memory_exhausted", "Shared memory (/dev/shm) is full: DataLoader workers hand batches to "
              "the main process through it, and NCCL uses it between processes on one machine. Docker gives "
              "containers only 64 MB of /dev/shm by default. This is host memory, not the GPU.")
@@ -2403,14 +2459,19 @@ def _diag_ordinal(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out:
             "torch.cuda.set_device(local_rank).", cost=0, primary=True)
 
 
+def _seq(c: Collective) -> int:
+    return -1 if c.seq is None else c.seq
+
+
 def _diag_nccl(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
     first: dict[int | None, Collective] = {}
     for c in d.collectives:
-        if c.rank not in first or c.seq < first[c.rank].seq:
+        if c.rank not in first or _seq(c) < _seq(first[c.rank]):
             first[c.rank] = c
     distinct = {(c.seq, c.op) for c in first.values()}
     if len(distinct) > 1:
-        shown = "; ".join(f"rank {r if r is not None else '?'}: {c.op} #{c.seq}" for r, c in
+        shown = "; ".join(f"rank {r if r is not None else '?'}: {c.op}" + (f" #{c.seq}" if c.seq is not None else "")
+                          for r, c in
                           sorted(first.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))[:8])
         out.diag("mismatched_collectives", f"The ranks are waiting in different collectives ({shown}). Their "
                  "code paths diverged: a collective that only some ranks call (rank-0-only evaluation, logging or "
@@ -2529,6 +2590,12 @@ def _title(d: _Draft) -> str:
         base = base.replace("CUDA", "HIP (ROCm)")
     if d.kind is Kind.SHARED_MEMORY and d.details.get("reason") == "permission denied":
         base = "Shared memory (/dev/shm) not writable"
+    elif d.kind is Kind.SHARED_MEMORY and d.details.get("reason") == "cannot open":
+        base = "Shared memory segment could not be opened"
+    elif d.kind is Kind.TF_OOM and d.details.get("severity", "").startswith("warning"):
+        base = "TensorFlow allocator warning: ran out of memory for an optional workspace (not a failure)"
+    elif d.kind is Kind.CUDA_ERROR_OOM and d.details.get("source", "").startswith("driver: pinned host"):
+        base = "CUDA error: out of memory pinning host RAM (not GPU memory)"
     fmt = d.details.get("format")
     if fmt and not fmt.startswith("unknown"):
         base += f" ({fmt} message)"
@@ -2740,7 +2807,8 @@ def render_text(result: ExplainResult) -> str:
             table = tabulate(rows, tablefmt="plain", colalign=("left", "right"))
             out.extend("    " + line for line in table.splitlines())
         for c in f.collectives[:8]:
-            out.append(f"    rank {c.rank if c.rank is not None else '?'}: {c.op} SeqNum={c.seq}"
+            out.append(f"    rank {c.rank if c.rank is not None else '?'}: {c.op}"
+                       + (f" SeqNum={c.seq}" if c.seq is not None else "")
                        + (f" numel={c.numel:,}" if c.numel is not None else "")
                        + f" ran {c.elapsed_ms:,} ms (timeout {c.timeout_ms:,} ms)")
         if f.diagnosis:

@@ -340,6 +340,24 @@ EXPECTED = {
     "tf_cublas_not_initialized_oom.log": dict(
         kind=Kind.CUBLAS_ALLOC, cause="library_not_initialized_oom", first_fix="stop_preallocation",
         details=dict(status="CUBLAS_STATUS_NOT_INITIALIZED")),
+    "nccl_timeout_no_seqnum.log": dict(
+        kind=Kind.NCCL_TIMEOUT, ranks=(0, 1, 2), cause="mismatched_collectives",
+        numbers=dict(timeout_ms=1800000, elapsed_ms=1800417)),
+    "jax_internal_constant.log": dict(kind=Kind.JAX_OOM, numbers=dict(requested=201326592)),
+    "thc_assert_windows.log": dict(kind=Kind.DEVICE_ASSERT, details=dict(assertion="srcIndex < srcSelectDimSize")),
+    "rank_wrapped_inside_number.log": dict(
+        kind=Kind.CUDA_OOM, ranks=(3,), gpus=(3,),
+        numbers=dict(requested=sz("3.50 GiB"), capacity=sz("79.14 GiB"), free=sz("2.87 GiB"),
+                     this_process=sz("76.25 GiB"), allocated=sz("72.18 GiB"),
+                     reserved_unallocated=sz("3.36 GiB"))),
+    "dataloader_semlock_enospc.log": dict(kind=Kind.SHARED_MEMORY, cause="shared_memory_exhausted",
+                                          first_fix="grow_shm"),
+    "shm_open_read_write.log": dict(kind=Kind.SHARED_MEMORY, cause="shared_memory_open_failed",
+                                    first_fix="sharing_strategy"),
+    "tf_bfc_warning_only.log": dict(kind=Kind.TF_OOM, cause="tf_warning_only", numbers=dict(requested=sz("1.27 GiB")),
+                                    absent_fixes={"halve_micro_batch"}),
+    "xla_pinned_host.log": dict(kind=Kind.CUDA_ERROR_OOM, cause="pinned_host_memory", first_fix="free_host_ram",
+                                numbers=dict(requested=4294967296)),
     "nccl_shm_permission.log": dict(kind=Kind.SHARED_MEMORY, cause="shared_memory_permission",
                                     first_fix="fix_shm_permissions", not_causes={"shared_memory_exhausted"}),
 }
