@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from oomdoctor.allocator import AllocatorConfig
-    from oomdoctor.estimate import Budget, estimate
+    from oomdoctor.estimate import Budget
     from oomdoctor.loader import load_model_file
     from oomdoctor.measure import TorchRunner, measured_probe, profile_for_device
     from oomdoctor.probe import probe_config

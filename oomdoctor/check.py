@@ -383,7 +383,7 @@ def render_github(r: CheckResult) -> str:
 
 def junit_xml(r: CheckResult) -> str:
     failures = sum(x.failed for x in r.rows)
-    parts = [f'<?xml version="1.0" encoding="utf-8"?>',
+    parts = ['<?xml version="1.0" encoding="utf-8"?>',
              f'<testsuite name="oomdoctor check" tests="{len(r.rows)}" '
              f'failures="{failures}" errors="0">']
     for x in r.rows:

@@ -1791,8 +1791,8 @@ def _load_fixes(out: _Out, ctx: _Ctx) -> None:
             "same or faster", "bf16: practically none; 8/4-bit: small, task dependent",
             "fp32 weights take 4 bytes per parameter, bf16 2, 4-bit about 0.5.", cost=1, primary=True)
     n = ctx.world or 2
-    out.fix("split_model", f"Split the model across GPUs: device_map=\"auto\" (accelerate) or pipeline/tensor "
-            f"parallelism", (4 * total - 4 * total // n) if total else None, "about",
+    out.fix("split_model", "Split the model across GPUs: device_map=\"auto\" (accelerate) or pipeline/tensor "
+            "parallelism", (4 * total - 4 * total // n) if total else None, "about",
             "slower than one big GPU (layers run one GPU after another)", _QUALITY_NONE,
             f"Each of {n} GPUs holds about 1/{n} of the layers. This is model parallelism - unlike DDP, which "
             "needs the whole model on every GPU.", cost=2, primary=True)

@@ -171,6 +171,56 @@ def make_optimizer(spec: ModelSpec, model: torch.nn.Module) -> torch.optim.Optim
     return opt
 
 
+def make_configured_optimizer(spec: ModelSpec, model: torch.nn.Module,
+                              override: str | None = None) -> torch.optim.Optimizer:
+    """The ``--optimizer`` override if given, else the file's optimizer (or AdamW)."""
+    if override:
+        from oomdoctor import emulate          # emulate does not import the loader
+        return emulate.build_optimizer(override, model)
+    return make_optimizer(spec, model)
+
+
+# --- one training configuration, the same for the trace, the measured probe and the smoke run --
+
+def build_for_training(spec: ModelSpec, precision: str = "fp32", checkpointing: bool = False,
+                       checkpoint_class: str | None = None, *, preserve_rng_state: bool = True
+                       ) -> tuple[torch.nn.Module, tuple[str, ...]]:
+    """The file's model as a configuration trains it, under the caller's device or fake-tensor
+    context: in train mode, cast to bf16 for pure bf16, repeated blocks checkpointed. Returns the
+    model and the checkpointed blocks' names."""
+    model = build_checked_model(spec)
+    model.train()
+    if precision == "bf16-pure":
+        to_dtype(model, torch.bfloat16)
+    checkpointed: tuple[str, ...] = ()
+    if checkpointing:
+        from oomdoctor import emulate
+        checkpointed = emulate.apply_checkpointing(model, checkpoint_class,
+                                                   preserve_rng_state=preserve_rng_state)
+    return model, checkpointed
+
+
+def make_configured_batch(spec: ModelSpec, batch_size: int, precision: str = "fp32") -> Any:
+    """The file's batch; pure bf16 feeds bf16 inputs."""
+    batch = make_checked_batch(spec, batch_size)
+    return cast_floats(batch, torch.bfloat16) if precision == "bf16-pure" else batch
+
+
+def to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` that keeps tied weights tied. (Module.to swaps tensors in place for
+    fake tensors, which refuses tensors that have weakrefs; rebuilding the Parameters avoids it.)"""
+    memo: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for store, wrap in ((mod._parameters, True), (mod._buffers, False)):
+            for name, t in store.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                if id(t) not in memo:
+                    new = t.detach().to(dtype)
+                    memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if wrap else new
+                store[name] = memo[id(t)]
+
+
 # Errors raised by fake tensors when the file does something only real data can answer.
 _DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException",
                    "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
@@ -209,3 +259,15 @@ def _describe(obj: Any) -> str:
     if isinstance(obj, (tuple, list)):
         return f"a {type(obj).__name__} of {', '.join(type(x).__name__ for x in obj[:4]) or 'nothing'}"
     return "None" if obj is None else f"a {type(obj).__name__}"
+
+
+def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    """A batch (tensor, tuple/list or dict) with its floating tensors cast to ``dtype``
+    (pure bf16 feeds bf16 inputs); integer tensors such as token ids are left alone."""
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    if isinstance(batch, dict):
+        return {k: cast(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(cast(t) for t in batch)
+    return cast(batch)

@@ -45,7 +45,7 @@ from oomdoctor.configs import MAX_BATCH
 from oomdoctor.gpus import GiB, PROFILES, GpuProfile, custom_profile
 from oomdoctor.loader import ModelSpec
 from oomdoctor.probe import bisect_largest
-from oomdoctor.trace import TraceConfig, cast_floats
+from oomdoctor.trace import TraceConfig
 
 Progress = Callable[[str], None]
 # Predicted (allocated, reserved) bytes at a batch size, e.g. from oomdoctor.estimate.
@@ -190,28 +190,19 @@ class TorchRunner:
 def _train(spec: ModelSpec, cfg: TraceConfig, dev: torch.device) -> None:
     """The simulator's training loop (oomdoctor/trace.py trace_training) on real tensors.
     Everything lives in this frame, so it is all unreferenced when the function exits."""
-    from oomdoctor import emulate
-    from oomdoctor.loader import (build_checked_model, compute_loss, make_checked_batch,
-                                  make_optimizer)
+    from oomdoctor.loader import (build_for_training, compute_loss, make_configured_batch,
+                                  make_configured_optimizer)
 
     torch.manual_seed(0)
     with dev:
-        model = build_checked_model(spec)
-    model.train()
-    if cfg.precision == "bf16-pure":
-        model = model.to(torch.bfloat16)
-    if cfg.checkpointing:
-        emulate.apply_checkpointing(model, cfg.checkpoint_class)
-    optimizer = (emulate.build_optimizer(cfg.optimizer, model) if cfg.optimizer
-                 else make_optimizer(spec, model))
+        model, _ = build_for_training(spec, cfg.precision, cfg.checkpointing, cfg.checkpoint_class)
+    optimizer = make_configured_optimizer(spec, model, cfg.optimizer)
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     scaler = torch.amp.GradScaler(dev.type) if cfg.precision == "fp16" else None
     for _ in range(cfg.steps):
         for micro in range(cfg.grad_accum):
             with dev:   # the trace makes the batch on the device too (trace.py, Phase.DATA)
-                batch = make_checked_batch(spec, cfg.batch_size)
-            if cfg.precision == "bf16-pure":
-                batch = cast_floats(batch, torch.bfloat16)
+                batch = make_configured_batch(spec, cfg.batch_size, cfg.precision)
             with (torch.autocast(dev.type, dtype=amp) if amp is not None
                   else contextlib.nullcontext()):
                 loss = compute_loss(spec, model, batch)

@@ -265,16 +265,12 @@ def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2) 
     from torch.utils.flop_counter import FlopCounterMode
 
     from oomdoctor import emulate
-    from oomdoctor.loader import build_checked_model, compute_loss, make_checked_batch
-    from oomdoctor.trace import _to_dtype, cast_floats
+    from oomdoctor.loader import build_for_training, compute_loss, make_configured_batch
 
     gc.collect()
     torch.manual_seed(0)
     with FakeTensorMode():
-        model = build_checked_model(spec)
-        model.train()
-        if precision == "bf16-pure":
-            _to_dtype(model, torch.bfloat16)
+        model, _ = build_for_training(spec, precision)
         root = type(model).__name__
         defined = execution_blocks(model)
         def_index = {n: i for i, n in enumerate(defined)}
@@ -389,9 +385,7 @@ def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2) 
             flops = FlopCounterMode(display=False) if backward else contextlib.nullcontext()
             try:
                 with flops, tagger:
-                    batch = make_checked_batch(spec, b)
-                    if precision == "bf16-pure":
-                        batch = cast_floats(batch, torch.bfloat16)
+                    batch = make_configured_batch(spec, b, precision)
                     with contextlib.ExitStack() as stack:
                         if amp is not None:
                             stack.enter_context(emulate.CudaAutocast(amp))

@@ -604,7 +604,6 @@ def _alternatives(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[str
     out = []
     lim = budget.limit_bytes
     p = "bf16-pure" if "bf16-pure" in allowed else allowed[-1]
-    width = 2 if p == "bf16-pure" else 4
     # What the traced configuration holds besides model states (activations, temporaries,
     # allocator overhead) on the leanest strategy: a realistic margin for the suggestions.
     extra = 0

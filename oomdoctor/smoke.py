@@ -34,7 +34,6 @@ import torch
 
 from oomdoctor.loader import ModelSpec, build_checked_model, compute_loss, load_model_file
 from oomdoctor.parallel import STRATEGIES, StrategyEstimate, execution_blocks
-from oomdoctor.trace import cast_floats
 
 TOLERANCE = 0.10          # measured peak vs prediction, relative
 DISTRIBUTED = ("ddp", "zero1", "zero2", "zero3")
@@ -167,8 +166,7 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
                   want_state: bool = False) -> dict[str, Any]:
     """Build, wrap and train ``cfg.steps`` steps in this process; return losses, step times,
     per-GPU peaks (CUDA) and, if asked, the model's final state (rank 0's full parameters)."""
-    from oomdoctor import emulate
-    from oomdoctor.loader import make_checked_batch, make_optimizer
+    from oomdoctor.loader import build_for_training, make_configured_batch, make_configured_optimizer
 
     strategy = cfg.strategy
     b = cfg.micro_batch if cuda else min(cfg.micro_batch, cfg.cpu_batch)
@@ -180,12 +178,7 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
     torch.manual_seed(0)
     build_on = torch.device("cpu") if strategy == "pipeline2" else device
     with build_on:
-        model = build_checked_model(spec)
-    model.train()
-    if cfg.precision == "bf16-pure":
-        model = model.to(torch.bfloat16)
-    if cfg.checkpointing:
-        emulate.apply_checkpointing(model, cfg.checkpoint_class)
+        model, _ = build_for_training(spec, cfg.precision, cfg.checkpointing, cfg.checkpoint_class)
     input_device = device
     wrapped: torch.nn.Module = model
     if strategy in ("ddp", "zero1"):
@@ -210,10 +203,7 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
     elif strategy == "pipeline2":
         model, input_device = dispatch_split(model, cfg.device_map or {}, cfg.main_device, cuda)
         wrapped = model
-    if cfg.optimizer:
-        opt = emulate.build_optimizer(cfg.optimizer, model)
-    else:
-        opt = make_optimizer(spec, model)
+    opt = make_configured_optimizer(spec, model, cfg.optimizer)
     if strategy == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer([p for p in model.parameters() if p.requires_grad],
@@ -229,9 +219,7 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
     for micro in range(cfg.grad_accum):
         torch.manual_seed(batch_seed(rank, micro))
         with torch.device("cpu"):
-            batch = make_checked_batch(spec, dp_batch)
-        if cfg.precision == "bf16-pure":
-            batch = cast_floats(batch, torch.bfloat16)
+            batch = make_configured_batch(spec, dp_batch, cfg.precision)
         batches.append(_to(batch, input_device))
     devices = _devices(cfg, cuda, device)
     if cuda:

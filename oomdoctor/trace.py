@@ -28,7 +28,7 @@ import gc
 import sys
 import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Iterator
 
@@ -38,8 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from oomdoctor import emulate
-from oomdoctor.loader import (ModelFileError, ModelSpec, build_checked_model, compute_loss,
-                              make_checked_batch, make_optimizer)
+from oomdoctor.loader import (ModelFileError, ModelSpec, build_for_training, compute_loss,
+                              make_configured_batch, make_configured_optimizer)
 
 from oomdoctor.configs import PRECISIONS, ZERO_GRAD_MODES  # noqa: E402  (re-exported)
 
@@ -457,20 +457,14 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
     gc.collect()
     torch.manual_seed(0)
     with fake_mode, (_dynamo_left_unloaded() if fake else contextlib.nullcontext()):
-        model = build_checked_model(spec)
-        model.train()
-        if cfg.precision == "bf16-pure":
-            _to_dtype(model, torch.bfloat16)
-        checkpointed: tuple[str, ...] = ()
-        if cfg.checkpointing:
-            checkpointed = emulate.apply_checkpointing(model, cfg.checkpoint_class,
-                                                       preserve_rng_state=not fake)
+        model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
+                                                 cfg.checkpoint_class, preserve_rng_state=not fake)
+        if checkpointed:
             notes.append(f"checkpointing {len(checkpointed)} blocks of class "
                          f"{type(model.get_submodule(checkpointed[0])).__name__}")
         # Optimizers that create state in __init__ (Adagrad) make host-side counters there too.
         with torch.device("cpu"):
-            optimizer = (emulate.build_optimizer(cfg.optimizer, model) if cfg.optimizer
-                         else make_optimizer(spec, model))
+            optimizer = make_configured_optimizer(spec, model, cfg.optimizer)
         if cfg.emulate_cuda:
             notes += emulate.cuda_optimizer_defaults(optimizer)
         scaler = emulate.GradScalerEmulation() if cfg.precision == "fp16" else None
@@ -496,9 +490,7 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
                 for it in range(cfg.steps):
                     for micro in range(micro_batches):
                         with _phase(rec, marks, Phase.DATA, it, micro):
-                            batch = make_checked_batch(spec, cfg.batch_size)
-                            if cfg.precision == "bf16-pure":
-                                batch = cast_floats(batch, torch.bfloat16)
+                            batch = make_configured_batch(spec, cfg.batch_size, cfg.precision)
                         with _phase(rec, marks, Phase.FORWARD, it, micro):
                             with contextlib.ExitStack() as stack:
                                 if kernels is not None:
@@ -581,30 +573,3 @@ def _phase_ends(marks: list[PhaseMark], n: int) -> list[int]:
         for j in range(m.start, stop):
             ends[j] = stop
     return ends
-
-
-def _to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """``model.to(dtype)`` that keeps tied weights tied. (Module.to swaps tensors in place for
-    fake tensors, which refuses tensors that have weakrefs; rebuilding the Parameters avoids it.)"""
-    memo: dict[int, torch.Tensor] = {}
-    for mod in model.modules():
-        for store, wrap in ((mod._parameters, True), (mod._buffers, False)):
-            for name, t in store.items():
-                if t is None or not t.is_floating_point():
-                    continue
-                if id(t) not in memo:
-                    new = t.detach().to(dtype)
-                    memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if wrap else new
-                store[name] = memo[id(t)]
-
-
-def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
-    """A batch (tensor, tuple/list or dict) with its floating tensors cast to ``dtype``
-    (pure bf16 feeds bf16 inputs); integer tensors such as token ids are left alone."""
-    def cast(t):
-        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-    if isinstance(batch, dict):
-        return {k: cast(v) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(cast(t) for t in batch)
-    return cast(batch)

@@ -1,6 +1,5 @@
 """estimate and probe: the budget, the breakdown, and the probe's boundary checked by direct traces."""
 import os
-from dataclasses import replace
 
 import pytest
 

@@ -98,7 +98,9 @@ def test_runner_passes_exit_code_and_output_through(capfd):
                            "time.sleep(0.3); sys.exit(7)"], sampler, interval_s=0.02)
     out, err = capfd.readouterr()
     assert r.exit_code == 7 and out == "out\n" and err == "err\n"
-    assert r.sampling_error is None and len(r.ticks) >= 3 and len(calls) == len(r.ticks)
+    # One tick per sampler call, except a last call that can land between the child's exit and
+    # the sampler's stop: run_watched drops it (it describes the GPU after the run).
+    assert r.sampling_error is None and len(r.ticks) >= 3 and len(calls) - len(r.ticks) in (0, 1)
     assert r.duration_s >= 0.3 and all(0 <= k.t <= r.duration_s for k in r.ticks)
 
 
