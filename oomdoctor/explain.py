@@ -510,6 +510,9 @@ _STARTS_ANEW = re.compile(r"Traceback \(|File \"|During handling|The above excep
                           r"Warning|Interrupt)\b:?")
 # Markdown emphasis around a whole line ("**Killed**").
 _EMPHASIS = "*_`"
+# details["format"] of the messages PyTorch itself cut at a NUL device byte (see above).
+_CUT_AT_DEVICE = "unknown (cut after 'Allocation on device')"
+_CUT_AT_GPU = "unknown (cut after 'GPU')"
 
 # An anchor of kind K is dropped when it starts within N squashed characters after a kept anchor
 # of one of these kinds: it is a second sentence of the same message.
@@ -1028,11 +1031,11 @@ class _Scanner:
             if cut_async and _CUT_ASYNC_LINE.search(b):
                 cut_async = False
                 d = _Draft(Kind.CUDA_ASYNC_OOM)
-                d.details["format"] = "unknown (cut after 'Allocation on device')"
+                d.details["format"] = _CUT_AT_DEVICE
                 d.sig = (None, None)
                 self._place(d, st, key, lineno, body)
-            elif bare_env and _BARE_ENV_LINE.match(b):
-                var = _BARE_ENV_LINE.match(b).group(1)
+            elif bare_env and (bare := _BARE_ENV_LINE.match(b)):
+                var = bare.group(1)
                 if f"os.environ[\"{var.lower()}\"]" in low or f"os.environ['{var.lower()}']" in low:
                     bare_env = False
                     d = _Draft(Kind.MISSING_LAUNCH_ENV)
@@ -1184,7 +1187,7 @@ def _x_torch(span: str, pre: str, m: re.Match) -> _Draft:
     d.details["format"] = _torch_format(span, sentence)
     if not sentence and re.match(r"(?:CUDA|HIP)outofmemory\.Triedtoallocate" + _SZ + r"\.GPU(?!\d+has)",
                                  span, re.I):
-        d.details["format"] = "unknown (cut after 'GPU')"
+        d.details["format"] = _CUT_AT_GPU
     hint = _F_HINT_ENV.search(span)
     if hint:
         d.details["alloc_conf_env"] = f"PYTORCH_{hint.group(1).upper()}_ALLOC_CONF"
@@ -1460,8 +1463,8 @@ def _x_nccl(span: str, pre: str, m: re.Match) -> _Draft:
     rank = int(rank_m[-1].group(1)) if rank_m else None
     w = _F_NCCL.search(span)
     if w:
-        c = Collective(rank, int(w.group(1)) if w.group(1) else None, w.group(2).upper(), int(w.group(3)) if w.group(3) else None,
-                       int(w.group(4)), int(w.group(5)))
+        c = Collective(rank, int(w.group(1)) if w.group(1) else None, w.group(2).upper(),
+                       int(w.group(3)) if w.group(3) else None, int(w.group(4)), int(w.group(5)))
         d.collectives.append(c)
         d.numbers["timeout_ms"] = c.timeout_ms
         d.numbers["elapsed_ms"] = c.elapsed_ms
@@ -1861,7 +1864,7 @@ def _diag_torch(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _
         _diag_other_memory(d, out, t.cap, t.free, t.reserved, t.this, t.req, t.where, t.sentence)
         _diag_free_but_unusable(t, out)
     _diag_fragmentation(t, out)
-    _diag_capacity(t, out, cut_at_gpu=d.details.get("format") == "unknown (cut after 'GPU')")
+    _diag_capacity(t, out, cut_at_gpu=d.details.get("format") == _CUT_AT_GPU)
     if out.shortfall:
         out.derived["shortfall"] = out.shortfall
     _phase_diag(out, phase, no_grad, d, act)
@@ -2126,7 +2129,7 @@ def _diag_async(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _
                      f"({_pct(alloc, cap)}); the model, its optimizer state and the batch's activations do not fit.")
     if not out.diagnosis:
         out.diag("out_of_memory", "The cudaMallocAsync allocator could not get memory for this request.")
-    if d.details.get("format", "").startswith("unknown (cut"):
+    if d.details.get("format") == _CUT_AT_DEVICE:
         out.notes.append("The message stops after 'Allocation on device': PyTorch streams the device index as a "
                          "raw byte, and device 0 is a NUL that ends the text (pytorch/pytorch#168369), so the "
                          "GPU is the first visible one and the request and free-memory figures were lost. ComfyUI "

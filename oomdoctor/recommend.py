@@ -707,14 +707,12 @@ def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False) -> str:
                   f"    {where}[i] = Checkpointed(block)"]
     if distributed and batchnorm and c.num_gpus > 1:
         lines.append("model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # global BN")
+    ddp = ["model = torch.nn.parallel.DistributedDataParallel(",     # ZeRO-1 is DDP + sharded Adam
+           "    model.to(device), device_ids=[local_rank], gradient_as_bucket_view=True)"]
     if c.strategy == "ddp":
-        lines += ["model = torch.nn.parallel.DistributedDataParallel(",
-                  "    model.to(device), device_ids=[local_rank], gradient_as_bucket_view=True)",
-                  "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
+        lines += [*ddp, "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
     elif c.strategy == "zero1":
-        lines += ["from torch.distributed.optim import ZeroRedundancyOptimizer",
-                  "model = torch.nn.parallel.DistributedDataParallel(",
-                  "    model.to(device), device_ids=[local_rank], gradient_as_bucket_view=True)",
+        lines += ["from torch.distributed.optim import ZeroRedundancyOptimizer", *ddp,
                   "opt = ZeroRedundancyOptimizer(model.parameters(),",
                   "                              optimizer_class=torch.optim.AdamW, lr=lr)"]
     elif c.strategy in ("zero2", "zero3"):

@@ -387,7 +387,7 @@ def _dynamo_left_unloaded() -> Iterator[None]:
 
     def patch(real):
         if real.__dict__.get("disable") is not _identity_disable:
-            patched.append((real, real.__dict__.get("disable"), real.__dict__.get("graph_break")))
+            patched.append((real, real.__dict__.get("disable")))
             real.disable = _identity_disable
         return real
 
@@ -416,7 +416,7 @@ def _dynamo_left_unloaded() -> Iterator[None]:
             del sys.modules["torch._dynamo"]
             if torch.__dict__.get("_dynamo") is stand_in:
                 del torch._dynamo
-        for real, disable, _ in patched:
+        for real, disable in patched:
             real.disable = disable
         for fn in list(_DISABLE_SEEN):
             if fn.__dict__.get(_CACHE) is fn:
