@@ -11,6 +11,8 @@ on fake CPU tensors and this module makes the CPU behave, memory-wise, like CUDA
   mask in the input's dtype).
 - :func:`cuda_optimizer_defaults` switches optimizers to the ``foreach`` implementation that
   ``torch/optim/optimizer.py::_default_to_fused_or_foreach`` picks for CUDA tensors.
+- :func:`fused_optimizers_on_meta` lets ``fused=True`` optimizers run their fused ATen kernels
+  (``_fused_adam(w)_``, ``_fused_sgd_``) on the meta device, where torch's device check refuses.
 - :class:`GradScalerEmulation` does what ``torch.amp.GradScaler`` does to memory without its
   ``found_inf.item()`` sync, which a fake tensor cannot answer.
 - :func:`apply_checkpointing` wraps repeated blocks in ``torch.utils.checkpoint``.
@@ -413,6 +415,34 @@ def cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> list[str]:
     return notes
 
 
+
+
+@contextlib.contextmanager
+def fused_optimizers_on_meta():
+    """Let ``fused=True`` optimizers step on the meta device, as they would on CUDA.
+
+    ``torch/optim/optimizer.py::_device_dtype_check_for_fused`` accepts only the devices in
+    ``torch.utils._foreach_utils._get_fused_kernels_supported_devices()`` (cuda, cpu, ...), so
+    a meta trace of ``AdamW(fused=True)`` raised before stepping. The fused kernels themselves
+    have meta implementations: they update params, ``exp_avg`` and ``exp_avg_sq`` in place and
+    allocate nothing (``aten/src/ATen/native/cuda/fused_adamw_impl.cu``), so the only memory
+    is the state ``_init_group`` creates - what CUDA allocates too. While active, "meta" counts
+    as a supported device wherever CUDA does (not for Adagrad, whose fused kernel is CPU-only:
+    it passes ``cuda_unsupported=True`` and torch removes "cuda" - then "meta" goes too)."""
+    import torch.optim.optimizer as optim_mod
+    real = optim_mod._get_fused_kernels_supported_devices
+
+    class _Devices(list):
+        def remove(self, item):            # cuda_unsupported: meta stands for cuda here
+            super().remove(item)
+            if item == "cuda" and "meta" in self:
+                super().remove("meta")
+
+    optim_mod._get_fused_kernels_supported_devices = lambda: _Devices(real() + ["meta"])
+    try:
+        yield
+    finally:
+        optim_mod._get_fused_kernels_supported_devices = real
 
 
 def build_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:

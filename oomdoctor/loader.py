@@ -221,6 +221,12 @@ def to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 store[name] = memo[id(t)]
 
 
+class DataDependentError(ModelFileError):
+    """The step asked a question only real data can answer (``.item()``, ``bool(t)``, a
+    data-dependent shape). The trace retries with the batch's real values (oomdoctor.values)
+    before this reaches the user."""
+
+
 # Errors raised by fake tensors when the file does something only real data can answer.
 _DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException",
                    "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
@@ -242,7 +248,7 @@ def _call(spec: ModelSpec, name: str, fn: Callable, *args: Any) -> Any:
         # "Tensor.item() cannot be called on meta tensors" or an unimplemented meta kernel
         # for ops whose output shape depends on the data (nonzero, masked_select, unique).
         if kind in _DATA_DEPENDENT or any(s in text for s in _DATA_DEPENDENT_TEXT):
-            raise ModelFileError(
+            raise DataDependentError(
                 f"{spec.path}: {name} uses a value computed from tensor data ({kind}: "
                 f"{_first_line(e)}), which a fake-tensor trace cannot follow; remove "
                 ".item()/.tolist()/data-dependent shapes from the training step") from e

@@ -37,8 +37,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from oomdoctor import emulate
-from oomdoctor.loader import (ModelFileError, ModelSpec, build_for_training, compute_loss,
+from oomdoctor import emulate, values
+from oomdoctor.loader import (DataDependentError, ModelFileError, ModelSpec, build_for_training, compute_loss,
                               make_configured_batch, make_configured_optimizer)
 
 from oomdoctor.configs import PRECISIONS, ZERO_GRAD_MODES  # noqa: E402  (re-exported)
@@ -184,6 +184,7 @@ class _Recorder(TorchDispatchMode):
         self.closed = False
         self._next = 0
         self._fresh: dict[Any, tuple[bool, ...]] = {}
+        self.shadows: values.Shadows | None = None   # real values of the batch, see values.py
 
     # -- bookkeeping -------------------------------------------------------------------------
     def add(self, storage: torch.UntypedStorage, category: Category | None, op: str) -> int:
@@ -232,7 +233,19 @@ class _Recorder(TorchDispatchMode):
 
     # -- the mode ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception:
+            # A question the fake/meta tensor cannot answer: the real batch's answer, if the
+            # tensor was computed from the batch alone (see oomdoctor.values).
+            if self.shadows is None:
+                raise
+            answered, value = self.shadows.answer(func, args, kwargs or {})
+            if not answered:
+                raise
+            return value
+        if self.shadows is not None:
+            self.shadows.mirror(func, args, kwargs or {}, out)
         fresh = self._fresh_outputs(func)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for i, o in enumerate(outs):
@@ -359,6 +372,26 @@ def _identity_disable(fn=None, *args, **kwargs):
     return fn
 
 
+def _stand_in_getattr(real_module):
+    """The stand-in's module ``__getattr__``: any public name imports the real module.
+
+    Dunder names do not: ``inspect.getmodule`` reads ``__file__`` of every module in
+    ``sys.modules``, and torch calls it while registering custom ops at import time
+    (``torch/_library/utils.py::get_source``). Importing the real ``torch._dynamo`` from there,
+    half-way through ``import torch.distributed.tensor`` (transformers imports it when a model
+    class loads lazily inside ``build_model()``), is a circular import. A module without
+    ``__file__`` is what the stand-in is. ``__path__`` is the exception: the import system
+    reads it to import a submodule (``torch._dynamo._trace_wrapped_higher_order_op``, imported
+    by transformers' generation code), which needs the real package."""
+    def getattr_(name: str):
+        if name == "__path__":
+            return real_module().__path__
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return getattr(real_module(), name)
+    return getattr_
+
+
 @contextlib.contextmanager
 def _dynamo_left_unloaded() -> Iterator[None]:
     """Keep ``torch._dynamo`` out of a fake trace: importing it costs ~1.9 s, a third of an
@@ -407,7 +440,7 @@ def _dynamo_left_unloaded() -> Iterator[None]:
         stand_in.disable = _identity_disable
         # Optimizer.step calls torch._dynamo.graph_break() around every step; eagerly a no-op.
         stand_in.graph_break = lambda msg="": None
-        stand_in.__getattr__ = lambda name: getattr(real_module(), name)
+        stand_in.__getattr__ = _stand_in_getattr(real_module)
         sys.modules["torch._dynamo"] = stand_in
     try:
         yield
@@ -427,6 +460,26 @@ def _dynamo_left_unloaded() -> Iterator[None]:
 
 def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
                    optimizer_from: Trace | None = None, backend: str = "auto") -> Trace:
+    """Run ``cfg.steps`` optimizer steps of the model file's training loop and record memory
+    (see :func:`_trace_training`).
+
+    When the step asks a question about tensor values (transformers: does the attention mask
+    have padding?), the trace is run once more with the batch's real values mirrored next to
+    it (:mod:`oomdoctor.values`), so the question gets the answer the real batch gives on the
+    GPU. Models that ask nothing pay nothing.
+    """
+    try:
+        return _trace_training(spec, cfg, fake=fake, optimizer_from=optimizer_from,
+                               backend=backend, shadows=False)
+    except DataDependentError:
+        if not fake:
+            raise
+    return _trace_training(spec, cfg, fake=fake, optimizer_from=optimizer_from,
+                           backend=backend, shadows=True)
+
+
+def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
+                    optimizer_from: Trace | None, backend: str, shadows: bool) -> Trace:
     """Run ``cfg.steps`` optimizer steps of the model file's training loop and record memory.
 
     With ``fake=False`` the same loop runs on real CPU tensors (slow; for checks and smoke runs).
@@ -456,7 +509,9 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
     # first so the trace starts clean and frees stay tied to reference counts.
     gc.collect()
     torch.manual_seed(0)
-    with fake_mode, (_dynamo_left_unloaded() if fake else contextlib.nullcontext()):
+    on_meta = isinstance(fake_mode, torch.device)
+    with fake_mode, (_dynamo_left_unloaded() if fake else contextlib.nullcontext()), \
+            (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()):
         model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
                                                  cfg.checkpoint_class, preserve_rng_state=not fake)
         if checkpointed:
@@ -470,6 +525,8 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
         scaler = emulate.GradScalerEmulation() if cfg.precision == "fp16" else None
 
         rec = _Recorder()
+        if shadows:
+            rec.shadows = values.Shadows()
         marks: list[PhaseMark] = []
         params = _storages(model.parameters())
         buffers = _storages(b for b in model.buffers() if b.untyped_storage()._cdata not in params)
@@ -491,6 +548,10 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
                     for micro in range(micro_batches):
                         with _phase(rec, marks, Phase.DATA, it, micro):
                             batch = make_configured_batch(spec, cfg.batch_size, cfg.precision)
+                            if rec.shadows is not None:
+                                rec.shadows.attach(batch, values.real_batch(
+                                    lambda: make_configured_batch(spec, cfg.batch_size,
+                                                                  cfg.precision)))
                         with _phase(rec, marks, Phase.FORWARD, it, micro):
                             with contextlib.ExitStack() as stack:
                                 if kernels is not None:
@@ -539,6 +600,10 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
                            for k, v in st.items() if isinstance(v, torch.Tensor)
                            and not _host_state(cfg, optimizer, k, v)))
         rec.closed = True
+        if rec.shadows is not None and rec.shadows.answered:
+            notes.append(f"{rec.shadows.answered} data-dependent questions (such as whether "
+                         "the attention mask has padding) answered from the batch's real "
+                         "values, as on the GPU")
 
     # Categorise what the step made: a forward allocation still alive when the forward ends
     # is held for backward (an activation); the rest is temporary.
