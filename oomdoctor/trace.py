@@ -185,6 +185,7 @@ class _Recorder(TorchDispatchMode):
         self._next = 0
         self._fresh: dict[Any, tuple[bool, ...]] = {}
         self.shadows: values.Shadows | None = None   # real values of the batch, see values.py
+        self.placeholders = 0                  # scalar reads in step() answered with 1
 
     # -- bookkeeping -------------------------------------------------------------------------
     def add(self, storage: torch.UntypedStorage, category: Category | None, op: str) -> int:
@@ -236,6 +237,12 @@ class _Recorder(TorchDispatchMode):
         try:
             out = func(*args, **(kwargs or {}))
         except Exception:
+            if self.phase is Phase.OPTIMIZER and func in values.SCALAR_READS:
+                # Inside optimizer.step() a scalar read sizes the update, not memory:
+                # Adafactor's relative step and update clipping read p.norm().item() and
+                # update.norm().item() (torch/optim/_adafactor.py) and only multiply by them.
+                self.placeholders += 1
+                return values.placeholder(args[0])
             # A question the fake/meta tensor cannot answer: the real batch's answer, if the
             # tensor was computed from the batch alone (see oomdoctor.values).
             if self.shadows is None:
@@ -600,6 +607,10 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
                            for k, v in st.items() if isinstance(v, torch.Tensor)
                            and not _host_state(cfg, optimizer, k, v)))
         rec.closed = True
+        if rec.placeholders:
+            notes.append(f"{type(optimizer).__name__}: {rec.placeholders} scalar reads of "
+                         "tensor values in step() (such as update norms) taken as 1; they "
+                         "scale the update, not its memory")
         if rec.shadows is not None and rec.shadows.answered:
             notes.append(f"{rec.shadows.answered} data-dependent questions (such as whether "
                          "the attention mask has padding) answered from the batch's real "

@@ -32,7 +32,7 @@ MAX_NUMEL = 1 << 24        # 16 Mi elements: a (64, 1, 512, 512) bool mask, not 
 
 _aten = torch.ops.aten
 # The questions: what Tensor.item(), bool(t), int(t) and float(t) dispatch to.
-_SCALAR_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default}
+SCALAR_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default}
 # Factories whose values do not depend on random state or uninitialised memory.
 _CONSTANT_FACTORIES = {
     _aten.arange.default, _aten.arange.start, _aten.arange.start_step,
@@ -69,7 +69,7 @@ class Shadows:
     def answer(self, func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         """(True, the real answer) for a scalar question about a mirrored tensor; the trace
         asks only after the fake/meta tensor failed to answer."""
-        if func not in _SCALAR_READS or not args:
+        if func not in SCALAR_READS or not args:
             return False, None
         real = self.values.get(args[0]) if isinstance(args[0], torch.Tensor) else None
         if real is None:
@@ -105,6 +105,13 @@ class Shadows:
         for o, r in zip(outs, real_outs):
             if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and o.shape == r.shape:
                 self.values[o] = r
+
+
+def placeholder(t: torch.Tensor) -> Any:
+    """A stand-in answer for a scalar read whose value moves no memory (see trace.py)."""
+    if t.dtype == torch.bool:
+        return True
+    return 1.0 if t.is_floating_point() or t.is_complex() else 1
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -579,13 +579,6 @@ def test_fp16_softmax_allocates_only_its_fp32_output():
     assert sum(n for _, _, n in rec.made) == h.numel() * 4
 
 
-def test_adafactor_is_refused_with_a_reason():
-    # torch.optim.Adafactor calls .item() on data every step (_adafactor.py: p.norm(2).item(),
-    # step.item()), which a fake trace cannot answer: refused up front with the reason.
-    assert "adafactor" not in emulate.OPTIMIZERS
-    with pytest.raises(ValueError, match="reads tensor values"):
-        traced("tiny_mlp", 8, optimizer="adafactor")
-
 def test_amp_checkpointing_recomputes_under_the_same_emulation():
     """bert_base: its blocks call F.dropout, a Python composite the emulation re-enters; the
     recomputation in backward must see the modes in the forward's order (autocast above the

@@ -71,6 +71,9 @@ HF_3 = Setup(BERT, 1, grad_accum=4, **HF)
 HF_4 = Setup(BERT, 1, grad_accum=4, checkpointing=True, **HF)
 HF_5 = Setup(BERT, 4, precision="fp16", **HF)
 HF_6 = Setup(BERT, 1, precision="fp16", grad_accum=4, checkpointing=True, **HF)
+ADAFACTOR = "hf_bert_large_adafactor.py"     # the same run with the Trainer's optim="adafactor"
+HF_7 = Setup(ADAFACTOR, 4, **HF)
+HF_8 = Setup(ADAFACTOR, 1, precision="fp16", grad_accum=4, checkpointing=True, **HF)
 VIT_B = "vit_b16_cifar10.py"
 VIT_L = "vit_l16_cifar10.py"
 PT_1 = Setup("vit_l16_sum_loss.py", 1, gpu="a100-80")
@@ -121,6 +124,8 @@ def test_hf1_weights_only_nvml():
     reading("HF-4", HF_4, 6775),  # bs 1 x 4, gradient checkpointing
     reading("HF-5", HF_5, 13939),  # bs 4, fp16 AMP
     reading("HF-6", HF_6, 7275),  # bs 1 x 4, checkpointing, fp16 AMP
+    reading("HF-7", HF_7, 12295),  # bs 4, fp32, Adafactor (measured +0.1%)
+    reading("HF-8", HF_8, 4847),  # bs 1 x 4, checkpointing, fp16 AMP, Adafactor (-2.4%)
 ])
 def test_hf_trainer_nvml_after_training(case, setup, published_mib):
     _, e = traced(setup)

@@ -103,6 +103,32 @@ def test_fused_optimizer_estimate_is_not_a_crash():
     assert "FITS" in r.stdout
 
 
+# --- Adafactor: factored state, scalar reads inside step() ------------------------------------
+
+ADAFACTOR = ('torch.optim.AdamW(params, lr=1e-3, **OPTIMIZER)',
+             'torch.optim.Adafactor(params, foreach=False)')
+
+
+def test_adafactor_matches_real_cpu_run(tmp_path):
+    """torch.optim.Adafactor reads p.norm().item() and update.norm().item() every step; the
+    trace answers them with 1 (they scale the update, not memory) and must still allocate what
+    the real step allocates."""
+    path = variant(tmp_path, "fused_adamw_mlp", *ADAFACTOR)
+    tr = trace_training(load_model_file(path), TraceConfig(64, emulate_cuda=False))
+    real = real_cpu_peak(path, 64)
+    assert within(tr.peak_live_bytes, real, 0.01), (tr.peak_live_bytes, real)
+    assert any("scalar reads of tensor values in step()" in n for n in tr.notes)
+
+
+def test_adafactor_state_is_factored():
+    # torch/optim/_adafactor.py _init_group: a (rows, 1) and a (1, cols) fp32 vector per
+    # matrix, a full-size variance per vector parameter, the step counter on the host.
+    tr = traced(FUSED, 8, optimizer="adafactor")
+    matrices = [(512, 256), (512, 512), (10, 512)]
+    vectors = [512, 512, 10]
+    assert tr.optimizer_state_bytes == 4 * (sum(r + c for r, c in matrices) + sum(vectors))
+
+
 # --- data-dependent questions about the batch ------------------------------------------------
 
 QUESTION = str(MODELS / "padding_question.py")
