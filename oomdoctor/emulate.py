@@ -445,6 +445,39 @@ def fused_optimizers_on_meta():
         optim_mod._get_fused_kernels_supported_devices = real
 
 
+@contextlib.contextmanager
+def paged_optimizers_on_meta(optimizer: torch.optim.Optimizer):
+    """Let bitsandbytes' paged optimizers (``PagedAdamW8bit``, ``PagedAdamW32bit``,
+    ``PagedLion8bit``, ...) make their state on the meta device.
+
+    Their state buffers of 1e5 elements or more come from ``bitsandbytes.functional.get_paged``:
+    ``cudaMallocManaged`` unified memory, outside PyTorch's caching allocator, which the CUDA
+    driver migrates to host RAM when the GPU runs short (``bitsandbytes/optim/optimizer.py``
+    ``get_state_buffer``). Here they are meta tensors marked ``is_paged`` (the trace keeps them
+    out of the allocator's bytes, see trace._host_state); filling and prefetching them, which
+    call into the CUDA library, do nothing to memory and are skipped."""
+    import sys
+    F = sys.modules.get("bitsandbytes.functional")
+    if F is None or not getattr(optimizer, "is_paged", False):
+        yield
+        return
+
+    def get_paged(*shape, dtype=torch.float32, device=None):
+        out = torch.zeros(shape, dtype=dtype, device="meta")
+        out.is_paged = True
+        return out
+
+    saved = {name: getattr(F, name) for name in ("get_paged", "fill", "prefetch_tensor")}
+    F.get_paged = get_paged
+    F.fill = lambda A, value, device=None, prefetch=True: None
+    F.prefetch_tensor = lambda A, to_cpu=False: None
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(F, name, fn)
+
+
 def build_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The ``--optimizer`` override."""
     params = [p for p in model.parameters() if p.requires_grad]

@@ -314,7 +314,7 @@ def _optimizer_step(rec: _Recorder, cfg: TraceConfig, optimizer: torch.optim.Opt
     # Factory calls without a device inside step() make host tensors on CUDA too (Adam's and
     # Adagrad's `step` counters, read with .item()); on the meta device they would have no
     # value to read. Per-parameter state follows the parameter's device (zeros_like).
-    with torch.device("cpu"):
+    with torch.device("cpu"), emulate.paged_optimizers_on_meta(optimizer):
         optimizer.step()
     for state in optimizer.state.values():
         for k, v in state.items():
@@ -325,7 +325,10 @@ def _optimizer_step(rec: _Recorder, cfg: TraceConfig, optimizer: torch.optim.Opt
 def _host_state(cfg: TraceConfig, optimizer: torch.optim.Optimizer, key: str,
                 v: torch.Tensor) -> bool:
     # Adam's `step` counter stays on the host unless capturable/fused
-    # (torch/optim/adam.py _init_group), so it is no GPU memory.
+    # (torch/optim/adam.py _init_group), so it is no GPU memory. bitsandbytes' paged state is
+    # CUDA unified memory, outside the caching allocator (emulate.paged_optimizers_on_meta).
+    if getattr(v, "is_paged", False):
+        return True
     return (cfg.emulate_cuda and key == "step" and v.dim() == 0
             and not optimizer.defaults.get("fused") and not optimizer.defaults.get("capturable"))
 
@@ -602,11 +605,22 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
                 h.remove()
         # Gradient and optimizer-state bytes as held after the last backward / step.
         gradient_bytes = sum(t.numel() * t.element_size() for t in trainable.values())
+        # Once per storage: bitsandbytes shares its quantization maps across parameters.
         state_bytes = (optimizer_from.optimizer_state_bytes if optimizer_from is not None else
-                       sum(v.untyped_storage().nbytes() for st in optimizer.state.values()
-                           for k, v in st.items() if isinstance(v, torch.Tensor)
-                           and not _host_state(cfg, optimizer, k, v)))
+                       sum(t.untyped_storage().nbytes() for t in _storages(
+                           v for st in optimizer.state.values() for k, v in st.items()
+                           if isinstance(v, torch.Tensor)
+                           and not _host_state(cfg, optimizer, k, v)).values()))
         rec.closed = True
+        paged = sum(t.untyped_storage().nbytes() for t in _storages(
+            v for st in optimizer.state.values() for v in st.values()
+            if getattr(v, "is_paged", False)).values())
+        if paged:
+            notes.append(f"{type(optimizer).__name__}: {paged / 2**20:.1f} MiB of optimizer "
+                         "state is paged (CUDA unified memory, outside PyTorch's allocator): "
+                         "not counted in the peak; it takes GPU memory while resident and "
+                         "moves to host RAM when the GPU runs short, at the cost of slower "
+                         "steps")
         if rec.placeholders:
             notes.append(f"{type(optimizer).__name__}: {rec.placeholders} scalar reads of "
                          "tensor values in step() (such as update norms) taken as 1; they "

@@ -33,6 +33,7 @@ TORCH_1_10_SOFTMAX).
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +75,11 @@ HF_6 = Setup(BERT, 1, precision="fp16", grad_accum=4, checkpointing=True, **HF)
 ADAFACTOR = "hf_bert_large_adafactor.py"     # the same run with the Trainer's optim="adafactor"
 HF_7 = Setup(ADAFACTOR, 4, **HF)
 HF_8 = Setup(ADAFACTOR, 1, precision="fp16", grad_accum=4, checkpointing=True, **HF)
+ADAM8BIT = "hf_bert_large_adam8bit.py"       # ... with bitsandbytes' Adam8bit
+HF_9 = Setup(ADAM8BIT, 4, **HF)
+HF_10 = Setup(ADAM8BIT, 1, precision="fp16", grad_accum=4, checkpointing=True, **HF)
+needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                               reason="bitsandbytes not installed")
 VIT_B = "vit_b16_cifar10.py"
 VIT_L = "vit_l16_cifar10.py"
 PT_1 = Setup("vit_l16_sum_loss.py", 1, gpu="a100-80")
@@ -126,6 +132,8 @@ def test_hf1_weights_only_nvml():
     reading("HF-6", HF_6, 7275),  # bs 1 x 4, checkpointing, fp16 AMP
     reading("HF-7", HF_7, 12295),  # bs 4, fp32, Adafactor (measured +0.1%)
     reading("HF-8", HF_8, 4847),  # bs 1 x 4, checkpointing, fp16 AMP, Adafactor (-2.4%)
+    pytest.param("HF-9", HF_9, 13085, id="HF-9", marks=needs_bnb),  # bs 4, Adam8bit (-0.02%)
+    pytest.param("HF-10", HF_10, 5363, id="HF-10", marks=needs_bnb),  # + ckpt, fp16 (+0.3%)
 ])
 def test_hf_trainer_nvml_after_training(case, setup, published_mib):
     _, e = traced(setup)

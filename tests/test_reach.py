@@ -129,6 +129,46 @@ def test_adafactor_state_is_factored():
     assert tr.optimizer_state_bytes == 4 * (sum(r + c for r, c in matrices) + sum(vectors))
 
 
+# --- bitsandbytes 8-bit optimizers, the real library on meta tensors -------------------------
+
+needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                               reason="bitsandbytes not installed")
+
+
+@needs_bnb
+def test_bnb_adam8bit_state_as_the_library_lays_it_out(tmp_path):
+    """bitsandbytes/optim/optimizer.py Optimizer2State.init_state: parameters of 4096 elements
+    or more get two uint8 moments and a float32 absmax per block of 256 per moment, smaller
+    ones two fp32 moments; the two 256-entry fp32 quantization maps are shared."""
+    path = variant(tmp_path, "fused_adamw_mlp", "torch.optim.AdamW(params, lr=1e-3, **OPTIMIZER)",
+                   "__import__('bitsandbytes').optim.Adam8bit(params, lr=1e-3)")
+    tr = trace_training(load_model_file(path), TraceConfig(8))
+    sizes = [256 * 512, 512, 512 * 512, 512, 512 * 10, 10]
+    expected = 2 * 256 * 4 + sum(2 * n + 2 * 4 * -(-n // 256) if n >= 4096 else 2 * 4 * n
+                                 for n in sizes)
+    assert tr.optimizer_state_bytes == expected
+    # the blockwise update runs in place: the second step allocates nothing
+    step2 = [m for m in tr.marks if m.phase is Phase.OPTIMIZER and m.iteration == 1][0]
+    end = tr.marks[tr.marks.index(step2) + 1].start
+    assert [s for s in tr.storages.values() if step2.start <= s.t_alloc < end] == []
+
+
+@needs_bnb
+def test_bnb_paged_state_stays_out_of_the_allocator(tmp_path):
+    """Paged optimizers put state buffers of 1e5 elements or more in CUDA unified memory
+    (bitsandbytes get_state_buffer -> get_paged, cudaMallocManaged), which PyTorch's
+    max_memory_allocated never sees; the rest is ordinary allocator memory."""
+    path = variant(tmp_path, "fused_adamw_mlp", "torch.optim.AdamW(params, lr=1e-3, **OPTIMIZER)",
+                   "__import__('bitsandbytes').optim.PagedAdamW8bit(params, lr=1e-3)")
+    plain = variant(tmp_path, "fused_adamw_mlp", "torch.optim.AdamW(params, lr=1e-3, **OPTIMIZER)",
+                    "__import__('bitsandbytes').optim.AdamW8bit(params, lr=1e-3)")
+    paged_tr = trace_training(load_model_file(path), TraceConfig(8))
+    plain_tr = trace_training(load_model_file(plain), TraceConfig(8))
+    big = 2 * (256 * 512 + 512 * 512)          # the two matrices' uint8 moments (>= 1e5 elements)
+    assert plain_tr.optimizer_state_bytes - paged_tr.optimizer_state_bytes == big
+    assert any(f"{big / 2**20:.1f} MiB of optimizer state is paged" in n for n in paged_tr.notes)
+
+
 # --- data-dependent questions about the batch ------------------------------------------------
 
 QUESTION = str(MODELS / "padding_question.py")
