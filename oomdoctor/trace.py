@@ -382,6 +382,24 @@ def _identity_disable(fn=None, *args, **kwargs):
     return fn
 
 
+@contextlib.contextmanager
+def _compile_as_eager(calls: list) -> Iterator[None]:
+    """``torch.compile`` (and ``nn.Module.compile``, which calls it) returns what it was given:
+    the trace follows eager kernels, and compiling would run dynamo on fake tensors for every
+    trial. ``calls`` collects one entry per call, for the note that says so."""
+    real = torch.compile
+
+    def eager(model=None, **kwargs):
+        calls.append(kwargs.get("mode") or "default")
+        return (lambda m: m) if model is None else model
+
+    torch.compile = eager
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
 def _stand_in_getattr(real_module):
     """The stand-in's module ``__getattr__``: any public name imports the real module.
 
@@ -520,8 +538,10 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
     gc.collect()
     torch.manual_seed(0)
     on_meta = isinstance(fake_mode, torch.device)
+    compiled: list[str] = []
     with fake_mode, (_dynamo_left_unloaded() if fake else contextlib.nullcontext()), \
-            (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()):
+            (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()), \
+            (_compile_as_eager(compiled) if fake else contextlib.nullcontext()):
         model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
                                                  cfg.checkpoint_class, preserve_rng_state=not fake)
         if checkpointed:
@@ -612,6 +632,13 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
                            if isinstance(v, torch.Tensor)
                            and not _host_state(cfg, optimizer, k, v)).values()))
         rec.closed = True
+        if compiled:
+            # Compiled training usually saves less for backward: Inductor fuses elementwise
+            # chains (their intermediates are never saved) and AOTAutograd's min-cut
+            # partitioner recomputes cheap ops in backward instead of keeping their outputs.
+            notes.append("the model file calls torch.compile: traced as eager PyTorch; "
+                         "compiled training usually needs less activation memory (fused "
+                         "kernels save fewer tensors), so read this as an upper bound")
         paged = sum(t.untyped_storage().nbytes() for t in _storages(
             v for st in optimizer.state.values() for v in st.values()
             if getattr(v, "is_paged", False)).values())

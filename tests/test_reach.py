@@ -247,3 +247,22 @@ def test_transformers_llama_estimate_picks_flash_for_an_unpadded_batch():
     assert "CUDA would use the flash kernel" in r.stdout
     assert "answered from the batch's real values" in r.stdout
     assert torch.__version__                     # the real torch, not a stand-in
+
+
+# --- torch.compile in the model file ---------------------------------------------------------
+
+def test_torch_compile_is_traced_eagerly_and_said(tmp_path):
+    """A compiled model is traced as the eager model (whose trace the real CPU runs validate),
+    event for event, with a note that the estimate is eager; nothing is compiled."""
+    eager = MODELS / "fused_adamw_mlp.py"
+    text = eager.read_text().replace(
+        "    return nn.Sequential(", "    return torch.compile(nn.Sequential(", 1).replace(
+        "nn.Linear(512, 10))", "nn.Linear(512, 10)), mode='max-autotune')", 1)
+    compiled = tmp_path / "compiled.py"
+    compiled.write_text(text)
+    a = trace_training(load_model_file(str(eager)), TraceConfig(8))
+    b = trace_training(load_model_file(str(compiled)), TraceConfig(8))
+    assert a.events == b.events
+    assert any("calls torch.compile: traced as eager" in n for n in b.notes)
+    assert not any("torch.compile" in n for n in a.notes)
+    assert torch.compile.__module__ == "torch"             # put back after the trace
