@@ -349,9 +349,17 @@ def _reenter(modes: list[TorchFunctionMode]):
 
 
 def find_repeated_blocks(model: torch.nn.Module, class_name: str | None = None) -> list[str]:
-    """Names of the blocks to checkpoint: children of a ModuleList/Sequential that share a
-    class (the class with the most instances, then the most parameters), or every module of
-    ``class_name``."""
+    """Names of the blocks to checkpoint: every module of ``class_name``, or by default the
+    repeated block a person would wrap.
+
+    That is the module class, with at least two instances, that holds the most parameters in
+    its outermost instances - a transformer's layer, a ResNet's BasicBlock, a U-Net's
+    DoubleConv - counting only classes that contain other modules: checkpointing a leaf layer
+    (a Conv2d or Linear) saves nothing, since each still keeps its own input for backward,
+    and the generic containers (Sequential, ModuleList, ModuleDict) are wrappers, not blocks.
+    Ties go to the class with fewer, larger instances. A model without such a class falls back
+    to the children of a ModuleList/Sequential that share a class (the most instances, then
+    the most parameters)."""
     if class_name:
         names = [n for n, m in model.named_modules() if type(m).__name__ == class_name and n]
         if not names:
@@ -359,6 +367,9 @@ def find_repeated_blocks(model: torch.nn.Module, class_name: str | None = None) 
             raise ValueError(f"no module of class {class_name!r} in the model; classes present: "
                              f"{', '.join(classes)}")
         return names
+    blocks = _repeated_containers(model)
+    if blocks:
+        return blocks
     groups: dict[type, list[str]] = {}
     for name, mod in model.named_modules():
         if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)):
@@ -376,6 +387,27 @@ def find_repeated_blocks(model: torch.nn.Module, class_name: str | None = None) 
         return len(names), sum(p.numel() for p in model.get_submodule(names[0]).parameters())
     best = max(groups, key=weight)
     return groups[best]
+
+
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def _repeated_containers(model: torch.nn.Module) -> list[str]:
+    """The outermost instances of the repeated non-leaf class covering the most parameters."""
+    by_class: dict[type, list[str]] = {}
+    for name, mod in model.named_modules():
+        if name and not isinstance(mod, _CONTAINERS) and next(mod.children(), None) is not None:
+            by_class.setdefault(type(mod), []).append(name)
+    best, best_key = [], (0, 0)
+    for names in by_class.values():
+        outer = [n for n in names if not any(n.startswith(o + ".") for o in names)]
+        if len(outer) < 2:
+            continue
+        covered = sum(p.numel() for n in outer for p in model.get_submodule(n).parameters())
+        key = (covered, -len(outer))
+        if covered > 0 and key > best_key:
+            best, best_key = outer, key
+    return best
 
 
 def apply_checkpointing(model: torch.nn.Module, class_name: str | None = None, *,

@@ -12,6 +12,8 @@ are not affine) fall back to tracing every trial, Lightning-tuner style: double,
 """
 from __future__ import annotations
 
+import re
+
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -83,6 +85,7 @@ class ProbeResult:
                 "budget_bytes": self.budget_bytes, "margin": self.margin,
                 "grad_accum": self.grad_accum,
                 "results": [r.to_json() for r in self.results],
+                "checkpointing": (lambda ck: ck and ck.to_json())(checkpointing_effect(self)),
                 "recommended": None if best is None else {
                     "precision": best.precision, "checkpointing": best.checkpointing,
                     "batch_size": best.max_batch_size}}
@@ -370,7 +373,65 @@ def render_table(r: ProbeResult) -> str:
     table = tabulate(rows, headers=("config", "max batch", "reserved", "params", "grads",
                                     "optim", "activ", "temp", "alloc ovh", "peak in"),
                      colalign=("left", "right") + ("right",) * 7 + ("left",))
-    return f"{head}\n{table}\n(GiB at the largest batch that fits; at batch 1 when none fits)"
+    text = f"{head}\n{table}\n(GiB at the largest batch that fits; at batch 1 when none fits)"
+    ck = checkpointing_effect(r)
+    if ck is not None:
+        text += "\n" + render_checkpointing(ck)
+    return text
+
+
+_CKPT_NOTE = re.compile(r"^checkpointing (\d+) blocks of class (\S+)$")
+CKPT_WORTH = 0.05     # below this share of the peak freed, checkpointing is not worth a third more compute
+
+
+@dataclass(frozen=True)
+class CheckpointingEffect:
+    """Which blocks the checkpointed configurations wrapped, and what that freed."""
+
+    block_class: str
+    blocks: int
+    # (precision, share of the activation memory per sample that checkpointing frees), from
+    # the estimates at each configuration's largest batch: activations grow with the batch, so
+    # per sample they compare configurations searched to different batch sizes.
+    frees: tuple[tuple[str, float], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"class": self.block_class, "blocks": self.blocks,
+                "frees_activations_per_sample": dict(self.frees)}
+
+
+def checkpointing_effect(r: ProbeResult) -> CheckpointingEffect | None:
+    """The checkpointed class, and per precision the share of the saved activations (per
+    sample) that checkpointing it frees."""
+    found = None
+    for c in r.results:
+        for n in (c.estimate.notes if c.checkpointing and c.estimate else ()):
+            m = _CKPT_NOTE.match(n)
+            found = found or (m and (m.group(2), int(m.group(1))))
+    if found is None:
+        return None
+    by = {(c.precision, c.checkpointing): c for c in r.results
+          if c.error is None and c.max_batch_size and c.estimate is not None}
+
+    def per_sample(c: ConfigResult) -> float:
+        return c.estimate.breakdown["activations"] / c.max_batch_size
+
+    frees = tuple((p, 1 - per_sample(c) / per_sample(by[(p, False)]))
+                  for (p, ck), c in by.items()
+                  if ck and (p, False) in by and per_sample(by[(p, False)]) > 0)
+    return CheckpointingEffect(found[0], found[1], frees)
+
+
+def render_checkpointing(ck: CheckpointingEffect) -> str:
+    line = f"ckpt: {ck.blocks} blocks of class {ck.block_class} (--checkpoint-class NAME for others)"
+    if ck.frees:
+        line += "; frees " + ", ".join(f"{f:.0%} in {p}" for p, f in ck.frees) + \
+            " of the activations per sample"
+        if max(f for _, f in ck.frees) < CKPT_WORTH:
+            line += (f"\nwarning: checkpointing {ck.block_class} frees under "
+                     f"{CKPT_WORTH:.0%} of the activations: it costs about a third more compute "
+                     "for almost nothing; name larger blocks with --checkpoint-class")
+    return line
 
 
 @dataclass(frozen=True)
