@@ -1,0 +1,158 @@
+"""What the commands share: option decorators, card and allocator parsing, errors, progress."""
+from __future__ import annotations
+
+import sys
+
+import click
+
+from oomdoctor.allocator import AllocatorConfig
+from oomdoctor.configs import OPTIMIZERS, ZERO_GRAD_MODES
+from oomdoctor.gpus import PROFILES, custom_profile, get_profile, parse_size
+
+
+def _die(e: BaseException, debug: bool, code: int) -> None:
+    """One line on stderr (what, why, fix) and the exit code; the traceback only with --debug."""
+    if debug:
+        import traceback
+        traceback.print_exception(e)
+    click.echo(f"error: {e}" + ("" if debug else " (--debug for the traceback)"), err=True)
+    sys.exit(code)
+
+
+def _progress(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+def _budget_options(f):
+    """Options shared by estimate and probe: the card, the model's configuration, output."""
+    opts = [
+        click.option("--gpu", "gpu_name", metavar="NAME",
+                     help="GPU profile: rtx3060-12, rtx3090, rtx4090, a10, l4, t4, v100-16, "
+                          "v100-32, a100-40, a100-80, h100-80, a6000 (default: the local "
+                          "CUDA GPU, else rtx3090)."),
+        click.option("--memory", metavar="SIZE",
+                     help="Any card by its capacity, e.g. 24GiB (IEC units)."),
+        click.option("--overhead", metavar="SIZE",
+                     help="CUDA context outside the allocator (default: the profile's, "
+                          "about 400MiB)."),
+        click.option("--other", "other_mem", metavar="SIZE", default="0",
+                     help="Memory other processes hold on the card."),
+        click.option("--margin", default="5%", show_default=True,
+                     help="Safety margin, a share of the capacity."),
+        click.option("--alloc-conf", envvar="PYTORCH_CUDA_ALLOC_CONF", default="",
+                     help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. expandable_segments:True "
+                          "(default: the environment variable)."),
+        click.option("--checkpoint-class", metavar="NAME",
+                     help="Module class to checkpoint (default: the most repeated block)."),
+        click.option("--grad-accum", default=1, show_default=True, type=click.IntRange(1),
+                     help="Micro-batches per optimizer step."),
+        click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
+                     help="Override the model file's optimizer (default: its make_optimizer, "
+                          "else AdamW)."),
+        click.option("--zero-grad", type=click.Choice(ZERO_GRAD_MODES), default="after-step",
+                     show_default=True,
+                     help="When the loop drops gradients: after-step (zero_grad(set_to_none="
+                          "True) after step), after-forward (zero_grad between forward and "
+                          "backward: gradients live through the forward), in-place "
+                          "(set_to_none=False: gradients never freed)."),
+        click.option("--no-cuda-emulation", is_flag=True,
+                     help="Trace as the CPU runs (CPU kernels, for-loop optimizer): for checks "
+                          "against a real CPU run."),
+        click.option("--json", "as_json", is_flag=True, help="Print JSON (bytes as ints)."),
+        click.option("--debug", is_flag=True, help="Show tracebacks."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _card_options(f):
+    """The card and the allocator, for the multi-GPU commands."""
+    opts = [
+        click.option("--gpu", "gpu_name", metavar="NAME",
+                     help="GPU profile, e.g. rtx3090 (default: the local CUDA GPU, else "
+                          "rtx3090)."),
+        click.option("--memory", metavar="SIZE", help="Any card by its capacity, e.g. 24GiB."),
+        click.option("--num-gpus", "--gpus", "num_gpus", type=click.IntRange(1), default=None,
+                     help="GPUs (default: the local count, else 2)."),
+        click.option("--overhead", metavar="SIZE",
+                     help="CUDA context outside the allocator (default: the profile's)."),
+        click.option("--other", "other_mem", metavar="SIZE", default="0",
+                     help="Memory other processes hold on each card."),
+        click.option("--margin", default="5%", show_default=True,
+                     help="Safety margin, a share of the capacity."),
+        click.option("--alloc-conf", envvar="PYTORCH_CUDA_ALLOC_CONF", default="",
+                     help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the environment)."),
+        click.option("--checkpoint-class", metavar="NAME",
+                     help="Module class to checkpoint (default: the most repeated block)."),
+        click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
+                     help="Override the model file's optimizer."),
+        click.option("--json", "as_json", is_flag=True, help="Print JSON (bytes as ints)."),
+        click.option("--debug", is_flag=True, help="Show tracebacks."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _make_budget(gpu_name, memory, overhead, other_mem, margin):
+    from oomdoctor.estimate import Budget
+    try:
+        if gpu_name and memory:
+            raise ValueError("give --gpu or --memory, not both")
+        if memory:
+            gpu = custom_profile(parse_size(memory))
+        elif gpu_name:
+            gpu = get_profile(gpu_name)
+        else:
+            gpu = _local_gpu()
+        m = margin.strip().rstrip("%")
+        frac = float(m) / 100 if margin.strip().endswith("%") or float(m) >= 1 else float(m)
+        if not 0 <= frac < 1:
+            raise ValueError(f"--margin {margin} must be between 0% and 100%")
+        return Budget(gpu, frac, parse_size(overhead) if overhead else None,
+                      parse_size(other_mem))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+
+
+def _local_gpu():
+    """The first CUDA GPU if torch sees one, else the users' typical card, said on stderr."""
+    import torch
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        for p in PROFILES.values():
+            if abs(p.total_bytes - props.total_memory) < 2**30 and \
+                    p.compute_capability == (props.major, props.minor):
+                return p
+        return custom_profile(props.total_memory, props.major >= 8, (props.major, props.minor))
+    click.echo("no CUDA GPU here: planning for an rtx3090 (24 GiB); pass --gpu NAME or "
+               "--memory SIZE for another card", err=True)
+    return get_profile("rtx3090")
+
+
+def _alloc_config(value: str) -> AllocatorConfig:
+    try:
+        return AllocatorConfig.from_env(value) if value else AllocatorConfig()
+    except ValueError as e:
+        raise click.UsageError(f"--alloc-conf: {e}") from e
+
+
+def _num_gpus(num_gpus):
+    """--num-gpus, else the local CUDA count, else the users' two cards (said on stderr)."""
+    if num_gpus:
+        return num_gpus
+    import torch
+    if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        return torch.cuda.device_count()
+    click.echo("planning for 2 GPUs; pass --num-gpus N for another count", err=True)
+    return 2
+
+
+def _detect_gpus(gpu_name, memory, num_gpus):
+    """This machine's CUDA GPUs as (profile, count, link), or None: only when the hardware was
+    not given (a named card or count means planning for other hardware)."""
+    if gpu_name or memory or num_gpus:
+        return None
+    from oomdoctor import recommend as rec
+    return rec.detect_hardware()

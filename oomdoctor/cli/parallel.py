@@ -1,0 +1,247 @@
+"""The multi-GPU commands: `oomdoctor parallel`, `split`, `recommend` and `smoke`."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from oomdoctor.cli.group import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
+from oomdoctor.cli.options import (_alloc_config, _card_options, _detect_gpus, _die,
+                                   _make_budget, _num_gpus, _progress)
+from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
+from oomdoctor.configs import PRECISIONS, STRATEGY_CHOICES
+
+# --- parallel, split, recommend, smoke (section owned by the multi-GPU modules' author) ---
+# Choices spelled out here so that --help never imports torch; tests/test_parallel.py checks
+# them against oomdoctor.parallel.STRATEGIES and oomdoctor.recommend.LINKS.
+LINK_CHOICES = ("pcie-no-p2p", "pcie", "nvlink")
+
+
+@cli.command("parallel")
+@click.argument("model_file", type=click.Path())
+@click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
+              help="Micro-batch per GPU (per data-parallel rank).")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
+@click.option("--checkpointing", is_flag=True, help="Checkpoint the repeated blocks.")
+@click.option("--grad-accum", default=1, show_default=True, type=click.IntRange(1),
+              help="Micro-batches per optimizer step.")
+@click.option("--strategy", "strategies", multiple=True, type=click.Choice(STRATEGY_CHOICES),
+              help="Only these strategies (repeatable; default: all).")
+@click.option("--bucket-view", is_flag=True,
+              help="DDP with gradient_as_bucket_view=True (no second copy of the gradients).")
+@_card_options
+def parallel_command(model_file, batch_size, precision, checkpointing, grad_accum, strategies,
+                     bucket_view, gpu_name, memory, num_gpus, overhead, other_mem, margin,
+                     alloc_conf, checkpoint_class, optimizer, as_json, debug):
+    """Per-GPU memory of single, DDP, DataParallel, ZeRO-1/2/3 (FSDP) and a 2-GPU split.
+
+    \b
+    oomdoctor parallel sample_models/gpt2_small.py --gpus 2 --gpu rtx3090 -b 8 --precision bf16
+    oomdoctor parallel sample_models/llama7b.py --gpus 2 --precision bf16-pure --checkpointing
+
+    Exit codes: 0 some strategy fits, 1 none fits, 2 usage error, 3 model file error.
+    """
+    from oomdoctor import parallel as par
+    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.trace import TraceConfig
+    budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
+    alloc = _alloc_config(alloc_conf)
+    n = _num_gpus(num_gpus)
+    try:
+        spec = load_model_file(model_file)
+        cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
+                          optimizer)
+        report = par.estimate_strategies(spec, cfg, budget, n, strategies or par.STRATEGIES,
+                                         alloc, bucket_view, progress=_progress)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    click.echo(json.dumps(report.to_json(), indent=2) if as_json else par.render_report(report))
+    sys.exit(EXIT_OK if any(e.fits for e in report.estimates) else EXIT_PROBLEM)
+
+
+@cli.command("split")
+@click.argument("model_file", type=click.Path())
+@click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
+              help="Micro-batch (the whole batch: both GPUs see it in turn).")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
+@click.option("--checkpointing", is_flag=True, help="Checkpoint the repeated blocks.")
+@click.option("--grad-accum", default=1, show_default=True, type=click.IntRange(1))
+@click.option("--device-map", "device_map_path", type=click.Path(dir_okay=False),
+              help="Write the partition as JSON for accelerate's dispatch_model (and smoke).")
+@_card_options
+def split_command(model_file, batch_size, precision, checkpointing, grad_accum, device_map_path,
+                  gpu_name, memory, num_gpus, overhead, other_mem, margin, alloc_conf,
+                  checkpoint_class, optimizer, as_json, debug):
+    """A naive two-GPU split: which modules go on cuda:0 and cuda:1, each GPU's memory.
+
+    \b
+    oomdoctor split sample_models/llama7b.py --gpus 2 --gpu rtx3090 --precision bf16-pure
+    oomdoctor split model.py --gpus 2 --device-map map.json && oomdoctor smoke model.py \\
+        --strategy pipeline2 --device-map map.json
+
+    Exit codes: 0 both stages fit, 1 a stage does not fit, 2 usage error, 3 model file error.
+    """
+    from oomdoctor import parallel as par
+    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.trace import TraceConfig
+    if num_gpus not in (None, 2):
+        raise click.UsageError(f"the naive split uses exactly 2 GPUs (got --gpus {num_gpus}); "
+                               "for more GPUs use `oomdoctor parallel --strategy zero3`")
+    budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
+    alloc = _alloc_config(alloc_conf)
+    try:
+        spec = load_model_file(model_file)
+        cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
+                          optimizer)
+        plan = par.plan_split(spec, cfg, budget, alloc, progress=_progress)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    doc = plan.to_json()
+    if device_map_path:
+        with open(device_map_path, "w", encoding="utf-8") as f:
+            json.dump({"model": doc["model"], "main_device": doc["main_device"],
+                       "device_map": doc["device_map"]}, f, indent=2)
+        click.echo(f"wrote the device map to {device_map_path}", err=True)
+    click.echo(json.dumps(doc, indent=2) if as_json else par.render_split(plan))
+    sys.exit(EXIT_OK if plan.estimate.fits else EXIT_PROBLEM)
+
+
+@cli.command("recommend")
+@click.argument("model_file", type=click.Path())
+@click.option("--target-batch", type=click.IntRange(1), default=256, show_default=True,
+              help="The effective batch you want (micro-batch x accumulation x GPUs).")
+@click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
+              help="Allowed precisions (repeatable; default: all the card supports).")
+@click.option("--strategy", "strategies", multiple=True, type=click.Choice(STRATEGY_CHOICES),
+              help="Allowed strategies (repeatable; default: all).")
+@click.option("--link", type=click.Choice(LINK_CHOICES),
+              help="GPU-to-GPU link (default: detected, else pcie-no-p2p for GeForce cards).")
+@click.option("--top", type=click.IntRange(1), default=8, show_default=True,
+              help="Configurations to list.")
+@click.option("-j", "--jobs", type=click.IntRange(1), default=None,
+              help="Worker processes (default: one per core).")
+@click.option("--quick", is_flag=True,
+              help="Skip the per-strategy table when nothing can fit (no trace).")
+@click.option("--smoke", "run_smoke", is_flag=True,
+              help="Then run a few real training steps of the recommended configuration.")
+@_card_options
+def recommend_command(model_file, target_batch, precisions, strategies, link, top, jobs, quick,
+                      run_smoke, gpu_name, memory, num_gpus, overhead, other_mem, margin,
+                      alloc_conf, checkpoint_class, optimizer, as_json, debug):
+    """Recommend precision, checkpointing, strategy, micro-batch and accumulation.
+
+    \b
+    oomdoctor recommend sample_models/gpt2_small.py --gpu rtx3090 --num-gpus 2 --target-batch 256
+    oomdoctor recommend sample_models/llama7b.py --gpu rtx3090 --num-gpus 2 --target-batch 64
+
+    Exit codes: 0 a configuration fits, 1 nothing fits (the output says what would), 2 usage
+    error, 3 model file error.
+    """
+    from oomdoctor import probe as probe_mod
+    from oomdoctor import recommend as rec
+    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.parallel import parse_strategy
+    from oomdoctor.trace import TraceConfig
+    detected = _detect_gpus(gpu_name, memory, num_gpus)
+    if detected is not None:
+        gpu_name = gpu_name or detected[0].name
+    budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
+    alloc = _alloc_config(alloc_conf)
+    n = num_gpus or (detected[1] if detected else _num_gpus(None))
+    try:
+        hw = rec.hardware(budget.gpu, n, link or (detected[2] if detected else None),
+                          detected is not None)
+        spec = load_model_file(model_file)
+        base = TraceConfig(1, "fp32", False, checkpoint_class, 1, optimizer)
+        result = rec.recommend(spec, hw, target_batch, budget, list(precisions) or None,
+                               list(dict.fromkeys(parse_strategy(s) for s in strategies))
+                               or None, alloc, base, jobs=jobs or probe_mod.default_jobs(),
+                               top=top, detail=not quick, progress=_progress)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    smoked = None
+    if run_smoke and result.best is not None:
+        smoked = _smoke_best(spec, result.best, budget, alloc, checkpoint_class, optimizer,
+                             debug)
+    if as_json:
+        doc = result.to_json()
+        if smoked is not None:
+            doc["smoke"] = smoked.to_json()
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(rec.render_text(result))
+        if smoked is not None:
+            from oomdoctor import smoke as smoke_mod
+            click.echo("\n" + smoke_mod.render_text(smoked))
+    if smoked is not None and not smoked.ok:
+        sys.exit(EXIT_PROBLEM)
+    sys.exit(EXIT_OK if result.best is not None else EXIT_PROBLEM)
+
+
+@cli.command("smoke")
+@click.argument("model_file", type=click.Path())
+@click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
+              show_default=True)
+@click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
+              help="Micro-batch per GPU.")
+@click.option("--grad-accum", default=1, show_default=True, type=click.IntRange(1))
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
+@click.option("--checkpointing", is_flag=True, help="Checkpoint the repeated blocks.")
+@click.option("--steps", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
+              show_default=True, help="auto: the GPUs when enough are visible, else the CPU.")
+@click.option("--cpu-batch", type=click.IntRange(1), default=2, show_default=True,
+              help="Largest micro-batch run on the CPU.")
+@click.option("--device-map", "device_map_path", type=click.Path(exists=True, dir_okay=False),
+              help="pipeline2: the map `oomdoctor split --device-map` wrote (default: "
+                   "computed now).")
+@_card_options
+def smoke_command(model_file, strategy, batch_size, grad_accum, precision, checkpointing, steps,
+                  device, cpu_batch, device_map_path, gpu_name, memory, num_gpus, overhead,
+                  other_mem, margin, alloc_conf, checkpoint_class, optimizer, as_json, debug):
+    """Run a few real training steps; loss per step, step time, measured vs predicted peaks.
+
+    \b
+    oomdoctor smoke sample_models/tiny_mlp.py --strategy ddp --gpus 2 -b 16 --grad-accum 2
+    oomdoctor smoke model.py --strategy pipeline2 --device-map map.json --precision bf16
+
+    Without CUDA it runs on the CPU (gloo processes, bf16 autocast, the split via accelerate)
+    and says that GPU memory was not measured.
+    Exit codes: 0 passed, 1 failed (OOM, peak >10% off the prediction, loss not finite or
+    not moving, or the run could not start), 2 usage error, 3 model file error.
+    """
+    from oomdoctor import smoke as smoke_mod
+    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.parallel import parse_strategy
+    strategy = parse_strategy(strategy)
+    n = 1 if strategy == "single" else _num_gpus(num_gpus)
+    budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
+    alloc = _alloc_config(alloc_conf)
+    dmap, main = None, 0
+    if device_map_path:
+        with open(device_map_path, encoding="utf-8") as f:
+            doc = json.load(f)
+        dmap, main = doc.get("device_map"), int(doc.get("main_device", 0))
+    try:
+        spec = load_model_file(model_file)
+        cfg = smoke_mod.SmokeConfig(strategy, n, precision, checkpointing, checkpoint_class,
+                                    batch_size, grad_accum, steps, optimizer, device, cpu_batch,
+                                    dmap, main)
+        cfg, prediction = _smoke_prediction(spec, cfg, budget, alloc)
+        result = smoke_mod.run_smoke(spec, cfg, prediction, progress=_progress)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except smoke_mod.SmokeError as e:
+        _die(e, debug, EXIT_PROBLEM)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json
+               else smoke_mod.render_text(result))
+    sys.exit(EXIT_OK if result.ok else EXIT_PROBLEM)

@@ -1,0 +1,239 @@
+"""`oomdoctor estimate` and `oomdoctor probe` (with its multi-GPU plan and the measured probe)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from oomdoctor.cli.group import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
+from oomdoctor.cli.options import (_alloc_config, _budget_options, _detect_gpus, _die,
+                                   _make_budget, _progress)
+from oomdoctor.cli.runs import _smoke_run
+from oomdoctor.configs import MAX_BATCH, PRECISIONS, STRATEGY_CHOICES
+
+
+@cli.command()
+@click.argument("model_file", type=click.Path())
+@click.option("-b", "--batch-size", type=click.IntRange(1), required=True,
+              help="Micro-batch size per GPU.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
+              help="fp16/bf16: autocast AMP (fp16 with GradScaler); bf16-pure: model.to(bf16).")
+@click.option("--checkpointing", is_flag=True, help="Checkpoint the repeated blocks.")
+@click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
+              show_default=True,
+              help="Multi-GPU strategy: per-GPU memory of DDP, DataParallel, ZeRO-1/2/3 (fsdp) "
+                   "or the naive two-GPU split (pipeline2) on --num-gpus cards.")
+@click.option("--num-gpus", type=click.IntRange(1), default=2, show_default=True,
+              help="GPUs for --strategy (ignored for single).")
+@_budget_options
+def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpus, gpu_name,
+             memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
+             optimizer, zero_grad, no_cuda_emulation, as_json, debug):
+    """Peak GPU memory of one training configuration, and what it is made of.
+
+    \b
+    oomdoctor estimate sample_models/gpt2_small.py --batch-size 8 --precision bf16 --json
+
+    Exit codes: 0 fits, 1 does not fit, 2 usage error, 3 model file error.
+    """
+    from oomdoctor import estimate as estimate_mod
+    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.trace import TraceConfig
+    budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
+    alloc = _alloc_config(alloc_conf)
+    try:
+        spec = load_model_file(model_file)
+        cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
+                          optimizer, not no_cuda_emulation, zero_grad=zero_grad)
+        if strategy != "single":
+            from oomdoctor import parallel as par
+            report = par.estimate_strategies(spec, cfg, budget, num_gpus, [strategy], alloc,
+                                             progress=lambda m: click.echo(m, err=True))
+            if report.errors:
+                raise ValueError(report.errors[0][1])
+        else:
+            result = estimate_mod.estimate(spec, cfg, budget, alloc)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    if strategy != "single":
+        # The per-GPU view: every GPU's peak, the model-state floor, DeepSpeed's formula.
+        click.echo(json.dumps(report.to_json(), indent=2) if as_json
+                   else par.render_report(report))
+        sys.exit(EXIT_OK if all(e.fits for e in report.estimates) else EXIT_PROBLEM)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        click.echo(estimate_mod.render_text(result))
+    sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
+
+
+@cli.command()
+@click.argument("model_file", type=click.Path())
+@click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
+              help="Probe only these precisions (repeatable; default: fp32, fp16, and bf16 "
+                   "AMP and pure bf16 where the card supports bf16).")
+@click.option("--checkpointing/--no-checkpointing", default=None,
+              help="Probe only with / without checkpointing (default: both).")
+@click.option("--max-batch-size", type=click.IntRange(1), default=MAX_BATCH, show_default=True,
+              help="Stop searching here.")
+@click.option("-j", "--jobs", type=click.IntRange(1), default=None,
+              help="Worker processes (default: one per core).")
+@click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
+              show_default=True,
+              help="Probe the micro-batch per GPU of a multi-GPU strategy on --num-gpus cards.")
+@click.option("--num-gpus", type=click.IntRange(1), default=None,
+              help="GPUs for --strategy (default 2). With the single-GPU probe and N > 1, "
+                   "the end also plans the recommended precision on N GPUs (strategy, "
+                   "micro-batch, accumulation, launch line); that plan is also made when "
+                   "more than one GPU is detected.")
+@click.option("--target-batch", type=click.IntRange(1), default=256, show_default=True,
+              help="Effective batch for the multi-GPU plan (micro-batch x accumulation x "
+                   "GPUs).")
+@click.option("--smoke", "run_smoke", is_flag=True,
+              help="Then run a few real training steps of the recommended configuration "
+                   "(on the GPU if there is one, else on the CPU at a small batch).")
+@click.option("--device", metavar="cuda[:i]",
+              help="Measure for real on this device: real training steps in a search seeded "
+                   "by the simulator's prediction (usually about three trials per "
+                   "configuration), measured peaks next to the predicted ones.")
+@_budget_options
+def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy, num_gpus,
+          target_batch, run_smoke, device, gpu_name,
+          memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
+          optimizer, zero_grad, no_cuda_emulation, as_json, debug):
+    """The largest batch size that fits, for each precision x checkpointing configuration.
+
+    \b
+    oomdoctor probe sample_models/gpt2_small.py --gpu rtx3090
+    oomdoctor probe sample_models/gpt2_small.py --gpu rtx3090 --num-gpus 2 --target-batch 256
+    oomdoctor probe sample_models/llama7b.py --gpu a100-80 --precision bf16-pure --json
+
+    Progress goes to stderr, the result to stdout.
+    Exit codes: 0 something fits, 1 nothing fits, 2 usage error, 3 model file error.
+    """
+    from oomdoctor import probe as probe_mod
+    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.trace import TraceConfig
+    budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
+    alloc = _alloc_config(alloc_conf)
+    configs = probe_mod.default_matrix(budget.gpu.bf16)
+    if precisions:
+        bad = [p for p in precisions if p.startswith("bf16") and not budget.gpu.bf16]
+        if bad:
+            raise click.UsageError(f"{budget.gpu.name} has no bf16 support; drop "
+                                   f"--precision {bad[0]}")
+        configs = [(p, ck) for p in precisions for ck in (False, True)]
+    if checkpointing is not None:
+        configs = [(p, ck) for p, ck in configs if ck == checkpointing]
+    try:
+        spec = load_model_file(model_file)
+        base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer,
+                           not no_cuda_emulation, zero_grad=zero_grad)
+        result = probe_mod.probe(spec, base, budget, configs, alloc,
+                                 progress=lambda msg: click.echo(msg, err=True),
+                                 max_batch=max_batch_size,
+                                 jobs=jobs or probe_mod.default_jobs(),
+                                 strategy=strategy, num_gpus=num_gpus or 2)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    if device:     # measures, prints and exits: the plan below would be thrown away
+        _measure_probe(spec, base, result, device, max_batch_size, as_json, debug)
+    best = probe_mod.recommended(result) if strategy == "single" else None
+    plan = None
+    if strategy == "single":
+        detected = _detect_gpus(gpu_name, memory, num_gpus)
+        n = num_gpus or (detected[1] if detected else 1)
+        if n > 1:
+            plan = _multi_gpu_plan(spec, best, budget, alloc, base, n, detected, target_batch,
+                                   jobs, debug)
+    smoke = None
+    if run_smoke and best is not None:
+        from oomdoctor import smoke as smoke_mod
+        smoke = _smoke_run(spec, smoke_mod.SmokeConfig(
+            "single", 1, best.precision, best.checkpointing, checkpoint_class,
+            best.max_batch_size, grad_accum, optimizer=optimizer), budget, alloc, debug)
+    if as_json:
+        doc = result.to_json()
+        if plan is not None:
+            doc["multi_gpu_plan"] = plan.to_json()
+        if smoke is not None:
+            doc["smoke"] = smoke.to_json()
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(probe_mod.render_table(result))
+        if strategy == "single":
+            click.echo(probe_mod.render_recommendation(result))
+        if plan is not None:
+            from oomdoctor import recommend as rec
+            scope = ("at the recommended precision (all precisions and strategies: "
+                     "`oomdoctor recommend`)" if best is not None
+                     else "every precision, since none fits one card")
+            click.echo(f"\non {plan.num_gpus} GPUs, {scope}:\n")
+            click.echo(rec.render_text(plan))
+        if smoke is not None:
+            click.echo("\n" + smoke_mod.render_text(smoke))
+    fits = any(r.max_batch_size for r in result.results)
+    sys.exit(EXIT_OK if fits and (smoke is None or smoke.ok) else EXIT_PROBLEM)
+
+
+def _multi_gpu_plan(spec, best, budget, alloc, base, num_gpus, detected, target_batch, jobs,
+                    debug):
+    """The end of a single-GPU probe on N > 1 GPUs: the recommended precision and
+    checkpointing (``best``), planned across every strategy (recommend.recommend, restricted)."""
+    from dataclasses import replace as dc_replace
+
+    from oomdoctor import probe as probe_mod
+    from oomdoctor import recommend as rec
+    from oomdoctor.loader import ModelFileError
+    # Nothing fits one card: plan every precision (sharding or the split may still fit).
+    precisions = [best.precision] if best is not None else None
+    checkpointing = [best.checkpointing] if best is not None else None
+    click.echo(f"planning {num_gpus} GPUs for an effective batch of {target_batch}", err=True)
+    try:
+        hw = rec.hardware(budget.gpu, num_gpus, detected[2] if detected else None,
+                          detected is not None)
+        return rec.recommend(spec, hw, target_batch, budget, precisions, None, alloc,
+                             dc_replace(base, grad_accum=1), checkpointing,
+                             jobs=jobs or probe_mod.default_jobs(), top=5, detail=False,
+                             progress=_progress)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+
+
+def _measure_probe(spec, base, predicted, device, max_batch, as_json, debug):
+    """`probe --device cuda`: measure each probed configuration for real, seeded by the
+    simulator's answer, print measured vs predicted, and exit."""
+    from dataclasses import replace as dc_replace
+
+    from tabulate import tabulate
+
+    from oomdoctor import measure
+    runs = []
+    try:
+        for r in predicted.results:
+            if r.error:
+                continue
+            cfg = dc_replace(base, precision=r.precision, checkpointing=r.checkpointing)
+            runs.append((r, measure.measured_probe(
+                spec, cfg, device, r.max_batch_size or 0, progress=_progress,
+                max_batch=max_batch)))
+    except measure.MeasureError as e:
+        _die(e, debug, EXIT_USAGE)
+    if as_json:
+        click.echo(json.dumps({"predicted": predicted.to_json(),
+                               "measured": [m.to_json() for _, m in runs]}, indent=2))
+    else:
+        rows = [(r.precision + (" + ckpt" if r.checkpointing else ""), r.max_batch_size,
+                 m.max_batch_size, m.num_trials) for r, m in runs]
+        click.echo(tabulate(rows, headers=("config", "predicted max", "measured max",
+                                           "trials")))
+    agree = all(m.max_batch_size is not None and r.max_batch_size is not None
+                and 0 <= m.max_batch_size - r.max_batch_size <= 1 for r, m in runs)
+    sys.exit(EXIT_OK if agree else EXIT_PROBLEM)

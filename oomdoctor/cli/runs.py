@@ -1,0 +1,55 @@
+"""Smoke runs of a chosen configuration against its prediction (probe/recommend --smoke, smoke)."""
+from __future__ import annotations
+
+from oomdoctor.cli.group import EXIT_PROBLEM
+from oomdoctor.cli.options import _die, _progress
+
+
+def _smoke_best(spec, best, budget, alloc, checkpoint_class, optimizer, debug):
+    """recommend --smoke: a few real steps of the recommended configuration."""
+    from oomdoctor import smoke as smoke_mod
+    cfg = smoke_mod.SmokeConfig(best.strategy, best.num_gpus, best.precision,
+                                best.checkpointing, checkpoint_class, best.micro_batch,
+                                best.grad_accum, optimizer=optimizer)
+    return _smoke_run(spec, cfg, budget, alloc, debug)
+
+
+def _smoke_run(spec, cfg, budget, alloc, debug):
+    """Run a smoke configuration against its prediction (probe --smoke, recommend --smoke)."""
+    from oomdoctor import smoke as smoke_mod
+    try:
+        cfg, prediction = _smoke_prediction(spec, cfg, budget, alloc)
+        return smoke_mod.run_smoke(spec, cfg, prediction, progress=_progress)
+    except (smoke_mod.SmokeError, ValueError) as e:
+        _die(e, debug, EXIT_PROBLEM)
+
+
+def _smoke_prediction(spec, cfg, budget, alloc):
+    """The device map a split needs, and the prediction to compare with when CUDA is here."""
+    import dataclasses
+
+    import torch
+
+    from oomdoctor import parallel as par
+    from oomdoctor.trace import TraceConfig
+    have_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= cfg.num_gpus
+    tcfg = TraceConfig(cfg.micro_batch, cfg.precision, cfg.checkpointing, cfg.checkpoint_class,
+                       cfg.grad_accum, cfg.optimizer)
+    if cfg.strategy == "pipeline2" and cfg.device_map is None:
+        plan = par.plan_split(spec, tcfg, budget, alloc, progress=_progress)
+        cfg = dataclasses.replace(cfg, device_map=plan.partition.device_map,
+                                  main_device=plan.partition.main_stage)
+        return cfg, plan.estimate if have_cuda else None
+    if not have_cuda:
+        return cfg, None
+    _progress("predicting the per-GPU peaks to compare with")
+    from oomdoctor.estimate import trace_for
+    trace = trace_for(spec, tcfg, budget.gpu)
+    sizes = None
+    if cfg.strategy == "dp":      # GPU 0 holds the whole batch: its sizes from a second trace
+        big = trace_for(spec, dataclasses.replace(tcfg, batch_size=cfg.micro_batch
+                                                  * cfg.num_gpus), budget.gpu)
+        sizes = par.Sizes.affine(trace, big)
+    layout = par.model_layout(spec, cfg.precision)
+    return cfg, par.estimate_strategy(trace, layout, par.Strategy(cfg.strategy, cfg.num_gpus),
+                                      budget, alloc, sizes, grad_accum=cfg.grad_accum)
