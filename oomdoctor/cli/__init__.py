@@ -7,8 +7,8 @@ import sys
 # Importing a command module registers its commands on `cli`, in this order (the old single-file
 # cli.py's). estimate/probe/check import torch (seconds, hundreds of MiB): it is imported inside
 # the commands that need it, so `oomdoctor explain` and `--help` stay fast.
-from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
-                                 cli)
+from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
+                                 EXIT_USAGE, cli)
 from oomdoctor.cli import probe, check, parallel, gpus, explain  # noqa: F401,I001
 # The command objects stay importable by name, except `probe` and `check`: those names are
 # now the modules (the commands are cli.commands["probe"] and cli.commands["check"]).
@@ -20,6 +20,7 @@ from oomdoctor.cli.explain import explain_command
 from oomdoctor.configs import STRATEGY_CHOICES
 
 __all__ = ["cli", "main", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "EXIT_MODEL", "EXIT_NO_GPU",
+           "EXIT_INTERNAL",
            "LINK_CHOICES", "STRATEGY_CHOICES", "estimate", "parallel_command", "split_command",
            "recommend_command", "smoke_command", "gpus_command", "watch_command",
            "explain_command"]

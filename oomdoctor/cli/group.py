@@ -11,9 +11,46 @@ EXIT_PROBLEM = 1     # explain: no known error found; check: regression; estimat
 EXIT_USAGE = 2       # click's own usage errors
 EXIT_MODEL = 3       # the model file could not be loaded or traced
 EXIT_NO_GPU = 4      # gpus: no NVIDIA driver or no GPU (oomdoctor.nvml.EXIT_NO_DRIVER)
+EXIT_INTERNAL = 5    # oomdoctor could not follow this step (an unsupported construct, a bug)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class GuardedCommand(click.Command):
+    """A command whose unexpected failure is never read as a verdict.
+
+    Exit code 1 means "does not fit" (estimate, probe), "regression" (check) or "no known
+    error" (explain): a crash that fell through to Python's default exit code 1 would say one
+    of those. Any exception a command did not turn into its own exit code leaves with
+    EXIT_INTERNAL and one line naming what failed and where; --debug shows the traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.Abort,
+                SystemExit, KeyboardInterrupt):
+            raise
+        except Exception as e:                  # noqa: BLE001 - the point of this class
+            import sys
+            import traceback
+            if ctx.params.get("debug"):
+                traceback.print_exception(e)
+            frames = traceback.extract_tb(e.__traceback__)
+            where = f" (in {frames[-1].name}, {frames[-1].filename.rsplit('site-packages/', 1)[-1]}" \
+                    f":{frames[-1].lineno})" if frames else ""
+            text = str(e).strip().splitlines()
+            click.echo(f"error: oomdoctor could not simulate this: {type(e).__name__}: "
+                       f"{text[0] if text else '(no message)'}{where}. This is a limit of "
+                       "oomdoctor, not a verdict on memory: simplify or remove that construct "
+                       "from the model file, or report it"
+                       + ("" if ctx.params.get("debug") else " (--debug for the traceback)"),
+                       err=True)
+            sys.exit(EXIT_INTERNAL)
+
+
+class GuardedGroup(click.Group):
+    command_class = GuardedCommand
+
+
+@click.group(cls=GuardedGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="oomdoctor")
 def cli() -> None:
     """Predict, explain and gate PyTorch GPU memory - with or without a GPU."""

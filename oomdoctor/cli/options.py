@@ -101,19 +101,58 @@ def _make_budget(gpu_name, memory, overhead, other_mem, margin):
         if gpu_name and memory:
             raise ValueError("give --gpu or --memory, not both")
         if memory:
-            gpu = custom_profile(parse_size(memory))
+            gpu = custom_profile(_card_size(memory))
         elif gpu_name:
             gpu = get_profile(gpu_name)
         else:
             gpu = _local_gpu()
-        m = margin.strip().rstrip("%")
-        frac = float(m) / 100 if margin.strip().endswith("%") or float(m) >= 1 else float(m)
-        if not 0 <= frac < 1:
-            raise ValueError(f"--margin {margin} must be between 0% and 100%")
-        return Budget(gpu, frac, parse_size(overhead) if overhead else None,
-                      parse_size(other_mem))
+        frac = _share(margin, "--margin")
+        overhead_bytes = _option_size(overhead, "--overhead") if overhead else None
+        other = _option_size(other_mem, "--other")
+        context = gpu.context_bytes if overhead_bytes is None else overhead_bytes
+        if other and other + context >= gpu.total_bytes:
+            raise ValueError(
+                f"--other {other_mem} and the CUDA context ({context / 2**20:.0f} MiB) are more "
+                f"than the {gpu.total_bytes / 2**30:.2f} GiB card; give what other processes "
+                "hold on it (nvidia-smi's process list, or `oomdoctor gpus`)")
+        return Budget(gpu, frac, overhead_bytes, other)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
+
+
+_MIN_CARD = 2**20     # below 1 MiB --memory is a typo (the tests plan for 40MiB toy cards)
+
+
+def _option_size(text: str, option: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise ValueError(f"{option} {text}: {e}") from None
+
+
+def _card_size(text: str) -> int:
+    """--memory: a capacity with its unit; a bare number is refused rather than read as bytes."""
+    if text.strip().replace(".", "", 1).isdigit():
+        raise ValueError(f"--memory {text}: give a unit, e.g. --memory {text.strip()}GiB")
+    size = _option_size(text, "--memory")
+    if size < _MIN_CARD:
+        raise ValueError(f"--memory {text} is less than any GPU has; write the card's "
+                         "capacity, e.g. 24GiB")
+    return size
+
+
+def _share(text: str, option: str) -> float:
+    """'5%', '0.05' or '5' -> 0.05; anything else is a usage error that shows the form."""
+    t = text.strip()
+    try:
+        value = float(t.rstrip("%"))
+    except ValueError:
+        raise ValueError(f"{option} {text}: write a share of the capacity, e.g. 5% or "
+                         "0.05") from None
+    frac = value / 100 if t.endswith("%") or value >= 1 else value
+    if not 0 <= frac < 1:
+        raise ValueError(f"{option} {text} must be between 0% and 100%")
+    return frac
 
 
 def _local_gpu():
