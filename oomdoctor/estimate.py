@@ -188,20 +188,22 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
 
 
 def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
-              optimizer_from: Trace | None = None) -> Trace:
+              optimizer_from: Trace | None = None, progress=None) -> Trace:
     """Trace with the SDPA kernel choice of the target card."""
     return trace_training(spec, replace(cfg, compute_capability=gpu.compute_capability),
-                          optimizer_from=optimizer_from)
+                          optimizer_from=optimizer_from, progress=progress)
 
 
 def estimate(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
-             alloc: AllocatorConfig = AllocatorConfig()) -> Estimate:
-    """Trace ``cfg`` and estimate its peak on ``budget.gpu``."""
+             alloc: AllocatorConfig = AllocatorConfig(), progress=None) -> Estimate:
+    """Trace ``cfg`` and estimate its peak on ``budget.gpu``. ``progress(message)`` is told
+    which step and phase the trace has reached (see trace.trace_training)."""
     if cfg.precision in ("bf16", "bf16-pure") and not budget.gpu.bf16:
         raise ValueError(f"{budget.gpu.name} has no bf16 support (compute capability "
                          f"{budget.gpu.compute_capability[0]}.{budget.gpu.compute_capability[1]}"
                          " < 8.0); use --precision fp16")
-    return estimate_trace(trace_for(spec, cfg, budget.gpu), budget, alloc, spec.name)
+    return estimate_trace(trace_for(spec, cfg, budget.gpu, progress=progress), budget, alloc,
+                          spec.name)
 
 
 def render_text(e: Estimate) -> str:

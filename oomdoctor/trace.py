@@ -30,7 +30,7 @@ import types
 import weakref
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -186,6 +186,8 @@ class _Recorder(TorchDispatchMode):
         self._fresh: dict[Any, tuple[bool, ...]] = {}
         self.shadows: values.Shadows | None = None   # real values of the batch, see values.py
         self.placeholders = 0                  # scalar reads in step() answered with 1
+        self.progress: Callable[[str], None] | None = None   # told each phase (trace_training)
+        self.steps = 0
 
     # -- bookkeeping -------------------------------------------------------------------------
     def add(self, storage: torch.UntypedStorage, category: Category | None, op: str) -> int:
@@ -301,6 +303,9 @@ def _storages(tensors) -> dict[int, torch.Tensor]:
 @contextlib.contextmanager
 def _phase(rec: _Recorder, marks: list[PhaseMark], phase: Phase, it: int, micro: int
            ) -> Iterator[None]:
+    if rec.progress is not None:
+        rec.progress(f"step {it + 1}/{rec.steps}: {phase.value}"
+                     + (f" (micro-batch {micro + 1})" if micro else ""))
     rec.phase = phase
     rec.iteration = it
     marks.append(PhaseMark(len(rec.raw), phase, it, micro))
@@ -487,7 +492,8 @@ def _dynamo_left_unloaded() -> Iterator[None]:
 
 
 def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
-                   optimizer_from: Trace | None = None, backend: str = "auto") -> Trace:
+                   optimizer_from: Trace | None = None, backend: str = "auto",
+                   progress: Callable[[str], None] | None = None) -> Trace:
     """Run ``cfg.steps`` optimizer steps of the model file's training loop and record memory
     (see :func:`_trace_training`).
 
@@ -495,19 +501,25 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
     have padding?), the trace is run once more with the batch's real values mirrored next to
     it (:mod:`oomdoctor.values`), so the question gets the answer the real batch gives on the
     GPU. Models that ask nothing pay nothing.
+
+    ``progress(message)``, if given, hears "step 1/2: backward" at each phase of the loop (a
+    long trace - a big model, an RNN's per-timestep loop - can then say where it is).
     """
     try:
         return _trace_training(spec, cfg, fake=fake, optimizer_from=optimizer_from,
-                               backend=backend, shadows=False)
+                               backend=backend, shadows=False, progress=progress)
     except DataDependentError:
         if not fake:
             raise
+    if progress is not None:
+        progress("the step asked about tensor values: tracing again with the batch's real values")
     return _trace_training(spec, cfg, fake=fake, optimizer_from=optimizer_from,
-                           backend=backend, shadows=True)
+                           backend=backend, shadows=True, progress=progress)
 
 
 def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
-                    optimizer_from: Trace | None, backend: str, shadows: bool) -> Trace:
+                    optimizer_from: Trace | None, backend: str, shadows: bool,
+                    progress: Callable[[str], None] | None = None) -> Trace:
     """Run ``cfg.steps`` optimizer steps of the model file's training loop and record memory.
 
     With ``fake=False`` the same loop runs on real CPU tensors (slow; for checks and smoke runs).
@@ -555,6 +567,7 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
         scaler = emulate.GradScalerEmulation() if cfg.precision == "fp16" else None
 
         rec = _Recorder()
+        rec.progress, rec.steps = progress, cfg.steps
         if shadows:
             rec.shadows = values.Shadows()
         marks: list[PhaseMark] = []

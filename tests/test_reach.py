@@ -266,3 +266,25 @@ def test_torch_compile_is_traced_eagerly_and_said(tmp_path):
     assert any("calls torch.compile: traced as eager" in n for n in b.notes)
     assert not any("torch.compile" in n for n in a.notes)
     assert torch.compile.__module__ == "torch"             # put back after the trace
+
+
+# --- progress during long traces -------------------------------------------------------------
+
+def test_trace_reports_each_phase_in_order():
+    heard = []
+    trace_training(load_model_file(FUSED), TraceConfig(8, grad_accum=2), progress=heard.append)
+    assert heard[:2] == ["step 1/2: setup", "step 1/2: data"]
+    assert heard.count("step 2/2: optimizer") == 1
+    assert "step 1/2: backward (micro-batch 2)" in heard      # accumulation is visible too
+    assert heard[-1] == "step 2/2: zero_grad"
+
+
+def test_estimate_is_silent_when_quick_and_says_where_it_is_when_slow(monkeypatch):
+    import time
+    r = CliRunner().invoke(cli, ["estimate", FUSED, "-b", "8", "--gpu", "rtx3090"])
+    assert r.exit_code == EXIT_OK and r.stderr == ""
+    clock = iter(range(0, 10_000, 2))              # every reading of the clock: 2 s later
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    r = CliRunner().invoke(cli, ["estimate", FUSED, "-b", "8", "--gpu", "rtx3090"])
+    assert r.exit_code == EXIT_OK
+    assert "tracing: step 1/2: data (4 s)" in r.stderr.splitlines()[0]

@@ -155,6 +155,21 @@ def _share(text: str, option: str) -> float:
     return frac
 
 
+def _slow_trace_progress(quiet_s: float = 3.0, every_s: float = 2.0):
+    """A progress callback for one trace: silent for the first ``quiet_s`` seconds (most
+    estimates finish sooner), then where the trace is, at most every ``every_s`` seconds."""
+    import time
+    start = time.monotonic()
+    last = [start]
+
+    def progress(msg: str) -> None:
+        now = time.monotonic()
+        if now - start >= quiet_s and now - last[0] >= every_s:
+            last[0] = now
+            click.echo(f"tracing: {msg} ({now - start:.0f} s)", err=True)
+    return progress
+
+
 def _local_gpu():
     """The first CUDA GPU if torch sees one, else the users' typical card, said on stderr."""
     import torch

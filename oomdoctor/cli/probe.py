@@ -8,7 +8,7 @@ import click
 
 from oomdoctor.cli.group import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _detect_gpus, _die,
-                                   _make_budget, _progress)
+                                   _make_budget, _progress, _slow_trace_progress)
 from oomdoctor.cli.runs import _smoke_run
 from oomdoctor.configs import MAX_BATCH, PRECISIONS, STRATEGY_CHOICES
 
@@ -53,7 +53,8 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
             if report.errors:
                 raise ValueError(report.errors[0][1])
         else:
-            result = estimate_mod.estimate(spec, cfg, budget, alloc)
+            result = estimate_mod.estimate(spec, cfg, budget, alloc,
+                                           progress=_slow_trace_progress())
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
