@@ -1,0 +1,97 @@
+"""Text of the `parallel` and `split` reports: per-GPU tables, sizes in GiB/MiB, block spans."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from oomdoctor.parallel.report import ParallelReport, SplitPlan
+
+
+def _gib(n: float) -> str:
+    """IEC size for prose: GiB from 1 GiB up, MiB below."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def _unit(largest: int) -> tuple[Callable[[int], str], str]:
+    """A column formatter and its unit for a table whose largest value is ``largest``."""
+    if largest >= 2**30:
+        return (lambda n: f"{n / 2**30:.2f}"), "GiB"
+    return (lambda n: f"{n / 2**20:.1f}"), "MiB"
+
+
+def render_report(r: ParallelReport) -> str:
+    """Per-GPU memory of each strategy, one row per GPU role."""
+    from tabulate import tabulate
+
+    gib, unit = _unit(max((g.device_peak_bytes for e in r.estimates for g in e.gpus),
+                          default=0))
+    head = (f"{r.model} ({r.num_parameters:,} parameters), micro-batch {r.micro_batch} per GPU, "
+            f"{r.precision}{', checkpointing' if r.checkpointing else ''}, on {r.num_gpus} x "
+            f"{r.gpu} ({_gib(r.device_total_bytes)}, {_gib(r.budget_bytes)} for the "
+            "allocator)")
+    rows = []
+    for e in r.estimates:
+        for i, g in enumerate(e.gpus):
+            b = g.breakdown
+            rows.append((f"{e.strategy} x{e.num_gpus}" if i == 0 else "", g.label,
+                         "yes" if g.fits else "NO", gib(g.device_peak_bytes),
+                         gib(b["parameters"]), gib(b["gradients"]), gib(b["optimizer_state"]),
+                         gib(b["activations"]), gib(b["temporaries"]), gib(b["communication"]),
+                         g.peak_phase, e.effective_batch if i == 0 else ""))
+    table = tabulate(rows, headers=("strategy", "GPU", "fits", "peak", "params", "grads",
+                                    "optim", "activ", "temp", "comm", "peak in", "samples/step"),
+                     colalign=("left", "left", "left") + ("right",) * 7 + ("left", "right"))
+    lines = [head, table, f"({unit} per GPU at its peak; peak = max_memory_reserved + CUDA "
+             "context)"]
+    for e in r.estimates:
+        if e.deepspeed_bytes is not None:
+            rest = max(g.resting_state_bytes for g in e.gpus)
+            lines.append(f"{e.strategy}: parameters + gradients + optimizer state per GPU "
+                         f"{_gib(rest)} after the step (this model's dtypes); DeepSpeed's "
+                         f"estimator {_gib(e.deepspeed_bytes)} (it assumes 16-bit weights plus "
+                         "fp32 master weights and gradients: 18 B/param sharded)")
+        for note in e.notes:
+            lines.append(f"{e.strategy}: {note}")
+        if e.partition is not None:
+            p = e.partition
+            lines.append(f"{e.strategy}: GPU 0 runs {_span(p.stages[0])}, GPU 1 runs "
+                         f"{_span(p.stages[1])}; {_gib(p.boundary_bytes)} cross per micro-batch")
+    for s, m in r.errors:
+        lines.append(f"{s}: not estimated - {m}")
+    return "\n".join(lines)
+
+
+def _span(names: tuple[str, ...]) -> str:
+    if not names:
+        return "nothing"
+    if len(names) <= 3:
+        return ", ".join(names)
+    return f"{names[0]} .. {names[-1]} ({len(names)} blocks)"
+
+
+def render_split(plan: SplitPlan) -> str:
+    from tabulate import tabulate
+    e, p = plan.estimate, plan.partition
+    gib, unit = _unit(e.peak_device_bytes)
+    head = (f"{e.model}: naive 2-GPU split, batch {e.micro_batch}, {e.precision}"
+            f"{', checkpointing' if e.checkpointing else ''}, 2 x {e.gpu} "
+            f"({_gib(e.device_total_bytes)} each)")
+    verdict = ("FITS" if e.fits else "DOES NOT FIT") + \
+        f": larger stage peak {_gib(e.peak_device_bytes)} of {_gib(e.device_total_bytes)}"
+    rows = []
+    for k in range(2):
+        g = e.gpus[k]
+        b = g.breakdown
+        rows.append((f"cuda:{k}", _span(p.stages[k]), "yes" if g.fits else "NO",
+                     gib(g.device_peak_bytes), gib(b["parameters"]), gib(b["gradients"]),
+                     gib(b["optimizer_state"]), gib(b["activations"]), gib(b["temporaries"]),
+                     f"{p.utilisation[k]:.0%}"))
+    table = tabulate(rows, headers=("GPU", "modules", "fits", "peak", "params", "grads", "optim",
+                                    "activ", "temp", "busy"),
+                     colalign=("left", "left", "left") + ("right",) * 7)
+    lines = [head, verdict, "", table, f"({unit}; peak = max_memory_reserved + CUDA context)",
+             "",
+             f"inputs, root-level tensors and the loss on cuda:{p.main_stage} (accelerate's main "
+             f"device); {_gib(p.boundary_bytes)} cross between the GPUs per forward",
+             *[f"note: {n}" for n in e.notes]]
+    return "\n".join(lines)
