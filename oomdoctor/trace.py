@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
-import types
 import weakref
 from dataclasses import dataclass
 from enum import Enum
@@ -38,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from oomdoctor import emulate, values
+from oomdoctor.eager import compile_as_eager, dynamo_left_unloaded
 from oomdoctor.loader import (DataDependentError, ModelFileError, ModelSpec, build_for_training, compute_loss,
                               make_configured_batch, make_configured_optimizer)
 
@@ -373,124 +372,6 @@ def _splice_optimizer(rec: _Recorder, ref: Trace, marks: list[PhaseMark], virtua
         rec.raw.append((is_alloc, handle, nbytes))
 
 
-# Functions torch handed to torch._dynamo.disable during our traces (weak: checkpoint decorates a
-# fresh closure per call).
-_DISABLE_SEEN: "weakref.WeakSet" = weakref.WeakSet()
-_CACHE = "__dynamo_disable"      # where torch._compile._disable_dynamo caches the disabled function
-
-
-def _identity_disable(fn=None, *args, **kwargs):
-    """``torch._dynamo.disable`` for eager-only code: the function itself."""
-    if fn is None:                                   # used as @disable(recursive=...)
-        return _identity_disable
-    _DISABLE_SEEN.add(fn)
-    return fn
-
-
-@contextlib.contextmanager
-def _compile_as_eager(calls: list) -> Iterator[None]:
-    """``torch.compile`` (and ``nn.Module.compile``, which calls it) returns what it was given:
-    the trace follows eager kernels, and compiling would run dynamo on fake tensors for every
-    trial. ``calls`` collects one entry per call, for the note that says so."""
-    real = torch.compile
-
-    def eager(model=None, **kwargs):
-        calls.append(kwargs.get("mode") or "default")
-        return (lambda m: m) if model is None else model
-
-    torch.compile = eager
-    try:
-        yield
-    finally:
-        torch.compile = real
-
-
-def _stand_in_getattr(real_module):
-    """The stand-in's module ``__getattr__``: any public name imports the real module.
-
-    Dunder names do not: ``inspect.getmodule`` reads ``__file__`` of every module in
-    ``sys.modules``, and torch calls it while registering custom ops at import time
-    (``torch/_library/utils.py::get_source``). Importing the real ``torch._dynamo`` from there,
-    half-way through ``import torch.distributed.tensor`` (transformers imports it when a model
-    class loads lazily inside ``build_model()``), is a circular import. A module without
-    ``__file__`` is what the stand-in is. ``__path__`` is the exception: the import system
-    reads it to import a submodule (``torch._dynamo._trace_wrapped_higher_order_op``, imported
-    by transformers' generation code), which needs the real package."""
-    def getattr_(name: str):
-        if name == "__path__":
-            return real_module().__path__
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return getattr(real_module(), name)
-    return getattr_
-
-
-@contextlib.contextmanager
-def _dynamo_left_unloaded() -> Iterator[None]:
-    """Keep ``torch._dynamo`` out of a fake trace: importing it costs ~1.9 s, a third of an
-    ``estimate`` on a 2-core runner, and its ``disable`` wrappers add ~10% to every trace after.
-
-    torch marks some of its functions (the meta/fake kernels behind ``nn.init`` and the refs,
-    optimizer methods, checkpoint) with ``torch._compile._disable_dynamo``, whose wrapper imports
-    ``torch._dynamo`` on the first call only to wrap the function in ``torch._dynamo.disable``
-    and cache the result on it as ``fn.__dynamo_disable``; ``Optimizer.step`` calls
-    ``torch._dynamo.graph_break()``. Both change nothing in eager mode, and a trace never runs
-    under ``torch.compile``. So while the trace runs, ``disable`` answers with the function itself
-    and ``graph_break`` with nothing — through a stand-in module when ``torch._dynamo`` is not
-    loaded, by patching the real one when it is (checkpointing reads ``torch._dynamo.config``,
-    which imports it) — and afterwards every cache is put back as it was: calls outside the trace
-    go through the real ``torch._dynamo.disable``. Any other use of ``torch._dynamo`` imports the
-    real module on the spot, so this can cost speed, never correctness. Not thread-safe: a
-    ``torch.compile`` running in another thread during a trace would see undisabled functions.
-    """
-    stashed = {}
-    for fn in list(_DISABLE_SEEN):                   # real wrappers cached between traces
-        cached = fn.__dict__.get(_CACHE)
-        if cached is not None and cached is not fn:
-            stashed[fn] = cached
-            fn.__dict__[_CACHE] = fn
-    patched = []                                     # real modules whose disable we replaced
-
-    def patch(real):
-        if real.__dict__.get("disable") is not _identity_disable:
-            patched.append((real, real.__dict__.get("disable")))
-            real.disable = _identity_disable
-        return real
-
-    stand_in = None
-    if "torch._dynamo" in sys.modules:
-        patch(sys.modules["torch._dynamo"])
-    else:
-        stand_in = types.ModuleType("torch._dynamo", "stand-in; see oomdoctor.trace")
-
-        def real_module():
-            if sys.modules.get("torch._dynamo") is stand_in:
-                del sys.modules["torch._dynamo"]
-                torch.__dict__.pop("_dynamo", None)
-            import torch._dynamo as real
-            return patch(real)
-
-        stand_in.disable = _identity_disable
-        # Optimizer.step calls torch._dynamo.graph_break() around every step; eagerly a no-op.
-        stand_in.graph_break = lambda msg="": None
-        stand_in.__getattr__ = _stand_in_getattr(real_module)
-        sys.modules["torch._dynamo"] = stand_in
-    try:
-        yield
-    finally:
-        if stand_in is not None and sys.modules.get("torch._dynamo") is stand_in:
-            del sys.modules["torch._dynamo"]
-            if torch.__dict__.get("_dynamo") is stand_in:
-                del torch._dynamo
-        for real, disable in patched:
-            real.disable = disable
-        for fn in list(_DISABLE_SEEN):
-            if fn.__dict__.get(_CACHE) is fn:
-                del fn.__dict__[_CACHE]
-        for fn, cached in stashed.items():
-            fn.__dict__[_CACHE] = cached
-
-
 def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
                    optimizer_from: Trace | None = None, backend: str = "auto",
                    progress: Callable[[str], None] | None = None) -> Trace:
@@ -551,9 +432,9 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
     torch.manual_seed(0)
     on_meta = isinstance(fake_mode, torch.device)
     compiled: list[str] = []
-    with fake_mode, (_dynamo_left_unloaded() if fake else contextlib.nullcontext()), \
+    with fake_mode, (dynamo_left_unloaded() if fake else contextlib.nullcontext()), \
             (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()), \
-            (_compile_as_eager(compiled) if fake else contextlib.nullcontext()):
+            (compile_as_eager(compiled) if fake else contextlib.nullcontext()):
         model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
                                                  cfg.checkpoint_class, preserve_rng_state=not fake)
         if checkpointed:

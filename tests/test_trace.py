@@ -405,7 +405,7 @@ print(json.dumps(out))
 
 
 def test_fake_trace_leaves_torch_dynamo_unloaded_and_changes_nothing(tmp_path):
-    """The stand-in for torch._dynamo (oomdoctor.trace._dynamo_left_unloaded) saves ~1.9 s per
+    """The stand-in for torch._dynamo (oomdoctor.eager.dynamo_left_unloaded) saves ~1.9 s per
     estimate; the trace must be the same with the real module, and nothing may be left behind."""
     import json
     import subprocess
