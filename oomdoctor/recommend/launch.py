@@ -21,14 +21,22 @@ def _launch(c: Candidate, hw: Hardware, spec: ModelSpec, facts: _Facts) -> Launc
         command = f"torchrun --standalone --nproc_per_node={procs} {args}"
     else:
         command = f"python {args}"
-    return Launch(command, env, snippet(c, facts.blocks_parent, facts.has_batchnorm),
-                  quality_notes(c, facts))
+    # Planned on another machine (a laptop, CI), the core count is this machine's, not the
+    # training server's: say so rather than print a number that looks measured.
+    env_note = "" if hw.detected else (
+        f"(OMP_NUM_THREADS={env['OMP_NUM_THREADS']} is this machine's {hw.cores} cores / {procs} "
+        f"process{'es' if procs > 1 else ''}; on the training server use its cores / {procs})")
+    return Launch(command, env, snippet(c, facts.blocks_parent, facts.has_batchnorm,
+                                        no_p2p=hw.link == "pcie-no-p2p"),
+                  quality_notes(c, facts), env_note)
 
 
-def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False) -> str:
+def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: bool = False) -> str:
     """The training-loop changes for this configuration, as a short code sketch."""
     distributed = c.strategy in ("ddp", "zero1", "zero2", "zero3")
     lines = ["import os, torch"]
+    if not distributed:
+        lines.append("from torch.utils.data import DataLoader")
     if distributed:
         lines += ["import torch.distributed as dist",
                   "from torch.utils.data import DataLoader, DistributedSampler",
@@ -74,8 +82,13 @@ def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False) -> str:
                   f"fully_shard(model, reshard_after_forward={reshard})",
                   "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
     elif c.strategy == "dp":
-        lines += ["# prefer DDP (torchrun, one process per GPU); DataParallel loads GPU 0",
-                  "model = torch.nn.DataParallel(model.to(device))",
+        lines += ["# prefer DDP (torchrun, one process per GPU); DataParallel loads GPU 0"]
+        if no_p2p:
+            # DataParallel copies weights and gathers outputs GPU to GPU every step
+            # (broadcast_coalesced); on boards without P2P that path is known to hang or crawl.
+            lines += ["# this board has no GPU-to-GPU P2P: DataParallel's per-step broadcast",
+                      "# (broadcast_coalesced) can hang or crawl here - DDP does not need P2P"]
+        lines += ["model = torch.nn.DataParallel(model.to(device))",
                   "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
     elif c.strategy == "pipeline2":
         lines += ["# map from: oomdoctor split model.py --gpus 2 --device-map map.json",
@@ -93,6 +106,12 @@ def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False) -> str:
         lines += ["sampler = DistributedSampler(dataset, shuffle=True)",
                   f"loader = DataLoader(dataset, batch_size={c.micro_batch}, sampler=sampler,",
                   "                    num_workers=4, pin_memory=True)"]
+    elif c.strategy == "dp":
+        # DataParallel scatters each loader batch over the GPUs: the loader's batch is the
+        # per-GPU micro-batch times the GPUs (torch/nn/parallel/data_parallel.py, scatter).
+        lines.append(f"loader = DataLoader(dataset, batch_size={c.micro_batch * c.num_gpus}, "
+                     f"shuffle=True,   # {c.micro_batch} per GPU x {c.num_gpus} GPUs")
+        lines.append("                    num_workers=4, pin_memory=True)")
     else:
         lines.append(f"loader = DataLoader(dataset, batch_size={c.micro_batch}, shuffle=True, "
                      "num_workers=4, pin_memory=True)")

@@ -46,6 +46,7 @@ class Launch:
     env: dict[str, str]
     snippet: str
     quality_notes: tuple[str, ...]
+    env_note: str = ""           # what to adjust in env on the training machine
 
 
 @dataclass(frozen=True)

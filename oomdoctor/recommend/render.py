@@ -75,7 +75,8 @@ def render_text(r: Recommendation) -> str:
                      "the data pipeline)" if r.speedup else ""),
                   "",
                   " ".join(f"{k}={v}" for k, v in lc.env.items()) + " \\",
-                  f"  {lc.command}", "", "code changes:", "",
+                  f"  {lc.command}", *([lc.env_note] if lc.env_note else []), "",
+                  "code changes:", "",
                   *["    " + ln for ln in lc.snippet.splitlines()], "", "quality:",
                   *[f"- {n}" for n in lc.quality_notes]]
     if r.alternatives:

@@ -1,0 +1,56 @@
+"""Plans that do what they say: the launch snippet and environment a user copies.
+
+Each snippet is compiled (valid Python) and checked for the detail that made it wrong before:
+DataParallel scatters the loader batch over the GPUs, so the loader must load micro-batch x
+GPUs; the non-distributed snippets used DataLoader without importing it; DataParallel on a board
+without P2P is the seed users' hang; OMP_NUM_THREADS planned on a laptop is the laptop's.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from oomdoctor import recommend as rec
+from oomdoctor.gpus import get_profile
+from oomdoctor.loader import load_model_file
+
+MLP = load_model_file(str(Path(__file__).resolve().parent.parent / "sample_models" / "tiny_mlp.py"))
+RTX3090 = get_profile("rtx3090")
+
+
+def _candidate(**kw):
+    base = dict(strategy="dp", num_gpus=2, precision="bf16", checkpointing=False, micro_batch=128,
+                grad_accum=1, effective_batch=256, peak_device_bytes=0, per_gpu_bytes=(0, 0),
+                step_seconds=1.0, compute_seconds=1.0, communication_seconds=0.0,
+                samples_per_second=256.0, numerics="", score=1.0)
+    base.update(kw)
+    return rec.Candidate(**base)
+
+
+def _launch(c, link="pcie-no-p2p", detected=False):
+    hw = rec.Hardware(RTX3090, c.num_gpus, link, 12.5, cores=16, detected=detected)
+    return rec._launch(c, hw, MLP, rec._Facts(10, 10, 2, False, "layers"))
+
+
+def test_dataparallel_loads_the_micro_batch_of_every_gpu():
+    s = _launch(_candidate()).snippet
+    assert "batch_size=256" in s and "128 per GPU x 2 GPUs" in s
+    assert "from torch.utils.data import DataLoader" in s
+    compile(s, "snippet", "exec")
+
+
+def test_dataparallel_on_a_board_without_p2p_says_it_can_hang():
+    assert "broadcast_coalesced" in _launch(_candidate(), link="pcie-no-p2p").snippet
+    assert "broadcast_coalesced" not in _launch(_candidate(), link="pcie").snippet
+
+
+def test_single_gpu_snippet_imports_what_it_uses():
+    s = _launch(_candidate(strategy="single", num_gpus=1, effective_batch=128)).snippet
+    assert "from torch.utils.data import DataLoader" in s and "batch_size=128" in s
+    compile(s, "snippet", "exec")
+
+
+def test_omp_threads_planned_elsewhere_are_said_to_be_this_machines():
+    lc = _launch(_candidate(strategy="ddp"), detected=False)
+    assert lc.env["OMP_NUM_THREADS"] == "8"
+    assert "this machine's 16 cores / 2 processes" in lc.env_note
+    assert _launch(_candidate(strategy="ddp"), detected=True).env_note == ""
