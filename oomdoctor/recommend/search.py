@@ -29,7 +29,7 @@ Progress = Callable[[str], None]
 NUMERICS = {"fp32": 0, "fp16": 0, "bf16": 0, "bf16-pure": 1}
 # The order a user would rather run them in, all else being equal.
 SIMPLICITY = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline2", "dp")
-NUMERICS_PENALTY = 1.25           # pure bf16 must be this much faster to be recommended
+NUMERICS_PENALTY = 1.25           # pure bf16's score (shown) carries this; it ranks after the rest
 
 
 def _divisors(n: int) -> list[int]:
@@ -203,8 +203,12 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
     # communication) are a tie - the estimate is not finer than that. Ties go to the plan that
     # moves fewer bytes, then to the simpler strategy (DDP before the ZeRO stages: fewer
     # moving parts, plain checkpoints), then to the one with more headroom.
-    candidates.sort(key=lambda c: (float(f"{c.score:.3g}"), c.traffic_bytes,
-                                   SIMPLICITY.index(c.strategy), c.peak_device_bytes))
+    # Pure bf16 comes after every plan that keeps fp32 master weights, whatever its speed: its
+    # quality note says it is not neutral, so it is the plan only when nothing else fits (the
+    # speed it would buy is stated in a note below).
+    candidates.sort(key=lambda c: (NUMERICS[c.precision], float(f"{c.score:.3g}"),
+                                   c.traffic_bytes, SIMPLICITY.index(c.strategy),
+                                   c.peak_device_bytes))
     candidates = _verified(spec, candidates, hw, budget, alloc, base, progress)
     best = candidates[0] if candidates else None
     # Per-GPU memory of every strategy for one configuration: the best's, else the one with the
@@ -235,6 +239,14 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         if one and best.step_seconds:
             speedup = one[0].step_seconds / best.step_seconds
     notes = []
+    faster = [c for c in candidates if NUMERICS[c.precision] and best is not None
+              and not NUMERICS[best.precision] and c.step_seconds < best.step_seconds]
+    if faster:
+        f = faster[0]
+        notes.append(f"pure bf16 ({f.strategy} x{f.num_gpus}, micro-batch {f.micro_batch}) would "
+                     f"step {best.step_seconds / f.step_seconds:.1f}x faster, but it is not "
+                     "neutral for quality (bf16 weights and optimizer state lose small "
+                     f"updates); the plan keeps {best.precision} with fp32 master weights")
     if "ddp" in names and hw.num_gpus > 1:
         ddp = [e for e in by_strategy if e.strategy == "ddp"]
         one = [e for e in by_strategy if e.strategy == "single"]
