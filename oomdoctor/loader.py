@@ -44,10 +44,23 @@ class ModelSpec:
     make_batch: Callable[[int], Any]
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None
+    label: str | None = None           # the name to show, when not the file's (Hub ids, configs)
 
     @property
     def name(self) -> str:
-        return os.path.splitext(os.path.basename(self.path))[0]
+        return self.label or os.path.splitext(os.path.basename(self.path))[0]
+
+
+def load_model(source: str, *, task: str | None = None, seq_len: int | None = None) -> ModelSpec:
+    """A model file (``.py``), or a Hugging Face id / config folder / ``config.json``
+    (:mod:`oomdoctor.sources`; ``task`` and ``seq_len`` apply to those only)."""
+    if source.endswith(".py") or (os.path.isfile(source) and not source.endswith(".json")):
+        if task or seq_len:
+            raise ModelFileError(f"{source}: --task and --seq-len apply to Hugging Face models; "
+                                 "a model file makes its own batch in make_batch(batch_size)")
+        return load_model_file(source)
+    from oomdoctor import sources
+    return sources.load_hf(source, task, seq_len)
 
 
 def load_model_file(path: str) -> ModelSpec:

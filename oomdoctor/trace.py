@@ -386,16 +386,24 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
     ``progress(message)``, if given, hears "step 1/2: backward" at each phase of the loop (a
     long trace - a big model, an RNN's per-timestep loop - can then say where it is).
     """
-    try:
-        return _trace_training(spec, cfg, fake=fake, optimizer_from=optimizer_from,
-                               backend=backend, shadows=False, progress=progress)
-    except DataDependentError:
-        if not fake:
-            raise
-    if progress is not None:
-        progress("the step asked about tensor values: tracing again with the batch's real values")
+    if spec.make_batch not in _ASKS_ABOUT_VALUES:
+        try:
+            return _trace_training(spec, cfg, fake=fake, optimizer_from=optimizer_from,
+                                   backend=backend, shadows=False, progress=progress)
+        except DataDependentError:
+            if not fake:
+                raise
+        _ASKS_ABOUT_VALUES.add(spec.make_batch)     # the probe's next traces start with values
+        if progress is not None:
+            progress("the step asked about tensor values: tracing again with the batch's "
+                     "real values")
     return _trace_training(spec, cfg, fake=fake, optimizer_from=optimizer_from,
                            backend=backend, shadows=True, progress=progress)
+
+
+# Model files whose step asked a data-dependent question (keyed by their make_batch): later
+# traces of the same model mirror the batch's values from the start.
+_ASKS_ABOUT_VALUES: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,

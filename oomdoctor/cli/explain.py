@@ -6,7 +6,7 @@ import json
 import click
 
 from oomdoctor.cli.group import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
-from oomdoctor.cli.options import _die, _make_budget
+from oomdoctor.cli.options import _die, _load_model, _make_budget
 from oomdoctor.configs import PRECISIONS
 from oomdoctor.gpus import PROFILES, custom_profile
 
@@ -65,7 +65,7 @@ def _oom_plan(result, model_file, gpu_name, batch_size, precision, debug):
     log states, the batch from --batch-size or from the log."""
     from oomdoctor import probe as probe_mod
     from oomdoctor.estimate import Budget
-    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.loader import ModelFileError
     if gpu_name:
         gpu = _make_budget(gpu_name, None, None, "0", "5%").gpu
     else:
@@ -77,7 +77,7 @@ def _oom_plan(result, model_file, gpu_name, batch_size, precision, debug):
                    err=True)
     batch_size = batch_size or result.context.get("batch_size")
     try:
-        spec = load_model_file(model_file)
+        spec = _load_model(model_file)
         return probe_mod.oom_plan(spec, Budget(gpu), batch_size, precision,
                                   progress=lambda m: click.echo(m, err=True),
                                   jobs=probe_mod.default_jobs())

@@ -23,6 +23,41 @@ def _progress(msg: str) -> None:
     click.echo(msg, err=True)
 
 
+_SOURCE = "oomdoctor.source"          # ctx.meta key: --task / --seq-len for load_model
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value):
+    ctx.meta.setdefault(_SOURCE, {})[param.name] = value
+    return value
+
+
+def _source_options(f):
+    """--task and --seq-len: how to build a Hugging Face model given by id or config. They are
+    kept in the context (not passed to every command function) and read by _load_model."""
+    for opt in reversed([
+        click.option("--task", type=click.Choice(["causal-lm", "seq-cls", "masked-lm",
+                                                   "token-cls", "seq2seq-lm"]),
+                     expose_value=False, callback=_remember, is_eager=True,
+                     help="For a Hugging Face id or config: the head to train (default: from "
+                          "the config's architectures)."),
+        click.option("--seq-len", type=click.IntRange(1), expose_value=False,
+                     callback=_remember, is_eager=True,
+                     help="For a Hugging Face id or config: tokens per sequence (default 1024, "
+                          "at most the model's max_position_embeddings)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _load_model(source: str):
+    """The model a command was given: a model file, or a Hugging Face id / config folder /
+    config.json with the --task and --seq-len of this command line."""
+    from oomdoctor.loader import load_model
+    ctx = click.get_current_context(silent=True)
+    opts = (ctx.meta.get(_SOURCE, {}) if ctx is not None else {})
+    return load_model(source, task=opts.get("task"), seq_len=opts.get("seq_len"))
+
+
 def _budget_options(f):
     """Options shared by estimate and probe: the card, the model's configuration, output."""
     opts = [
@@ -63,7 +98,7 @@ def _budget_options(f):
     ]
     for opt in reversed(opts):
         f = opt(f)
-    return f
+    return _source_options(f)
 
 
 def _card_options(f):
@@ -92,7 +127,7 @@ def _card_options(f):
     ]
     for opt in reversed(opts):
         f = opt(f)
-    return f
+    return _source_options(f)
 
 
 def _make_budget(gpu_name, memory, overhead, other_mem, margin):

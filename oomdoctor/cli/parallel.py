@@ -7,7 +7,7 @@ import sys
 import click
 
 from oomdoctor.cli.group import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
-from oomdoctor.cli.options import (_alloc_config, _card_options, _detect_gpus, _die,
+from oomdoctor.cli.options import (_alloc_config, _card_options, _detect_gpus, _die, _load_model,
                                    _make_budget, _num_gpus, _progress)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
 from oomdoctor.configs import PRECISIONS, STRATEGY_CHOICES
@@ -43,13 +43,13 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
     Exit codes: 0 some strategy fits, 1 none fits, 2 usage error, 3 model file error.
     """
     from oomdoctor import parallel as par
-    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.loader import ModelFileError
     from oomdoctor.trace import TraceConfig
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     n = _num_gpus(num_gpus)
     try:
-        spec = load_model_file(model_file)
+        spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                           optimizer)
         report = par.estimate_strategies(spec, cfg, budget, n, strategies or par.STRATEGIES,
@@ -85,7 +85,7 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
     Exit codes: 0 both stages fit, 1 a stage does not fit, 2 usage error, 3 model file error.
     """
     from oomdoctor import parallel as par
-    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.loader import ModelFileError
     from oomdoctor.trace import TraceConfig
     if num_gpus not in (None, 2):
         raise click.UsageError(f"the naive split uses exactly 2 GPUs (got --gpus {num_gpus}); "
@@ -93,7 +93,7 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     try:
-        spec = load_model_file(model_file)
+        spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                           optimizer)
         plan = par.plan_split(spec, cfg, budget, alloc, progress=_progress)
@@ -144,7 +144,7 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     """
     from oomdoctor import probe as probe_mod
     from oomdoctor import recommend as rec
-    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.loader import ModelFileError
     from oomdoctor.parallel import parse_strategy
     from oomdoctor.trace import TraceConfig
     detected = _detect_gpus(gpu_name, memory, num_gpus)
@@ -156,7 +156,7 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     try:
         hw = rec.hardware(budget.gpu, n, link or (detected[2] if detected else None),
                           detected is not None)
-        spec = load_model_file(model_file)
+        spec = _load_model(model_file)
         base = TraceConfig(1, "fp32", False, checkpoint_class, 1, optimizer)
         result = rec.recommend(spec, hw, target_batch, budget, list(precisions) or None,
                                list(dict.fromkeys(parse_strategy(s) for s in strategies))
@@ -218,7 +218,7 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
     not moving, or the run could not start), 2 usage error, 3 model file error.
     """
     from oomdoctor import smoke as smoke_mod
-    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.loader import ModelFileError
     from oomdoctor.parallel import parse_strategy
     strategy = parse_strategy(strategy)
     n = 1 if strategy == "single" else _num_gpus(num_gpus)
@@ -230,7 +230,7 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
             doc = json.load(f)
         dmap, main = doc.get("device_map"), int(doc.get("main_device", 0))
     try:
-        spec = load_model_file(model_file)
+        spec = _load_model(model_file)
         cfg = smoke_mod.SmokeConfig(strategy, n, precision, checkpointing, checkpoint_class,
                                     batch_size, grad_accum, steps, optimizer, device, cpu_batch,
                                     dmap, main)

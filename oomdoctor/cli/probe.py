@@ -7,7 +7,7 @@ import sys
 import click
 
 from oomdoctor.cli.group import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
-from oomdoctor.cli.options import (_alloc_config, _budget_options, _detect_gpus, _die,
+from oomdoctor.cli.options import (_alloc_config, _budget_options, _detect_gpus, _die, _load_model,
                                    _make_budget, _progress, _slow_trace_progress)
 from oomdoctor.cli.runs import _smoke_run
 from oomdoctor.configs import MAX_BATCH, PRECISIONS, STRATEGY_CHOICES
@@ -38,12 +38,12 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
     Exit codes: 0 fits, 1 does not fit, 2 usage error, 3 model file error.
     """
     from oomdoctor import estimate as estimate_mod
-    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.loader import ModelFileError
     from oomdoctor.trace import TraceConfig
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     try:
-        spec = load_model_file(model_file)
+        spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                           optimizer, not no_cuda_emulation, zero_grad=zero_grad)
         if strategy != "single":
@@ -116,7 +116,7 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
     Exit codes: 0 something fits, 1 nothing fits, 2 usage error, 3 model file error.
     """
     from oomdoctor import probe as probe_mod
-    from oomdoctor.loader import ModelFileError, load_model_file
+    from oomdoctor.loader import ModelFileError
     from oomdoctor.trace import TraceConfig
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
@@ -130,7 +130,7 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
     if checkpointing is not None:
         configs = [(p, ck) for p, ck in configs if ck == checkpointing]
     try:
-        spec = load_model_file(model_file)
+        spec = _load_model(model_file)
         base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer,
                            not no_cuda_emulation, zero_grad=zero_grad)
         result = probe_mod.probe(spec, base, budget, configs, alloc,

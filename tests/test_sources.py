@@ -1,0 +1,100 @@
+"""Models given the way users have them: a Hugging Face config folder, its config.json, or a Hub
+id (read here from a local Hub cache, offline) - built from the config alone.
+
+Checked against: transformers' own parameter count; a hand-written model file of the same
+architecture and batch (tests/models/hf_llama_lazy.py, itself checked against real CPU runs in
+tests/test_reach.py), event for event; and each other (folder, file, id: byte-identical output).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from oomdoctor.cli import EXIT_MODEL, EXIT_OK, cli
+from oomdoctor.loader import ModelFileError, load_model, load_model_file
+from oomdoctor.trace import TraceConfig, trace_training
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="transformers not installed (pip install oomdoctor[hf])")
+MODELS = Path(__file__).resolve().parent / "models"
+# the architecture of tests/models/hf_llama_lazy.py
+LLAMA = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             architectures=["LlamaForCausalLM"], model_type="llama")
+
+
+def config_dir(root: Path, name: str = "tiny-llama", **over) -> Path:
+    import transformers
+    d = root / name
+    cfg = transformers.LlamaConfig(**{k: v for k, v in {**LLAMA, **over}.items()
+                                      if k not in ("model_type",)})
+    cfg.save_pretrained(d)
+    return d
+
+
+def test_parameters_are_transformers_own_count(tmp_path):
+    import transformers
+    d = config_dir(tmp_path)
+    tr = trace_training(load_model(str(d), seq_len=64), TraceConfig(2))
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(d))
+    assert tr.num_parameters == model.num_parameters()
+    assert tr.parameter_bytes == 4 * model.num_parameters()
+
+
+def test_a_config_traces_as_the_same_model_written_by_hand(tmp_path):
+    d = config_dir(tmp_path)
+    from_config = trace_training(load_model(str(d), seq_len=64), TraceConfig(2, precision="bf16"))
+    by_hand = trace_training(load_model_file(str(MODELS / "hf_llama_lazy.py")),
+                             TraceConfig(2, precision="bf16"))
+    assert from_config.events == by_hand.events
+
+
+def test_folder_config_file_and_hub_id_give_identical_estimates(tmp_path):
+    d = config_dir(tmp_path)
+    # a Hub cache as huggingface_hub lays it out, read offline
+    cache = tmp_path / "hub"
+    snap = cache / "models--test-org--tiny-llama" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text((d / "config.json").read_text())
+    (cache / "models--test-org--tiny-llama" / "refs").mkdir()
+    (cache / "models--test-org--tiny-llama" / "refs" / "main").write_text("0" * 40)
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    outs = []
+    for source in (str(d), str(d / "config.json"), "test-org/tiny-llama"):
+        p = subprocess.run([sys.executable, "-m", "oomdoctor", "estimate", source, "--seq-len",
+                            "64", "-b", "2", "--gpu", "rtx3090", "--json"],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == EXIT_OK, p.stderr
+        outs.append(p.stdout)
+    assert outs[0] == outs[1] == outs[2]
+    assert json.loads(outs[0])["model"] == "tiny-llama (causal-lm, 64 tokens)"
+
+
+def test_task_from_the_config_or_the_option(tmp_path):
+    d = config_dir(tmp_path, architectures=["LlamaForSequenceClassification"], num_labels=3)
+    spec = load_model(str(d), seq_len=16)
+    assert spec.make_batch(2)["labels"].shape == (2,)
+    assert load_model(str(d), task="causal-lm", seq_len=16).make_batch(2)["labels"].shape == (2, 16)
+    bare = config_dir(tmp_path, "bare", architectures=None)
+    with pytest.raises(ModelFileError, match="--task causal-lm"):
+        load_model(str(bare))
+
+
+def test_one_line_errors_for_what_cannot_be_read(tmp_path):
+    r = CliRunner().invoke(cli, ["estimate", str(tmp_path / "nothing-here"), "-b", "1",
+                                 "--gpu", "rtx3090"])
+    assert r.exit_code == EXIT_MODEL
+    d = config_dir(tmp_path)
+    r = CliRunner().invoke(cli, ["estimate", str(d), "--seq-len", "100", "-b", "1", "--gpu",
+                                 "rtx3090"])
+    assert r.exit_code == EXIT_MODEL and "beyond the model's max_position_embeddings (64)" in r.stderr
+    r = CliRunner().invoke(cli, ["estimate", str(MODELS / "fused_adamw_mlp.py"), "--seq-len", "8",
+                                 "-b", "1", "--gpu", "rtx3090"])
+    assert r.exit_code == EXIT_MODEL and "apply to Hugging Face models" in r.stderr
