@@ -21,7 +21,7 @@ from oomdoctor.loader import ModelFileError, ModelSpec
 
 # task name -> (the transformers auto class, the architecture-name suffixes that imply it)
 TASKS = {
-    "causal-lm": ("AutoModelForCausalLM", ("ForCausalLM",)),
+    "causal-lm": ("AutoModelForCausalLM", ("ForCausalLM", "LMHeadModel")),
     "seq-cls": ("AutoModelForSequenceClassification", ("ForSequenceClassification",)),
     "masked-lm": ("AutoModelForMaskedLM", ("ForMaskedLM", "ForPreTraining")),
     "token-cls": ("AutoModelForTokenClassification", ("ForTokenClassification",)),
@@ -41,6 +41,10 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None) ->
     except ImportError:
         raise ModelFileError(f"{source}: not a .py model file, and reading it as a Hugging Face "
                              "model needs transformers: pip install 'oomdoctor[hf]'") from None
+    # transformers' warnings about a from-scratch model (an unset loss_type, generation
+    # defaults) concern inference and weights, which oomdoctor never uses; they would repeat
+    # around every estimate. Only its errors are let through from here on in this process.
+    transformers.utils.logging.set_verbosity_error()
     config = _config(transformers, source)
     task = task or _task_of(config, source)
     auto_name, _ = TASKS[task]
