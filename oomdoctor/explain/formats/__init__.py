@@ -1,0 +1,91 @@
+"""The families of error messages, one module each, and the tables that join them: anchors, extractors, diagnoses."""
+from __future__ import annotations
+
+from ..results import Kind
+from .cuda import _ANCHORS as _CUDA_ANCHORS
+from .cuda import _diag_cublas, _diag_cuda_error, _diag_cudnn, _x_cublas, _x_cuda_error, _x_cudnn
+from .frameworks import _ANCHORS as _FRAMEWORK_ANCHORS
+from .frameworks import _diag_jax, _diag_tf, _x_jax, _x_tf
+from .host import _ANCHORS as _HOST_ANCHORS
+from .host import (_diag_cpu, _diag_dataloader, _diag_oom_killer, _diag_paging, _diag_shm, _x_cpu, _x_dataloader,
+                   _x_oom_killer, _x_shm)
+from .launch import _ANCHORS as _LAUNCH_ANCHORS
+from .launch import (_diag_missing_env, _diag_nccl, _diag_ordinal, _diag_p2p, _diag_port, _x_missing_env, _x_nccl,
+                     _x_ordinal, _x_p2p, _x_port)
+from .lookalikes import _ANCHORS as _LOOKALIKE_ANCHORS
+from .lookalikes import _diag_lookalike, _x_assert
+from .patterns import _AnchorSpec, _x_simple
+from .torch_async_mps import _ANCHORS as _ASYNC_MPS_ANCHORS
+from .torch_async_mps import _diag_async, _diag_mps, _x_async, _x_mps
+from .torch_caching import _ANCHORS as _CACHING_ANCHORS
+from .torch_caching import _diag_torch, _x_torch
+
+# Every anchor, in one fixed order: matches that start at the same squashed character keep this
+# order (the scanner sorts them by position with a stable sort), so the families are joined in the
+# order of the single table they were written as.
+_ANCHORS: tuple[_AnchorSpec, ...] = (
+    _CACHING_ANCHORS + _ASYNC_MPS_ANCHORS + _CUDA_ANCHORS + _FRAMEWORK_ANCHORS + _HOST_ANCHORS + _LAUNCH_ANCHORS
+    + _LOOKALIKE_ANCHORS
+)
+
+# An anchor of kind K is dropped when it starts within N squashed characters after a kept anchor
+# of one of these kinds: it is a second sentence of the same message.
+_ABSORBED_BY: dict[Kind, tuple[frozenset[Kind], int]] = {
+    Kind.CUDA_OOM: (frozenset({Kind.CUDA_OOM, Kind.HIP_OOM, Kind.MPS_OOM}), 80),
+    Kind.SHARED_MEMORY: (frozenset({Kind.DATALOADER_KILLED}), 400),
+    Kind.CUDA_ERROR_OOM: (frozenset({Kind.CUBLAS_ALLOC, Kind.CUDNN_FAILURE}), 200),
+    Kind.PORT_PERMISSION: (frozenset({Kind.PORT_IN_USE}), 200),
+}
+
+
+_EXTRACT = {
+    Kind.CUDA_OOM: _x_torch,
+    Kind.CUDA_ASYNC_OOM: _x_async,
+    Kind.MPS_OOM: _x_mps,
+    Kind.CUDA_ERROR_OOM: _x_cuda_error,
+    Kind.CUBLAS_ALLOC: _x_cublas,
+    Kind.CUDNN_FAILURE: _x_cudnn,
+    Kind.TF_OOM: _x_tf,
+    Kind.JAX_OOM: _x_jax,
+    Kind.CPU_OOM: _x_cpu,
+    Kind.WINDOWS_PAGING_FILE: _x_simple(Kind.WINDOWS_PAGING_FILE),
+    Kind.OOM_KILLER: _x_oom_killer,
+    Kind.DATALOADER_KILLED: _x_dataloader,
+    Kind.SHARED_MEMORY: _x_shm,
+    Kind.MISSING_LAUNCH_ENV: _x_missing_env,
+    Kind.INVALID_DEVICE_ORDINAL: _x_ordinal,
+    Kind.NCCL_TIMEOUT: _x_nccl,
+    Kind.PORT_IN_USE: _x_port(Kind.PORT_IN_USE),
+    Kind.PORT_PERMISSION: _x_port(Kind.PORT_PERMISSION),
+    Kind.P2P: _x_p2p,
+    Kind.ILLEGAL_MEMORY_ACCESS: _x_simple(Kind.ILLEGAL_MEMORY_ACCESS),
+    Kind.DEVICE_ASSERT: _x_assert,
+    Kind.MISALIGNED_ADDRESS: _x_simple(Kind.MISALIGNED_ADDRESS),
+}
+
+
+_DIAGNOSE = {
+    Kind.CUDA_OOM: _diag_torch,
+    Kind.HIP_OOM: _diag_torch,
+    Kind.CUDA_ASYNC_OOM: _diag_async,
+    Kind.MPS_OOM: _diag_mps,
+    Kind.CUDA_ERROR_OOM: _diag_cuda_error,
+    Kind.CUBLAS_ALLOC: _diag_cublas,
+    Kind.CUDNN_FAILURE: _diag_cudnn,
+    Kind.TF_OOM: _diag_tf,
+    Kind.JAX_OOM: _diag_jax,
+    Kind.CPU_OOM: _diag_cpu,
+    Kind.WINDOWS_PAGING_FILE: _diag_paging,
+    Kind.OOM_KILLER: _diag_oom_killer,
+    Kind.DATALOADER_KILLED: _diag_dataloader,
+    Kind.SHARED_MEMORY: _diag_shm,
+    Kind.MISSING_LAUNCH_ENV: _diag_missing_env,
+    Kind.INVALID_DEVICE_ORDINAL: _diag_ordinal,
+    Kind.NCCL_TIMEOUT: _diag_nccl,
+    Kind.PORT_IN_USE: _diag_port,
+    Kind.PORT_PERMISSION: _diag_port,
+    Kind.P2P: _diag_p2p,
+    Kind.ILLEGAL_MEMORY_ACCESS: _diag_lookalike,
+    Kind.DEVICE_ASSERT: _diag_lookalike,
+    Kind.MISALIGNED_ADDRESS: _diag_lookalike,
+}

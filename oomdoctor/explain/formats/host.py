@@ -1,0 +1,245 @@
+"""Host-memory failures: CPU allocator and NumPy, Windows paging file, OOM killer, DataLoader workers, /dev/shm."""
+from __future__ import annotations
+
+import re
+
+from ..diagnosis import _F, _QUALITY_NONE, _SPEED_NONE, _Ctx, _Out
+from ..draft import _Draft
+from ..results import Kind, Phase
+from ..sizes import GiB, _to_bytes
+from .patterns import _I, _SZ, _AnchorSpec, _rx
+
+# --- message anchors (squashed text) ---------------------------------------------------------
+
+_ANCHORS: tuple[_AnchorSpec, ...] = (
+    _AnchorSpec(Kind.CPU_OOM, ("defaultcpuallocator", "notenoughmemory", "foranarray", "bad_alloc", "errno12"), re.compile(
+        r"DefaultCPUAllocator:(?:can'?tallocatememory|notenoughmemory)|Torch:notenoughmemory"
+        r"|Unabletoallocate" + _SZ + r"foranarray|std::bad_alloc|\[Errno12\]Cannotallocatememory", _I), absorb=40),
+    _AnchorSpec(Kind.CPU_OOM, ("memoryerror",), re.compile(r"(?<![A-Za-z_])MemoryError(?![A-Za-z_])")),
+    _AnchorSpec(Kind.WINDOWS_PAGING_FILE, ("1455", "pagingfile", "页面文件", "auslagerungsdatei"), re.compile(
+        r"WinError1455|pagingfileisto+small|页面文件太小|Auslagerungsdateiistzuklein", _I), absorb=400),
+    _AnchorSpec(Kind.OOM_KILLER, ("-9", "sigkill", "oom", "137"), re.compile(
+        r"exitcode:?-9(?!\d)|Signal9\(SIGKILL\)receivedbyPID|terminatedwithsignalSIGKILL"
+        r"|(?:exits|exited)withreturncode=?-9(?!\d)|Outofmemory:Kill(?:ed)?process|oom[-_]kill"
+        r"|OOMKilled|(?:exitcode|exitstatus|exitedwithcode|returnedexitcode)137(?!\d)", _I), absorb=80),
+    _AnchorSpec(Kind.DATALOADER_KILLED, ("dataloaderworker",), re.compile(
+        r"DataLoaderworker\(pid(?:\(s\))?[\d,]*\)(?:iskilledbysignal|exitedunexpectedly)", _I), absorb=300),
+    _AnchorSpec(Kind.SHARED_MEMORY, ("sharedmemory", "</torch_", "buserror", "sharedmemorysegment", "-7",
+                                     "semlock"), re.compile(
+        r"insufficientsharedmemory|outofsharedmemory|raiseyoursharedmemorylimit"
+        r"|unabletowritetofile</torch_|Unexpectedbuserrorencounteredinworker"
+        r"|unabletoopensharedmemoryobject</torch_"
+        # a DataLoader's semaphores live in /dev/shm too: "SemLock(...) OSError: [Errno 28] No space
+        # left on device" is a full /dev/shm, not a full disk
+        r"|_multiprocessing\.SemLock\(.{0,400}?\[Errno28\]Nospaceleftondevice"
+        r"|Errorwhilecreatingsharedmemorysegment"
+        # torchrun reports a child killed by SIGBUS as exitcode -7: a full /dev/shm, almost always.
+        r"|exitcode:?-7(?!\d)", _I), absorb=400),
+)
+
+# Anchors matched per (unsquashed) line, for messages whose meaning depends on being alone.
+# bash's job report ("./run.sh: line 7: 48213 Killed   python x.py", "[1]+  Killed ...") or a bare "Killed".
+_KILLED_LINE = re.compile(r"^(?:.*?\bline\s\d+:\s+\d+\s+|\[\d+\]\+?\s+|\+\s+|\d+\s+)?"
+                          r"Killed(?:\s{2,}\S.*|\s+\S+\.py.*)?$")
+_BUS_ERROR_LINE = re.compile(r"^(?:.*\s)?Bus error(?: \(core dumped\))?\.?$")
+
+
+# --- field patterns (squashed text) ----------------------------------------------------------
+
+_F_CPU_BYTES = _rx(r"youtriedtoallocate(\d+)bytes")
+_F_CPU_GB = _rx(r"youtriedtoallocate(\d+)GB")
+_F_NUMPY = _rx(r"Unabletoallocate" + _SZ + r"foranarraywithshape\(([\d,]*)\)anddatatype(\w+)")
+
+_F_DL_PIDS = _rx(r"DataLoaderworker\(pid(?:\(s\))?([\d,]+)\)")
+_F_DL_SIGNAL = _rx(r"iskilledbysignal:(Killed|Buserror|Segmentationfault|Aborted|Terminated|\w{1,20}?)(?:\.|It|$)")
+_F_RANK_TORCHRUN = _rx(r"(?:^|\W)rank:(\d+)\(local_rank|local_rank:(\d+)")
+
+
+# --- extractors: squashed message text -> draft ----------------------------------------------
+
+def _x_cpu(span: str, pre: str, m: re.Match) -> _Draft:
+    d = _Draft(Kind.CPU_OOM)
+    text = m.group(0)
+    raw = _F_CPU_BYTES.search(span)
+    gb = _F_CPU_GB.search(span)
+    npy = _F_NUMPY.search(span)
+    if raw is not None:
+        d.numbers["requested"] = int(raw.group(1))
+        d.details["source"] = "PyTorch DefaultCPUAllocator"
+    elif gb is not None:
+        d.numbers["requested"] = int(gb.group(1)) * GiB
+        d.details["source"] = "old PyTorch TH allocator"
+    elif npy is not None:
+        d.numbers["requested"] = _to_bytes(npy.group(1), npy.group(2))
+        d.details["source"] = "NumPy"
+        d.details["shape"] = "(" + npy.group(3) + ")"
+        d.details["dtype"] = npy.group(4)
+    elif "bad_alloc" in text:
+        d.details["source"] = "C++ std::bad_alloc"
+    elif "errno12" in text.lower():
+        d.details["source"] = "OS refused memory (errno 12, e.g. fork of DataLoader workers)"
+    else:
+        d.details["source"] = "Python MemoryError"
+    d.sig = (d.numbers.get("requested"), d.details["source"])
+    return d
+
+
+def _x_oom_killer(span: str, pre: str, m: re.Match) -> _Draft:
+    d = _Draft(Kind.OOM_KILLER)
+    text = m.group(0).lower()
+    if "exitcode" in text and "137" not in text or "signal9" in text or "sigkill" in text or "returncode" in text:
+        d.details["source"] = "launcher reported SIGKILL (exit code -9)"
+    elif "outofmemory:kill" in text:
+        d.details["source"] = "kernel log (dmesg)"
+    elif "oom" in text:
+        d.details["source"] = "scheduler/container OOM kill (Slurm/Kubernetes)"
+    else:
+        d.details["source"] = "exit status 137 (128 + SIGKILL)"
+    _add_torchrun_rank(d, span)
+    d.sig = ()
+    return d
+
+
+def _add_torchrun_rank(d: _Draft, span: str) -> None:
+    """The failing rank from torchrun's failure report ("rank : 2 (local_rank" or "local_rank: 2")."""
+    rank = _F_RANK_TORCHRUN.search(span)
+    if rank is not None:
+        d.ranks.append(int(rank.group(1) or rank.group(2)))
+
+
+def _x_shm(span: str, pre: str, m: re.Match) -> _Draft:
+    d = _Draft(Kind.SHARED_MEMORY)
+    if m.group(0).lower().startswith("exitcode"):
+        d.details["signal"] = "SIGBUS (torchrun exitcode -7)"
+        _add_torchrun_rank(d, span)
+    # NCCL: "Call to shm_open failed : Permission denied", then "Error while creating shared
+    # memory segment": /dev/shm is not writable, which is not the same as full.
+    if re.search(r"shm_open(?:failed)?:?Permissiondenied|/dev/shm.{0,40}Permissiondenied",
+                 pre + span[:400], re.I):
+        d.details["reason"] = "permission denied"
+    elif m.group(0).lower().startswith("unabletoopen"):
+        d.details["reason"] = "cannot open"
+    d.sig = ()
+    return d
+
+
+def _x_dataloader(span: str, pre: str, m: re.Match) -> _Draft:
+    sig = _F_DL_SIGNAL.search(span[:200])
+    signal = sig.group(1) if sig else None
+    if signal and signal.lower() == "buserror":
+        d = _Draft(Kind.SHARED_MEMORY)
+        d.details["signal"] = "Bus error"
+        d.sig = ()
+    else:
+        d = _Draft(Kind.DATALOADER_KILLED)
+        d.details["signal"] = {"killed": "Killed", "segmentationfault": "Segmentation fault"}.get(
+            (signal or "").lower(), signal or "exited unexpectedly")
+        d.sig = (d.details["signal"],)
+    pids = _F_DL_PIDS.search(span)
+    if pids:
+        d.details["worker_pids"] = pids.group(1)
+    return d
+
+
+# --- diagnosis -------------------------------------------------------------------------------
+
+def _diag_cpu(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    req = d.numbers.get("requested")
+    if req is not None and req >= 256 * GiB:
+        out.diag("request_absurd", f"The process asked for {_F(req)} of host RAM in one piece: far beyond any "
+                 "machine, so this is a shape mistake (an accidental broadcast or outer product, a wrong reshape, "
+                 "reading a length field as data) rather than a memory shortage.")
+    else:
+        out.diag("host_memory", "Host RAM (not GPU memory) ran out" + (f" on a {_F(req)} allocation" if req else "")
+                 + ". Typical causes: a whole dataset loaded into RAM, every DataLoader worker or every DDP rank "
+                 "holding its own copy, or a checkpoint materialised in RAM before moving to the GPU.")
+    out.fix("load_lazily", "Load data lazily or memory-mapped (np.load(mmap_mode='r'), torch.load(mmap=True), "
+            "from_pretrained(low_cpu_mem_usage=True))", None, None, _SPEED_NONE, _QUALITY_NONE,
+            "Keeps only what is used in RAM; with DDP each rank would otherwise hold a full copy.", cost=1,
+            primary=True)
+    out.fix("fewer_workers", "Fewer DataLoader workers (num_workers) and a smaller prefetch_factor", None, None,
+            "slower if data loading is the bottleneck", _QUALITY_NONE,
+            "Each worker is a process; Python objects in the Dataset are copied into each one as they are read.",
+            cost=1)
+
+
+def _diag_paging(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    out.diag("windows_commit_limit", "Windows ran out of commit charge (RAM + paging file). On Windows every "
+             "DataLoader worker is a new process that imports torch and maps the CUDA DLLs, committing a few GB "
+             "each, so num_workers > 0 multiplies it - this often fails at 'import torch' in a worker.")
+    out.fix("grow_paging_file", "Enlarge the paging file (System > Advanced > Performance > Virtual memory: "
+            "system managed, or a larger custom size) and reboot", None, None, _SPEED_NONE, _QUALITY_NONE, "",
+            cost=0, primary=True)
+    out.fix("fewer_workers", "Lower DataLoader num_workers (try 2, or 0 to confirm)", None, None,
+            "slower if data loading is the bottleneck", _QUALITY_NONE, "", cost=1, primary=True)
+
+
+def _diag_oom_killer(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    out.diag("host_oom_killer", "The process was killed with SIGKILL (" + d.details.get("source", "") + "), which "
+             "without an error message almost always means the Linux OOM killer or the job scheduler's memory "
+             "limit: host RAM, not GPU memory, ran out. Confirm with `dmesg -T | grep -i oom` or the scheduler's "
+             "accounting (sacct MaxRSS).")
+    multi = len(d.ranks) > 1 or (ctx.world or 1) > 1
+    out.fix("load_once", "Load the checkpoint once, memory-mapped (torch.load(mmap=True), "
+            "from_pretrained(low_cpu_mem_usage=True)) or on the meta device" + (" - not a full copy per rank"
+                                                                                if multi else ""),
+            None, None, _SPEED_NONE, _QUALITY_NONE, "Every torchrun rank that loads a full checkpoint into RAM "
+            "needs its own copy: N ranks, N times the RAM.", cost=1, primary=True)
+    out.fix("fewer_workers", "Fewer DataLoader workers; keep the Dataset's data in numpy arrays, not Python "
+            "lists of objects", None, None, "slower if data loading is the bottleneck", _QUALITY_NONE,
+            "Reading Python objects touches their reference counts, so forked workers gradually copy the "
+            "whole dataset.", cost=1)
+    out.fix("more_ram", "Request more memory (Slurm --mem) or add swap", None, None, "swap: much slower",
+            _QUALITY_NONE, "", cost=2)
+
+
+def _diag_dataloader(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    sig = d.details.get("signal", "")
+    if sig == "Killed":
+        out.diag("worker_oom_killed", "A DataLoader worker was killed by the OOM killer: host RAM ran out, "
+                 "not GPU memory. Workers are separate processes and each holds its own copy of whatever the "
+                 "Dataset reads.")
+    elif sig == "Segmentation fault":
+        out.diag("worker_crashed", "A DataLoader worker crashed in native code (segfault): not a memory "
+                 "shortage as such. Rerun with num_workers=0 to see the real error in the main process.")
+    else:
+        out.diag("worker_died", "A DataLoader worker exited unexpectedly; the cause is printed earlier in the "
+                 "log (often the OOM killer or a shared-memory error). num_workers=0 shows it in the main process.")
+    out.fix("fewer_workers", "Fewer workers (num_workers), smaller prefetch_factor and batch", None, None,
+            "slower if data loading is the bottleneck", _QUALITY_NONE, "", cost=1, primary=True)
+    out.fix("numpy_dataset", "Keep Dataset contents in numpy arrays or memory-mapped files instead of Python "
+            "lists/dicts", None, None, _SPEED_NONE, _QUALITY_NONE, "Forked workers copy Python objects as they "
+            "touch them (reference counts); arrays stay shared.", cost=1)
+
+
+def _diag_shm(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    if d.details.get("reason") == "permission denied":
+        out.diag("shared_memory_permission", "/dev/shm is not writable for this user (shm_open: Permission "
+                 "denied), so NCCL cannot create the shared-memory segments it uses between processes on one "
+                 "machine. Nothing is full.")
+        out.fix("fix_shm_permissions", "Make /dev/shm writable again: sudo chmod 1777 /dev/shm (the usual mode; "
+                "check with ls -ld /dev/shm)", None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0, primary=True)
+        out.fix("nccl_shm_disable", "Or let NCCL skip shared memory: NCCL_SHM_DISABLE=1", None, None,
+                "slower GPU-to-GPU transfers inside the machine (falls back to sockets/P2P)", _QUALITY_NONE, "",
+                cost=1)
+        return
+    if d.details.get("reason") == "cannot open":
+        out.diag("shared_memory_open_failed", "A process could not open a shared-memory segment (/dev/shm) that "
+                 "another process handed it a tensor through. With PyTorch's default file_descriptor sharing "
+                 "strategy this is most often the open-file limit (ulimit -n) running out under many workers or "
+                 "a deep prefetch; a full /dev/shm does it too.")
+        out.fix("sharing_strategy", "torch.multiprocessing.set_sharing_strategy('file_system') at the top of the "
+                "script, or raise the open-file limit (ulimit -n 65535)", None, None, _SPEED_NONE, _QUALITY_NONE,
+                "", cost=0, primary=True)
+        out.fix("grow_shm", "If /dev/shm is small (df -h /dev/shm): docker run --shm-size=16g (or --ipc=host)",
+                None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0)
+        return
+    out.diag("shared_memory_exhausted", "Shared memory (/dev/shm) is full: DataLoader workers hand batches to "
+             "the main process through it, and NCCL uses it between processes on one machine. Docker gives "
+             "containers only 64 MB of /dev/shm by default. This is host memory, not the GPU.")
+    out.fix("grow_shm", "Give the container more shared memory: docker run --shm-size=16g (or --ipc=host); on "
+            "Kubernetes mount an emptyDir with medium: Memory at /dev/shm", None, None, _SPEED_NONE, _QUALITY_NONE,
+            "", cost=0, primary=True)
+    out.fix("fewer_workers", "Fewer workers / smaller batches, or "
+            "torch.multiprocessing.set_sharing_strategy('file_system')", None, None,
+            "slower if data loading is the bottleneck", _QUALITY_NONE, "", cost=1)

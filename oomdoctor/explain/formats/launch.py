@@ -1,0 +1,197 @@
+"""Launch and multi-GPU errors: launch variables (LOCAL_RANK, ...), device ordinal, NCCL timeouts, ports, P2P."""
+from __future__ import annotations
+
+import re
+
+from ..diagnosis import _QUALITY_NONE, _SPEED_NONE, _Ctx, _Out
+from ..draft import _Draft, _seq
+from ..results import Collective, Kind, Phase
+from .patterns import _I, _AnchorSpec, _rx
+
+# --- message anchors (squashed text) ---------------------------------------------------------
+
+_ANCHORS: tuple[_AnchorSpec, ...] = (
+    _AnchorSpec(Kind.MISSING_LAUNCH_ENV, ("keyerror", "butnotset"), re.compile(
+        r"KeyError:['\"](?:LOCAL_RANK|RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT)['\"]"
+        r"|environmentvariable(?:LOCAL_RANK|RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT)expected,?butnotset")),
+    _AnchorSpec(Kind.INVALID_DEVICE_ORDINAL, ("ordinal", "invaliddevice", "deserialize"), re.compile(
+        r"invaliddeviceordinal|cudaErrorInvalidDevice|hipErrorInvalidDevice"
+        r"|AttemptingtodeserializeobjectonCUDAdevice\d+buttorch\.cuda\.device_count\(\)is\d+", _I), absorb=200),
+    _AnchorSpec(Kind.NCCL_TIMEOUT, ("watchdog",),
+                re.compile(r"Watchdogcaughtcollectiveoperationtimeout", _I), absorb=0),
+    _AnchorSpec(Kind.PORT_IN_USE, ("alreadyinuse", "eaddrinuse", "errno:98"), re.compile(
+        r"(?:errno:98-?)?Addressalreadyinuse|EADDRINUSE|errno:98(?!\d)", _I), absorb=300),
+    _AnchorSpec(Kind.PORT_PERMISSION, ("errno:13", "eacces"),
+                re.compile(r"errno:13-?Permissiondenied|EACCES", _I), absorb=300),
+    _AnchorSpec(Kind.P2P, ("peeraccess", "peermapping", "p2p"), re.compile(
+        r"peeraccessisnotsupport(?:ed)?betweenthesetwodevices|cudaErrorPeerAccessUnsupported"
+        r"|peermappingresourcesexhausted|P2P(?:access)?(?:is)?notsupported", _I), absorb=300),
+)
+
+# Matched per (unsquashed) line by the scanner: a message whose meaning depends on being alone.
+# A KeyError printed by str() (an IDE, a logger): a line that is only the quoted variable.
+_BARE_ENV_LINE = re.compile(r"^(?:KeyError:\s*)?['\"](LOCAL_RANK|RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR"
+                            r"|MASTER_PORT)['\"]$")
+
+
+# --- field patterns (squashed text) ----------------------------------------------------------
+
+_F_ENV_VAR = re.compile(r"(LOCAL_WORLD_SIZE|LOCAL_RANK|WORLD_SIZE|MASTER_ADDR|MASTER_PORT|RANK)")
+_F_DESERIALIZE = _rx(r"AttemptingtodeserializeobjectonCUDAdevice(\d+)buttorch\.cuda\.device_count\(\)is(\d+)")
+# (PyTorch <= 1.10 prints no SeqNum)
+_F_NCCL = _rx(r"WorkNCCL\((?:SeqNum=(\d+),)?OpType=(\w+?)(?:,NumelIn=(\d+))?(?:,NumelOut=\d+)?,Timeout\(ms\)=(\d+)\)"
+              r"ranfor(\d+)milliseconds")
+_F_RANK_IN_TEXT = _rx(r"\[(?:PG[^\]]*)?Rank(\d+)\]")
+_F_PORT = _rx(r"(?:port[:=]|\]:|0\.0\.0\.0:|localhost:|127\.0\.0\.1:|MASTER_PORT=)(\d{2,5})")
+
+
+# --- extractors: squashed message text -> draft ----------------------------------------------
+
+def _x_missing_env(span: str, pre: str, m: re.Match) -> _Draft:
+    d = _Draft(Kind.MISSING_LAUNCH_ENV)
+    var = _F_ENV_VAR.search(m.group(0))
+    d.details["variable"] = var.group(1) if var else "RANK"
+    d.sig = (d.details["variable"],)
+    return d
+
+
+def _x_ordinal(span: str, pre: str, m: re.Match) -> _Draft:
+    d = _Draft(Kind.INVALID_DEVICE_ORDINAL)
+    des = _F_DESERIALIZE.search(m.group(0))
+    if des:
+        d.numbers["device"] = int(des.group(1))
+        d.numbers["device_count"] = int(des.group(2))
+        d.details["source"] = "torch.load of a checkpoint saved on another GPU"
+    d.sig = (d.details.get("source"),)
+    return d
+
+
+def _x_nccl(span: str, pre: str, m: re.Match) -> _Draft:
+    d = _Draft(Kind.NCCL_TIMEOUT)
+    rank_m = list(_F_RANK_IN_TEXT.finditer(pre[-80:]))
+    rank = int(rank_m[-1].group(1)) if rank_m else None
+    w = _F_NCCL.search(span)
+    if w:
+        c = Collective(rank, int(w.group(1)) if w.group(1) else None, w.group(2).upper(),
+                       int(w.group(3)) if w.group(3) else None, int(w.group(4)), int(w.group(5)))
+        d.collectives.append(c)
+        d.numbers["timeout_ms"] = c.timeout_ms
+        d.numbers["elapsed_ms"] = c.elapsed_ms
+    if rank is not None:
+        d.ranks.append(rank)
+    d.sig = ()
+    return d
+
+
+def _x_port(kind: Kind):
+    def extract(span: str, pre: str, m: re.Match) -> _Draft:
+        d = _Draft(kind)
+        ports = _F_PORT.findall(pre[-120:] + span[:300])
+        if ports:
+            d.numbers["port"] = int(ports[0])
+        d.sig = (d.numbers.get("port"),)
+        return d
+    return extract
+
+
+def _x_p2p(span: str, pre: str, m: re.Match) -> _Draft:
+    d = _Draft(Kind.P2P)
+    d.details["message"] = m.group(0)
+    d.sig = ()
+    return d
+
+
+# --- diagnosis -------------------------------------------------------------------------------
+
+def _diag_missing_env(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    var = d.details.get("variable", "LOCAL_RANK")
+    out.diag("not_launched_with_torchrun", f"The script reads {var} from the environment, which only a launcher "
+             "sets: it was started with `python` instead of `torchrun`.")
+    out.fix("use_torchrun", "Launch with torchrun: torchrun --standalone --nproc_per_node=<number of GPUs> "
+            "train.py <args>", None, None, _SPEED_NONE, _QUALITY_NONE,
+            "For a single-GPU run without a launcher, read it with a default: "
+            f"int(os.environ.get('{var}', {'1' if 'SIZE' in var else '0'}))", cost=0, primary=True)
+
+
+def _diag_ordinal(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    if d.details.get("source"):
+        dev, count = d.numbers.get("device"), d.numbers.get("device_count")
+        out.diag("checkpoint_device", f"The checkpoint was saved from cuda:{dev} and this process sees {count} "
+                 "GPU(s).")
+        out.fix("map_location", "torch.load(path, map_location='cpu') (or map_location=f'cuda:{local_rank}')",
+                None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0, primary=True)
+        return
+    ranks = ", ".join(str(r) for r in sorted(d.ranks)) or "a rank"
+    out.diag("more_ranks_than_gpus", f"Rank(s) {ranks} asked for a GPU index this process cannot see: "
+             "--nproc_per_node is larger than the number of visible GPUs, or CUDA_VISIBLE_DEVICES was narrowed "
+             "(in the shell, or by the script itself, e.g. os.environ['CUDA_VISIBLE_DEVICES']='0'), so local_rank "
+             "1 finds only GPU 0.")
+    out.fix("match_nproc", "Make --nproc_per_node equal the number of visible GPUs: "
+            "CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node=2 train.py", None, None, _SPEED_NONE, _QUALITY_NONE,
+            "Remove any CUDA_VISIBLE_DEVICES assignment inside the script; select the GPU with "
+            "torch.cuda.set_device(local_rank).", cost=0, primary=True)
+
+
+def _diag_nccl(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    first: dict[int | None, Collective] = {}
+    for c in d.collectives:
+        if c.rank not in first or _seq(c) < _seq(first[c.rank]):
+            first[c.rank] = c
+    distinct = {(c.seq, c.op) for c in first.values()}
+    if len(distinct) > 1:
+        shown = "; ".join(f"rank {r if r is not None else '?'}: {c.op}" + (f" #{c.seq}" if c.seq is not None else "")
+                          for r, c in
+                          sorted(first.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))[:8])
+        out.diag("mismatched_collectives", f"The ranks are waiting in different collectives ({shown}). Their "
+                 "code paths diverged: a collective that only some ranks call (rank-0-only evaluation, logging or "
+                 "checkpointing that calls all_reduce/barrier), or a different number of batches per rank.")
+        out.fix("debug_collectives", "Rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL to name the mismatching call; make "
+                "every rank run the same collectives in the same order", None, None, "slower while debugging",
+                _QUALITY_NONE, "Use DistributedSampler(drop_last=True) so every rank gets the same number of "
+                "batches.", cost=0, primary=True)
+    else:
+        silent = []
+        if ctx.world:
+            silent = sorted(set(range(ctx.world)) - {r for r in first if r is not None})
+        text = "All reporting ranks wait in the same collective, so some rank never joined it: it died (look for " \
+               "its own error above), hangs, or is much slower (e.g. rank 0 evaluating or saving a checkpoint " \
+               "while the others wait)."
+        if silent:
+            text += f" Ranks that did not report the timeout: {', '.join(map(str, silent[:16]))} - start there."
+        out.diag("straggler_rank", text)
+        out.fix("longer_timeout", "For legitimately long rank-0-only work, raise the timeout: "
+                "init_process_group(timeout=timedelta(minutes=60)), or make the other ranks wait at a barrier "
+                "after it", None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0)
+    if ctx.memory_ranks or {Kind.CUDA_OOM, Kind.OOM_KILLER, Kind.DATALOADER_KILLED} & ctx.kinds:
+        ranks = ", ".join(map(str, sorted(set(ctx.memory_ranks)))) or "one rank"
+        out.diag("consequence_of_oom", f"This log also shows a memory error (rank(s) {ranks}): the timeout is "
+                 "most likely its consequence - the failed rank stopped joining collectives. Fix that error first.")
+        out.fix("fix_memory_error_first", "Fix the memory error reported above; the timeout goes with it", None,
+                None, _SPEED_NONE, _QUALITY_NONE, "", cost=0, primary=True)
+    out.notes.append("NCCL_DEBUG=INFO and TORCH_NCCL_ASYNC_ERROR_HANDLING=1 make the failing rank visible sooner.")
+
+
+def _diag_port(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    port = d.numbers.get("port")
+    p = str(port) if port else "the rendezvous port"
+    if d.kind is Kind.PORT_PERMISSION:
+        out.diag("privileged_port", f"Binding {p} was refused: ports below 1024 need root, or a policy blocks it.")
+        out.fix("use_high_port", "Use a port above 1024: torchrun --master_port=29511 ...", None, None, _SPEED_NONE,
+                _QUALITY_NONE, "", cost=0, primary=True)
+        return
+    out.diag("port_taken", f"Port {p} is already taken: another torchrun job on this machine uses the default "
+             "29500 (two trainings at once), or a previous run's processes are still alive.")
+    out.fix("other_port", "Give each job its own port: torchrun --master_port=29501 ... (or --rdzv-endpoint="
+            "localhost:0 --standalone)", None, None, _SPEED_NONE, _QUALITY_NONE,
+            f"Find the holder with `ss -ltnp | grep {port or 29500}` and stop leftover processes.", cost=0,
+            primary=True)
+
+
+def _diag_p2p(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    out.diag("p2p_unsupported", "The GPUs cannot access each other's memory directly (peer-to-peer). Many "
+             "consumer boards (and some BIOS/IOMMU settings) do not support it; `nvidia-smi topo -p2p r` shows it.")
+    out.fix("nccl_p2p_disable", "NCCL_P2P_DISABLE=1 (NCCL then copies through host memory)", None, None,
+            "slower inter-GPU transfers", _QUALITY_NONE, "", cost=1, primary=True)
+    out.fix("ddp_not_dp", "Use DistributedDataParallel (one process per GPU) instead of DataParallel", None, None,
+            "faster", _QUALITY_NONE, "DataParallel copies through GPU 0 with peer access and hangs or crawls "
+            "without it; DDP over NCCL does not need P2P.", cost=1)

@@ -1,0 +1,78 @@
+"""Reading one line: ANSI codes and prefixes (ranks, timestamps, log levels) off, and the keyword pre-filter."""
+from __future__ import annotations
+
+import re
+
+# --- line normalisation ----------------------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[@-_]")
+_WS = re.compile(r"\s+")
+_RANK_SPLIT = re.compile(r"(?=\[(?:rank|default)\d+\]:)")
+# One prefix at the start of a line; applied repeatedly. Named groups carry a rank.
+_PREFIX = re.compile(
+    r"""^(?:
+      [ \t\u00a0]+                                          # indentation
+    | \[(?:rank|default)\s?(?P<r1>\d+)\]:?                  # [rank3]: / torchrun --tee [default0]:
+    | \[Rank\s?(?P<r2>\d+)\]:?                              # [Rank 0] (NCCL, DeepSpeed log_dist)
+    | \[\d+,(?P<r3>\d+)\]<std(?:out|err)>:                  # OpenMPI --tag-output
+    | \((?:[\w.]+\s+)?pid=\d+(?:,\s*ip=[\d.:a-f]+)?\)       # Ray (pid=123) (Worker pid=1, ip=..)
+    | (?P<r4>\d{1,4}):\s                                    # srun --label "3: "
+    | \[\d{1,9}\]                                           # [123] line numbers or pids
+    | \d{4}-\d\d-\d\d[T\ ]\d\d:\d\d:\d\d(?:[.,]\d+)?Z?(?:\s?[+-]\d\d:?\d\d)?(?:\s?[-|:])?  # ISO time
+    | \[\d{4}-\d\d-\d\d[T\ ][\d:.,]+\]                      # [2023-10-13 17:40:02,544]
+    | \d\d:\d\d:\d\d(?:[.,]\d+)?(?=\s)                      # 23:34:07.661
+    | [IWEF]\d{4}\ [\d:.]+\s+\d+\s[^\]\s]+\]                # glog: E0325 20:57:27.620000 2606 api.py:869]
+    | \[[IWEF]\d{4}\ [\d:.]+\ [^\]]*\]                      # [E1206 18:44:12.715 ProcessGroupNCCL.cpp:607]
+    | \[[IWEF]\ [\w.]+:\d+\]                                # [E ProcessGroupNCCL.cpp:737]
+    | [IWEF]\ [\w/\\.:\-]+:\d+\]                            # I tensorflow/core/...cc:692]
+    | \[(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\]  # [ERROR]
+    | (?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)(?::[\w.<>]*:|\s*[:|\-]\s|\s)  # ERROR:root:
+    | \|\s*(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*\|[^|]*?-\s  # loguru | ERROR | mod:fn:1 -
+    | E\ {2,}|E\t                                           # pytest
+    | >\ ?                                                  # quoted markdown
+    | [│┃|]\ ?                                              # rich/box drawing frames
+    | SUBPROCESS:\s?
+    | !!!\s?Exception\ during\ processing\s?!!!             # ComfyUI
+    )""",
+    re.X,
+)
+
+
+def _strip_prefixes(text: str) -> tuple[int | None, str]:
+    rank = None
+    for _ in range(8):
+        m = _PREFIX.match(text)
+        if not m or m.end() == 0:
+            break
+        for g in ("r1", "r2", "r3", "r4"):
+            if m.group(g) is not None:
+                rank = int(m.group(g))
+        text = text[m.end():]
+    return rank, text
+
+
+# --- the pre-filter --------------------------------------------------------------------------
+
+# Lower-case substrings; a line without any of them cannot start a message (a region, once open,
+# stays open for a tail of quiet lines). Plain `in` tests: about 7x faster than one alternation
+# regex on the same text (measured). Kept short on purpose: each costs ~1 ns/byte of log, and
+# words common in healthy multi-GPU logs ("nccl", "p2p" in NCCL INFO lines) would send whole
+# logs down the slow path.
+_KEYWORDS = (
+    "memory", "allocat", "oom", "exhausted", "cublas", "cudnn", "bad_alloc", "killed", "sigkill",
+    "signal 9", "exit", "return code", "bus error", "unexpectedly", "paging file", "1455", "keyerror",
+    "not set", "ordinal", "device_count", "watchdog", "already in use", "errno", "eacces", "peer",
+    "illegal", "device-side", "misaligned", "assertion", "inuse", "params", "parameters =",
+    "parameters:", "batch size", "batch_size",
+    "accumulat", "world_size", "world size", "nproc", "unable to write", "unable to find", "tried to",
+    "'local_rank'",
+)
+_TRACEBACK_HINTS = ("Traceback (most recent", 'File "', "File ~", "Cell In[", ".py:")
+
+
+def _has_keyword(text: str) -> bool:
+    low = text.lower()
+    for k in _KEYWORDS:
+        if k in low:
+            return True
+    return False

@@ -1,0 +1,442 @@
+"""The scanner: batches through the pre-filter, one region per rank stream, tracebacks, anchors -> drafts."""
+from __future__ import annotations
+
+import bisect
+import re
+from collections import OrderedDict, deque
+from dataclasses import replace
+
+from .draft import _compatible, _Draft, _merge
+from .formats import _ABSORBED_BY, _ANCHORS, _EXTRACT
+from .formats.frameworks import _F_TF_INUSE, _F_TF_LIMIT, _F_TF_MAXINUSE
+from .formats.host import _BUS_ERROR_LINE, _KILLED_LINE
+from .formats.launch import _BARE_ENV_LINE
+from .formats.lookalikes import _ASSERT_TEXT
+from .formats.patterns import _AnchorSpec
+from .formats.torch_async_mps import _CUT_AT_DEVICE, _CUT_ASYNC_LINE
+from .frames import _CODE_MARKER, _EXC_LINE, _FRAME_RES, _TB_HEADER, _Frame
+from .limits import (_ANCHOR_SPAN, _EXCERPT, _FRAMES_KEEP, _FRAMES_PER_FINDING, _LOOKBACK, _MAX_FINDINGS,
+                     _MAX_KEYS, _MAX_LOGICAL, _MAX_RANKS, _PRE_SPAN, _REGION_CARRY, _REGION_GLOBAL_QUIET,
+                     _REGION_MAX_CHARS, _REGION_MAX_LINES, _REGION_TAIL, _REGION_TAIL_CHARS, _SUB_BATCH, _TB_REACH)
+from .lines import _ANSI, _RANK_SPLIT, _TRACEBACK_HINTS, _WS, _has_keyword, _strip_prefixes
+from .results import Kind
+from .sizes import _parse_count
+
+# A line that starts something of its own, never the wrapped rest of the line before.
+_STARTS_ANEW = re.compile(r"Traceback \(|File \"|During handling|The above exception|[\w.]+(?:Error|Exception|"
+                          r"Warning|Interrupt)\b:?")
+# Markdown emphasis around a whole line ("**Killed**").
+_EMPHASIS = "*_`"
+
+
+# --- facts the log states outside the error messages (used to size the fixes) ---------------
+
+# (triggers in the squashed lower-case region, "|"-separated; fact; pattern on the original line)
+_FACTS: tuple[tuple[str, str, re.Pattern], ...] = (
+    ("params", "trainable_params", re.compile(r"trainable params:\s*([\d,]+)", re.I)),
+    ("params", "total_params", re.compile(r"\|\|\s*all params:\s*([\d,]+)", re.I)),
+    ("parameters", "trainable_params", re.compile(r"Number of trainable parameters\s*=\s*([\d,]+)", re.I)),
+    ("parameters", "trainable_params", re.compile(r"Trained Parameters:\s*([\d,]+)", re.I)),
+    ("param", "total_params",
+     re.compile(r"Total\s+(?:number\s+of\s+)?param(?:eter)?s\s*[:=]\s*([\d,.]+\s?[KMBT]?)\b", re.I)),
+    ("param", "trainable_params", re.compile(r"^Trainable\s+param(?:eter)?s\s*[:=]\s*([\d,.]+\s?[KMBT]?)\b", re.I)),
+    ("params", "total_params", re.compile(r"^([\d.]+\s?[KMBT]?)\s+Total params", re.I)),
+    ("params", "trainable_params", re.compile(r"^([\d.]+\s?[KMBT]?)\s+Trainable params", re.I)),
+    ("parameters", "total_params", re.compile(r"number of parameters:\s*([\d.]+\s?M)\b", re.I)),
+    ("batch", "batch_size", re.compile(
+        r"(?:Instantaneous batch size per device\s*=|per_device_train_batch_size\s*[=:]|\bbatch[_ ]size\s*[=:])"
+        r"\s*(\d+)", re.I)),
+    ("accum", "grad_accum", re.compile(
+        r"(?:Gradient Accumulation steps\s*=|gradient_accumulation_steps\s*[=:]|accumulate_grad_batches\s*[=:])"
+        r"\s*(\d+)", re.I)),
+    ("world|nproc", "world_size",
+     re.compile(r"(?:\bworld[_ ]size\s*[=:]|nproc[_-]per[_-]node[= ]|\bWORLD_SIZE=)\s*(\d+)", re.I)),
+)
+
+
+# --- scanning --------------------------------------------------------------------------------
+
+class _KeyState:
+    """Per rank stream: what is needed to assemble that rank's messages."""
+
+    __slots__ = ("recent", "region", "region_chars", "quiet", "quiet_chars", "last_hit", "last_region_end", "frames",
+                 "tb_id", "tb_headers", "tb_closed_at", "code_wanted")
+
+    def __init__(self) -> None:
+        self.recent: deque[tuple[int, str]] = deque(maxlen=_LOOKBACK)
+        self.region: list[tuple[int, str]] | None = None
+        self.region_chars = 0
+        self.quiet = 0
+        self.quiet_chars = 0
+        self.last_hit = 0
+        self.last_region_end = 0
+        self.frames: deque[_Frame] = deque(maxlen=_FRAMES_KEEP)
+        self.tb_id = 0
+        self.tb_headers: deque[tuple[int, int]] = deque(maxlen=16)   # (tb id, line)
+        self.tb_closed_at: dict[int, int] = {}
+        self.code_wanted = 0
+
+
+# Set by tests: re-raise parser bugs instead of counting them in skipped_regions.
+_STRICT = False
+
+
+class _Scanner:
+    def __init__(self) -> None:
+        self.keys: OrderedDict[int | None, _KeyState] = OrderedDict()
+        self.lineno = 0
+        self.by_kind: dict[Kind, list[_Draft]] = {}
+        self.dropped = 0
+        self.skipped = 0
+        self.facts: dict[str, int] = {}
+        self.ranks_seen: set[int] = set()
+        self.tf_stats: tuple[int, dict[str, int]] | None = None
+        # A rank-prefixed line that stops mid-sentence, hard-wrapped by a terminal: the next line
+        # arrives without the prefix but belongs to the same rank ("... Of the allocated memory 4"
+        # / "0.30 GiB is allocated by PyTorch, ...").
+        self.wrap_rank: int | None = None
+        self.wrap_line = -1
+
+    # batches: a cheap pre-filter decides which lines need real work
+    def feed_batch(self, batch: list[str]) -> None:
+        start = self.lineno
+        if self._busy(start) or self._interesting("\n".join(batch)):
+            for i in range(0, len(batch), _SUB_BATCH):
+                sub = batch[i:i + _SUB_BATCH]
+                text = "\n".join(sub)
+                keyword = _has_keyword(text)
+                if not keyword and not self._busy(start + i) and not self._has_traceback(text):
+                    self._remember_tail(sub, start + i)
+                    continue
+                # Without a keyword in the sub-batch no line needs its own keyword check.
+                for j, line in enumerate(sub):
+                    self._line(line, start + i + j + 1, keyword)
+        else:
+            self._remember_tail(batch, start)
+        self.lineno = start + len(batch)
+
+    def feed_block(self, block: str) -> None:
+        """A run of complete lines joined by newlines (no trailing one). Quiet blocks are only
+        counted - no per-line strings are made for them."""
+        if not self._busy(self.lineno) and not self._interesting(block):
+            n = block.count("\n") + 1
+            tail = block.rsplit("\n", _LOOKBACK)[-_LOOKBACK:]
+            self.lineno += n - len(tail)
+            self._remember_tail(tail, self.lineno)
+            self.lineno += len(tail)
+            return
+        self.feed_batch(block.split("\n"))
+
+    def _busy(self, lineno: int) -> bool:
+        busy = False
+        for key, st in list(self.keys.items()):
+            if st.region is not None:
+                if lineno - st.last_hit > _REGION_GLOBAL_QUIET:
+                    self._close(st, key)
+                else:
+                    busy = True
+        return busy
+
+    @staticmethod
+    def _interesting(text: str) -> bool:
+        return _has_keyword(text) or _Scanner._has_traceback(text)
+
+    @staticmethod
+    def _has_traceback(text: str) -> bool:
+        return any(h in text for h in _TRACEBACK_HINTS)
+
+    def _remember_tail(self, lines: list[str], start: int) -> None:
+        # A keyword wrapped across the batch boundary needs the lines just before it.
+        n = len(lines)
+        for j in range(max(0, n - _LOOKBACK), n):
+            self._line(lines[j], start + j + 1)
+
+    def _line(self, raw: str, lineno: int, check: bool = True) -> None:
+        if raw.endswith("\n"):
+            raw = raw[:-1]
+        if "\x1b" in raw:
+            raw = _ANSI.sub("", raw)
+        pieces = raw.split("\r") if "\r" in raw else (raw,)
+        for piece in pieces:
+            if "[rank" in piece or "[default" in piece:
+                parts = [p for p in _RANK_SPLIT.split(piece) if p]
+            else:
+                parts = [piece]
+            for part in parts:
+                for k in range(0, max(1, len(part)), _MAX_LOGICAL):
+                    self._logical(part[k:k + _MAX_LOGICAL], lineno, check)
+
+    def _state(self, key: int | None) -> _KeyState:
+        st = self.keys.get(key)
+        if st is None:
+            st = self.keys[key] = _KeyState()
+            if len(self.keys) > _MAX_KEYS:
+                old_key, old = self.keys.popitem(last=False)
+                if old.region is not None:
+                    self._close(old, old_key)
+        else:
+            self.keys.move_to_end(key)
+        return st
+
+    def _logical(self, text: str, lineno: int, check: bool = True) -> None:
+        rank, body = _strip_prefixes(text)
+        if rank is None and self.wrap_rank is not None and lineno == self.wrap_line + 1 \
+                and body == text.lstrip() and not _STARTS_ANEW.match(body):
+            rank = self.wrap_rank
+        tail = body.rstrip()[-1:]
+        self.wrap_rank = rank if rank is not None and (tail.isalnum() or tail in ",;(") else None
+        self.wrap_line = lineno
+        if rank is not None and len(self.ranks_seen) < _MAX_RANKS:
+            self.ranks_seen.add(rank)
+        st = self._state(rank)
+        self._track_frames(st, body, lineno)
+        hit = check and _has_keyword(body)
+        if st.region is not None:
+            st.region.append((lineno, body))
+            st.region_chars += len(body)
+            if hit:
+                st.quiet = st.quiet_chars = 0
+                st.last_hit = lineno
+            else:
+                st.quiet += 1
+                st.quiet_chars += len(body) + 1
+            if st.quiet > _REGION_TAIL and st.quiet_chars > _REGION_TAIL_CHARS or st.quiet > 4 * _REGION_TAIL:
+                self._close(st, rank)
+            elif len(st.region) >= _REGION_MAX_LINES or st.region_chars >= _REGION_MAX_CHARS:
+                self._split(st, rank)
+        elif hit:
+            st.region = [(ln, b) for ln, b in st.recent if ln > st.last_region_end]
+            st.region.append((lineno, body))
+            st.region_chars = sum(len(b) for _, b in st.region)
+            st.quiet = st.quiet_chars = 0
+            st.last_hit = lineno
+        st.recent.append((lineno, body))
+
+    def _track_frames(self, st: _KeyState, body: str, lineno: int) -> None:
+        b = body.strip()
+        if _TB_HEADER in b and len(b) < 200:
+            st.tb_id += 1
+            st.tb_headers.append((st.tb_id, lineno))
+            st.code_wanted = 0
+            return
+        frame_like = b.startswith(("File ", "Cell In")) or ".py:" in b or ".py in " in b
+        open_tb = bool(st.tb_headers) and st.tb_id not in st.tb_closed_at \
+            and lineno - st.tb_headers[-1][1] <= _TB_REACH
+        if not open_tb and not frame_like:
+            return
+        for rx in (_FRAME_RES if frame_like else ()):
+            m = rx.match(b)
+            if m:
+                if not open_tb:
+                    # An excerpt that starts mid-traceback: its first frame opens one.
+                    st.tb_id += 1
+                    st.tb_headers.append((st.tb_id, lineno))
+                func = (m.groupdict().get("func") or "<cell>").rsplit(".", 1)[-1]
+                st.frames.append(_Frame(lineno, st.tb_id, func[:80], m.group("file")[:200]))
+                st.code_wanted = 12 if b.startswith("Cell In") or not b.startswith('File "') else 1
+                return
+        if st.code_wanted and st.frames:
+            marker = _CODE_MARKER.match(b)
+            if marker:
+                st.frames[-1].code = marker.group(1)[:200]
+                st.code_wanted = 0
+            elif st.code_wanted == 1:
+                st.frames[-1].code = b[:200]
+                st.code_wanted = 0
+            else:
+                st.code_wanted -= 1
+            return
+        if _EXC_LINE.match(b):
+            st.tb_closed_at[st.tb_id] = lineno
+            if len(st.tb_closed_at) > 32:
+                st.tb_closed_at.pop(next(iter(st.tb_closed_at)))
+
+    def _frames_for(self, st: _KeyState, line: int) -> list[_Frame]:
+        """Frames of the traceback that ends at (or just before) `line`, innermost last."""
+        for tb_id, header_line in reversed(st.tb_headers):
+            if header_line <= line:
+                if line - header_line <= _TB_REACH:
+                    closed = st.tb_closed_at.get(tb_id)
+                    if closed is None or closed >= line - 3:
+                        frames = [f for f in st.frames if f.tb == tb_id and f.line < line]
+                        if frames:
+                            return frames[-_FRAMES_PER_FINDING:]
+                break
+        # VS Code ("Exception has occurred: ...") prints the message first and then the frames,
+        # innermost first: a frame list that starts right after the message belongs to it.
+        for tb_id, header_line in st.tb_headers:
+            if line < header_line <= line + 3:
+                frames = [f for f in st.frames if f.tb == tb_id]
+                return frames[:_FRAMES_PER_FINDING][::-1]
+        return []
+
+    # regions
+    def _close(self, st: _KeyState, key: int | None) -> None:
+        lines, st.region = st.region or [], None
+        st.region_chars = 0
+        st.quiet = st.quiet_chars = 0
+        if lines:
+            st.last_region_end = lines[-1][0]
+            self._process(st, key, lines, None)
+
+    def _split(self, st: _KeyState, key: int | None) -> None:
+        lines = st.region or []
+        carry = lines[-_REGION_CARRY:]
+        self._process(st, key, lines, carry[0][0] if carry else None)
+        st.region = list(carry)
+        st.region_chars = sum(len(b) for _, b in carry)
+
+    def finish(self) -> None:
+        open_regions = [(st.region[0][0], i, key, st) for i, (key, st) in enumerate(self.keys.items()) if st.region]
+        for _, _, key, st in sorted(open_regions):
+            self._close(st, key)
+
+    def _process(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]], stop_line: int | None) -> None:
+        try:
+            self._parse_region(st, key, lines, stop_line)
+        except Exception:  # noqa: BLE001 - one unparsable region must not lose the others
+            if _STRICT:
+                raise
+            self.skipped += 1
+
+    def _parse_region(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]],
+                      stop_line: int | None) -> None:
+        starts: list[int] = []
+        parts: list[str] = []
+        pos = 0
+        for _, body in lines:
+            sq = _WS.sub("", body)
+            starts.append(pos)
+            parts.append(sq)
+            pos += len(sq)
+        sq = "".join(parts)
+        self._collect_facts(lines, sq, sq.lower())
+
+        low = sq.lower()
+        found: list[tuple[int, _AnchorSpec, re.Match]] = []
+        for spec in _ANCHORS:
+            if not any(t in low for t in spec.triggers):
+                continue
+            for m in spec.pattern.finditer(sq):
+                found.append((m.start(), spec, m))
+        found.sort(key=lambda t: t[0])
+        whole = {spec.kind for _, spec, _ in found if not spec.fallback}
+        kept: list[tuple[int, _AnchorSpec, re.Match]] = []
+        for item in found:
+            spec = item[1]
+            if spec.fallback and (spec.kind in whole or any(k[1].kind is spec.kind for k in kept)):
+                continue
+            if not self._absorbed(item, kept):
+                kept.append(item)
+
+        for i, (start, spec, m) in enumerate(kept):
+            idx = bisect.bisect_right(starts, start) - 1
+            lineno, body = lines[idx]
+            if stop_line is not None and lineno >= stop_line:
+                continue
+            end = kept[i + 1][0] if i + 1 < len(kept) else len(sq)
+            span = sq[start:min(end, start + _ANCHOR_SPAN)]
+            pre = sq[max(0, start - _PRE_SPAN):start]
+            draft = _EXTRACT[spec.kind](span, pre, m)
+            if draft.kind is Kind.DEVICE_ASSERT:
+                for _, text in lines:
+                    a = _ASSERT_TEXT.search(text)
+                    if a:
+                        draft.details["assertion"] = a.group(1)[:200]
+                        break
+            self._place(draft, st, key, lineno, body)
+
+        # Messages recognised by a whole line; the last two only when no anchor of their kind is here.
+        kinds = {spec.kind for _, spec, _ in kept}
+        cut_async = "allocationondevice" in low and Kind.CUDA_ASYNC_OOM not in kinds
+        bare_env = Kind.MISSING_LAUNCH_ENV not in kinds and "os.environ[" in low
+        if "killed" not in low and "buserror" not in low and not cut_async and not bare_env:
+            return
+        for lineno, body in lines:
+            if stop_line is not None and lineno >= stop_line:
+                break
+            b = body.strip().strip(_EMPHASIS).strip()
+            if cut_async and _CUT_ASYNC_LINE.search(b):
+                cut_async = False
+                d = _Draft(Kind.CUDA_ASYNC_OOM)
+                d.details["format"] = _CUT_AT_DEVICE
+                d.sig = (None, None)
+                self._place(d, st, key, lineno, body)
+            elif bare_env and (bare := _BARE_ENV_LINE.match(b)):
+                var = bare.group(1)
+                if f"os.environ[\"{var.lower()}\"]" in low or f"os.environ['{var.lower()}']" in low:
+                    bare_env = False
+                    d = _Draft(Kind.MISSING_LAUNCH_ENV)
+                    d.details["variable"] = var
+                    d.sig = (var,)
+                    self._place(d, st, key, lineno, body)
+            elif _KILLED_LINE.match(b):
+                d = _Draft(Kind.OOM_KILLER)
+                d.details["source"] = "shell reported 'Killed'"
+                d.sig = ("shell",)
+                self._place(d, st, key, lineno, body)
+            elif _BUS_ERROR_LINE.match(b):
+                d = _Draft(Kind.SHARED_MEMORY)
+                d.details["signal"] = "Bus error"
+                d.sig = ()
+                self._place(d, st, key, lineno, body)
+
+    @staticmethod
+    def _absorbed(item: tuple[int, _AnchorSpec, re.Match], kept: list) -> bool:
+        start, spec, _ = item
+        rule = _ABSORBED_BY.get(spec.kind)
+        for k_start, k_spec, k_m in reversed(kept):
+            distance = start - k_start
+            if distance > 400:
+                break
+            if k_spec.kind == spec.kind and distance <= spec.absorb:
+                return True
+            if start < k_m.end():
+                return True
+            if rule and k_spec.kind in rule[0] and distance <= rule[1]:
+                return True
+        return False
+
+    def _place(self, d: _Draft, st: _KeyState, key: int | None, lineno: int, body: str) -> None:
+        d.line = lineno
+        d.excerpt = body.strip()[:_EXCERPT]
+        if key is not None and key not in d.ranks:
+            d.ranks.append(key)
+        if key is not None and d.collectives:
+            # The "[Rank N]" inside a watchdog line was consumed as this stream's prefix.
+            d.collectives = [c if c.rank is not None else replace(c, rank=key) for c in d.collectives]
+        d.frames = self._frames_for(st, lineno)
+        if d.kind is Kind.TF_OOM and self.tf_stats and 0 <= lineno - self.tf_stats[0] <= 5000:
+            for k, v in self.tf_stats[1].items():
+                d.numbers.setdefault(k, v)
+        self._add(d)
+
+    def _add(self, d: _Draft) -> None:
+        same = self.by_kind.setdefault(d.kind, [])
+        for b in same:
+            if _compatible(b.sig, d.sig):
+                _merge(b, d)
+                return
+        if sum(len(v) for v in self.by_kind.values()) >= _MAX_FINDINGS:
+            self.dropped += 1
+            return
+        same.append(d)
+
+    def _collect_facts(self, lines: list[tuple[int, str]], sq: str, low: str) -> None:
+        facts = [(name, rx) for triggers, name, rx in _FACTS if any(t in low for t in triggers.split("|"))]
+        for lineno, body in lines if facts else ():
+            b = body.strip()
+            for name, rx in facts:
+                m = rx.search(b)
+                if m:
+                    value = _parse_count(m.group(1))
+                    if value is not None and (name.endswith("params") or value < 1_000_000):
+                        self.facts[name] = value
+        if "Limit:" in sq and "InUse:" in sq:
+            stats = {}
+            for name, rx in (("limit", _F_TF_LIMIT), ("in_use", _F_TF_INUSE), ("max_in_use", _F_TF_MAXINUSE)):
+                m = rx.search(sq)
+                if m:
+                    stats[name] = int(m.group(1))
+            if stats:
+                self.tf_stats = (lines[0][0], stats)
