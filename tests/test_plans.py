@@ -18,12 +18,10 @@ RTX3090 = get_profile("rtx3090")
 
 
 def _candidate(**kw):
-    base = dict(strategy="dp", num_gpus=2, precision="bf16", checkpointing=False, micro_batch=128,
-                grad_accum=1, effective_batch=256, peak_device_bytes=0, per_gpu_bytes=(0, 0),
-                step_seconds=1.0, compute_seconds=1.0, communication_seconds=0.0,
-                samples_per_second=256.0, numerics="", score=1.0)
-    base.update(kw)
-    return rec.Candidate(**base)
+    """test_recommend's candidate, as DataParallel at bf16 with micro-batch 128 by default."""
+    from test_recommend import _candidate as candidate
+    return candidate(**{**dict(strategy="dp", precision="bf16", checkpointing=False,
+                               micro_batch=128, grad_accum=1), **kw})
 
 
 def _launch(c, link="pcie-no-p2p", detected=False):
