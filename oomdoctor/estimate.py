@@ -240,3 +240,9 @@ def render_text(e: Estimate) -> str:
             f"{m or '(top level)'} {format_size(b)}" for m, b in e.top_activations))
     lines += [f"note: {n}" for n in e.notes]
     return "\n".join(lines)
+
+
+# `oomdoctor.estimate(model, ...)` - the Python API (oomdoctor/api.py) - is this module, called.
+from oomdoctor.api import callable_module  # noqa: E402
+
+callable_module(__name__, "estimate")

@@ -524,3 +524,9 @@ def render_recommendation(r: ProbeResult) -> str:
         lines.append(f"  checkpointing would allow micro-batch {other[0].max_batch_size} at "
                      "about a third more compute per step")
     return "\n".join(lines)
+
+
+# `oomdoctor.probe(model, ...)` - the Python API (oomdoctor/api.py) - is this module, called.
+from oomdoctor.api import callable_module  # noqa: E402
+
+callable_module(__name__, "probe")

@@ -1,0 +1,111 @@
+"""The Python API: ``oomdoctor.estimate`` and ``oomdoctor.probe`` for notebooks and scripts.
+
+    import oomdoctor
+    e = oomdoctor.estimate("sample_models/gpt2_small.py", batch_size=8, precision="bf16")
+    print(e.fits, e.peak_reserved_bytes)
+    r = oomdoctor.probe(lambda: MyNet(), lambda b: torch.randn(b, 3, 224, 224), gpu="rtx3090")
+
+``model`` is anything the command line accepts (a model file, a Hugging Face id or config
+folder), a :class:`oomdoctor.loader.ModelSpec`, or a zero-argument factory of an
+``nn.Module`` together with ``batch`` (a factory of one batch from its size). The results are
+the objects the CLI renders (``Estimate``, ``ProbeResult``), with bytes as ints and ``to_json()``.
+Nothing is printed.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Callable
+
+from oomdoctor.gpus import custom_profile, get_profile
+
+
+def callable_module(module_name: str, function_name: str) -> None:
+    """Make the module ``oomdoctor.<name>`` callable as this file's function of that name.
+
+    ``oomdoctor.estimate`` and ``oomdoctor.probe`` are both a module (what the CLI and the
+    library import) and the API call users expect (``oomdoctor.estimate(model, ...)``); a
+    package attribute cannot be both, since importing the submodule rebinds the name. So the
+    module itself is called: its class becomes a ModuleType whose ``__call__`` is the API."""
+    def call(self, *args, **kwargs):
+        return globals()[function_name](*args, **kwargs)
+    cls = type(f"_Callable_{function_name}", (types.ModuleType,),
+               {"__call__": call, "__doc__": globals()[function_name].__doc__})
+    sys.modules[module_name].__class__ = cls
+
+
+def _spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable | None,
+          task: str | None, seq_len: int | None):
+    from oomdoctor.loader import ModelSpec, load_model
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str):
+        return load_model(model, task=task, seq_len=seq_len)
+    if callable(model):
+        if batch is None:
+            raise ValueError("a model factory needs batch=, a function of the batch size that "
+                             "returns one batch (a tensor, tuple or dict of tensors)")
+        name = getattr(model, "__name__", "model")
+        return ModelSpec(path=f"<{name}>", build_model=model, make_batch=batch,
+                         loss_fn=loss_fn, make_optimizer=None,
+                         label=name if name != "<lambda>" else "model")
+    raise TypeError(f"model must be a path, a Hugging Face id, a ModelSpec or a factory of an "
+                    f"nn.Module, not {type(model).__name__}")
+
+
+def _budget(gpu: str | None, memory: int | None, margin: float, overhead: int | None,
+            other: int):
+    from oomdoctor.estimate import Budget
+    if gpu and memory:
+        raise ValueError("give gpu= or memory=, not both")
+    card = custom_profile(memory) if memory else get_profile(gpu or "rtx3090")
+    return Budget(card, margin, overhead, other)
+
+
+def estimate(model: Any, batch_size: int, *, batch: Callable[[int], Any] | None = None,
+             loss_fn: Callable | None = None, precision: str = "fp32",
+             checkpointing: bool = False, checkpoint_class: str | None = None,
+             grad_accum: int = 1, optimizer: str | None = None, gpu: str | None = None,
+             memory: int | None = None, margin: float = 0.05, overhead: int | None = None,
+             other: int = 0, alloc_conf: str = "", task: str | None = None,
+             seq_len: int | None = None, zero_grad: str = "after-step"):
+    """Peak GPU memory of one training configuration (``oomdoctor estimate``): an
+    :class:`oomdoctor.estimate.Estimate`. ``gpu`` is a profile name (default rtx3090) or
+    ``memory`` a card's capacity in bytes; ``overhead`` and ``other`` are bytes too."""
+    from oomdoctor import estimate as estimate_mod
+    from oomdoctor.allocator import AllocatorConfig
+    from oomdoctor.trace import TraceConfig
+    spec = _spec(model, batch, loss_fn, task, seq_len)
+    cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
+                      optimizer, zero_grad=zero_grad)
+    alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
+    return estimate_mod.estimate(spec, cfg, _budget(gpu, memory, margin, overhead, other), alloc)
+
+
+def probe(model: Any, batch: Callable[[int], Any] | None = None, *,
+          loss_fn: Callable | None = None, precisions: tuple[str, ...] | None = None,
+          checkpointing: bool | None = None, checkpoint_class: str | None = None,
+          grad_accum: int = 1, optimizer: str | None = None, gpu: str | None = None,
+          memory: int | None = None, margin: float = 0.05, overhead: int | None = None,
+          other: int = 0, alloc_conf: str = "", task: str | None = None,
+          seq_len: int | None = None, jobs: int = 1, max_batch_size: int | None = None,
+          progress: Callable[[str], None] | None = None):
+    """The largest batch that fits per precision x checkpointing (``oomdoctor probe``): a
+    :class:`oomdoctor.probe.ProbeResult`; ``oomdoctor.probe_mod.recommended(result)`` picks
+    the configuration to train with. ``progress`` hears one line per step of the search."""
+    from oomdoctor import probe as probe_mod
+    from oomdoctor.allocator import AllocatorConfig
+    from oomdoctor.configs import MAX_BATCH
+    from oomdoctor.trace import TraceConfig
+    spec = _spec(model, batch, loss_fn, task, seq_len)
+    budget = _budget(gpu, memory, margin, overhead, other)
+    configs = probe_mod.default_matrix(budget.gpu.bf16)
+    if precisions:
+        configs = [(p, ck) for p in precisions for ck in (False, True)]
+    if checkpointing is not None:
+        configs = [(p, ck) for p, ck in configs if ck == checkpointing]
+    base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer)
+    alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
+    return probe_mod.probe(spec, base, budget, configs, alloc,
+                           progress=progress or (lambda _: None),
+                           max_batch=max_batch_size or MAX_BATCH, jobs=jobs)
