@@ -10,8 +10,8 @@ import for all of them) through click's CliRunner and records its exit code, std
 With ``--against REF`` the same cases run a second time, in a subprocess whose ``oomdoctor``
 package comes from a temporary ``git worktree`` of REF (the model files and logs are this
 tree's in both runs, so only the package differs), and every difference is printed. Exit 0
-when all cases are byte-identical, 1 otherwise. Durations that stderr prints ("in 3.2 s") are
-the one thing masked: they differ from run to run.
+when all cases are byte-identical, 1 otherwise. What depends on the machine's speed is masked:
+durations on stderr ("in 3.2 s") and the "tracing: ..." lines a slow trace prints.
 """
 from __future__ import annotations
 
@@ -108,6 +108,8 @@ def _first_oom_log() -> str:
 
 
 _DURATION = re.compile(r"\d+(?:\.\d+)?\s?(?:s|ms|min)\b")
+# A long trace says where it is after 3 s: which phase that is depends on the machine's speed.
+_SLOW_TRACE = re.compile(r"^tracing: .*\n", re.M)
 
 
 def record(only: set[str] | None, package_root: str = ROOT, progress=True) -> dict:
@@ -126,7 +128,7 @@ def record(only: set[str] | None, package_root: str = ROOT, progress=True) -> di
         if r.exception is not None and not isinstance(r.exception, SystemExit):
             exc = f"{type(r.exception).__name__}: {r.exception}"
         out["cases"][name] = {"argv": argv, "exit": r.exit_code, "stdout": r.stdout,
-                              "stderr": _DURATION.sub("<t>", r.stderr), "exception": exc}
+                              "stderr": _DURATION.sub("<t>", _SLOW_TRACE.sub("", r.stderr)), "exception": exc}
         if progress:
             print(f"{name}: exit {r.exit_code} ({time.perf_counter() - t:.1f} s)",
                   file=sys.stderr)
