@@ -128,7 +128,8 @@ def record(only: set[str] | None, package_root: str = ROOT, progress=True) -> di
         if r.exception is not None and not isinstance(r.exception, SystemExit):
             exc = f"{type(r.exception).__name__}: {r.exception}"
         out["cases"][name] = {"argv": argv, "exit": r.exit_code, "stdout": r.stdout,
-                              "stderr": _DURATION.sub("<t>", _SLOW_TRACE.sub("", r.stderr)), "exception": exc}
+                              "stderr": _DURATION.sub("<t>", _SLOW_TRACE.sub("", r.stderr)),
+                              "exception": exc}
         if progress:
             print(f"{name}: exit {r.exit_code} ({time.perf_counter() - t:.1f} s)",
                   file=sys.stderr)
