@@ -81,7 +81,7 @@ class Shadows:
 
     def mirror(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Run ``func`` on the real values of its inputs, if they all have some."""
-        leaves, _ = tree_flatten((args, kwargs))
+        leaves, spec = tree_flatten((args, kwargs))
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if not tensors and func not in _CONSTANT_FACTORIES:
             return
@@ -91,7 +91,7 @@ class Shadows:
         outs, _ = tree_flatten(out)
         if any(isinstance(o, torch.Tensor) and o.numel() > MAX_NUMEL for o in outs):
             return
-        r_args, r_kwargs = tree_unflatten(real_leaves, tree_flatten((args, kwargs))[1])
+        r_args, r_kwargs = tree_unflatten(real_leaves, spec)
         if "device" in r_kwargs:
             r_kwargs = dict(r_kwargs, device=torch.device("cpu"))
         try:
