@@ -155,11 +155,23 @@ def compute_loss(spec: ModelSpec, model: torch.nn.Module, batch: Any) -> torch.T
         where = "loss_fn(model, batch)"
     else:
         if isinstance(batch, dict):
-            out = _call(spec, "model.forward", lambda: model(**batch))
+            how, args, kwargs = (f"model(**batch) with the keys {', '.join(map(str, batch))}",
+                                 (), batch)
         elif isinstance(batch, (tuple, list)):
-            out = _call(spec, "model.forward", lambda: model(*batch))
+            how, args, kwargs = f"model(*batch) with {len(batch)} tensors", tuple(batch), {}
         else:
-            out = _call(spec, "model.forward", lambda: model(batch))
+            how, args, kwargs = "model(batch) with one tensor", (batch,), {}
+        try:
+            inspect.signature(model.forward).bind(*args, **kwargs)
+        except TypeError as e:
+            # The batch does not fit forward's signature: say how oomdoctor called it.
+            raise ModelFileError(
+                f"{spec.path}: without loss_fn, oomdoctor calls {how} (what make_batch "
+                f"returns), which forward does not take ({e}); define loss_fn(model, batch) "
+                "to call the model your way and return the loss") from e
+        except ValueError:          # no signature to check (a builtin): just call it
+            pass
+        out = _call(spec, "model.forward", lambda: model(*args, **kwargs))
         where = "the model's output"
         if not isinstance(out, torch.Tensor) and hasattr(out, "loss"):
             out = out.loss
@@ -245,6 +257,10 @@ _DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException"
                    "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
 
 
+# What moving a fake/meta tensor to CUDA raises: a CPU-only build, or a meta tensor's copy.
+_TO_CUDA_TEXT = ("Torch not compiled with CUDA enabled", "Cannot copy out of meta tensor",
+                 "Found no NVIDIA driver")
+
 _DATA_DEPENDENT_TEXT = ("data-dependent", "item()", "on meta tensors", "register_meta",
                         "nonzero", "masked_select", "unique")
 
@@ -260,6 +276,12 @@ def _call(spec: ModelSpec, name: str, fn: Callable, *args: Any) -> Any:
         # Fake CPU tensors raise DataDependentOutputException & co; meta tensors raise
         # "Tensor.item() cannot be called on meta tensors" or an unimplemented meta kernel
         # for ops whose output shape depends on the data (nonzero, masked_select, unique).
+        if any(s in text for s in _TO_CUDA_TEXT):
+            raise ModelFileError(
+                f"{spec.path}: {name} moves tensors to the GPU ({kind}: {_first_line(e)}); "
+                "oomdoctor places the model and the batch itself (on fake tensors, or on the "
+                "GPU with --device cuda): remove .cuda() / .to('cuda') / device='cuda' from "
+                "build_model and make_batch") from e
         if kind in _DATA_DEPENDENT or any(s in text for s in _DATA_DEPENDENT_TEXT):
             raise DataDependentError(
                 f"{spec.path}: {name} uses a value computed from tensor data ({kind}: "

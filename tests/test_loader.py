@@ -22,6 +22,9 @@ CASES = [
     ("nonzero_call.py", r"loss_fn uses a value computed from tensor data"),
     ("vector_loss.py", r"has shape \(2, 2\), expected a scalar loss"),
     ("frozen.py", r"no trainable parameters"),
+    ("cuda_call.py", r"build_model moves tensors to the GPU .*remove \.cuda\(\)"),
+    ("wrong_call.py", r"without loss_fn, oomdoctor calls model\(\*batch\) with 2 tensors .*"
+                      r"missing a required argument: 'weight'.*define loss_fn\(model, batch\)"),
 ]
 
 
