@@ -62,7 +62,7 @@ class Shadows:
     def _real(self, x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
-        if x.device.type == "cpu" and not _is_fake(x):
+        if _is_real(x):
             return x                                       # a real CPU tensor is its own value
         return self.values.get(x)
 
@@ -85,6 +85,8 @@ class Shadows:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         if not tensors and func not in _CONSTANT_FACTORIES:
             return
+        if tensors and all(_is_real(x) for x in tensors):
+            return            # the op ran on real tensors already (host-side counters): once only
         real_leaves = [self._real(x) for x in leaves]
         if any(r is None for x, r in zip(leaves, real_leaves) if isinstance(x, torch.Tensor)):
             return
@@ -114,9 +116,10 @@ def placeholder(t: torch.Tensor) -> Any:
     return 1.0 if t.is_floating_point() or t.is_complex() else 1
 
 
-def _is_fake(t: torch.Tensor) -> bool:
+def _is_real(t: torch.Tensor) -> bool:
+    """A tensor with data: on the CPU and not a FakeTensor (meta tensors have none)."""
     from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(t, FakeTensor)
+    return t.device.type == "cpu" and not isinstance(t, FakeTensor)
 
 
 def real_batch(make: Any) -> Any:
