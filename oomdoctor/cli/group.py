@@ -34,8 +34,10 @@ class GuardedCommand(click.Command):
             if ctx.params.get("debug"):
                 traceback.print_exception(e)
             frames = traceback.extract_tb(e.__traceback__)
-            where = f" (in {frames[-1].name}, {frames[-1].filename.rsplit('site-packages/', 1)[-1]}" \
-                    f":{frames[-1].lineno})" if frames else ""
+            where = ""
+            if frames:                          # the innermost frame, without the site path
+                f = frames[-1]
+                where = f" (in {f.name}, {f.filename.rsplit('site-packages/', 1)[-1]}:{f.lineno})"
             text = str(e).strip().splitlines()
             click.echo(f"error: oomdoctor could not simulate this: {type(e).__name__}: "
                        f"{text[0] if text else '(no message)'}{where}. This is a limit of "
