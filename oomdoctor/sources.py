@@ -85,12 +85,11 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None) ->
 
 
 def _config(transformers: Any, source: str) -> Any:
-    where = os.path.dirname(source) if source.endswith(".json") else source
     if source.endswith(".json") and not os.path.isfile(source):
         raise ModelFileError(f"{source}: no such file")
     try:
-        return transformers.AutoConfig.from_pretrained(source if os.path.exists(source)
-                                                       else where)
+        # a folder, a config.json file, or a Hub id (the Hub, or its local cache offline)
+        return transformers.AutoConfig.from_pretrained(source)
     except OSError as e:
         local = os.path.exists(source)
         raise ModelFileError(
