@@ -88,7 +88,10 @@ class ProbeResult:
                 "checkpointing": (lambda ck: ck and ck.to_json())(checkpointing_effect(self)),
                 "recommended": None if best is None else {
                     "precision": best.precision, "checkpointing": best.checkpointing,
-                    "batch_size": best.max_batch_size}}
+                    "batch_size": best.max_batch_size, "capped": best.capped,
+                    "batch_size_meaning": ("at least this: the search cap (--max-batch-size), "
+                                           "not the largest that fits") if best.capped
+                    else "the largest that fits"}}
 
 
 def _pattern(trace: Trace) -> list[tuple[bool, int]]:
@@ -515,8 +518,9 @@ def render_recommendation(r: ProbeResult) -> str:
     name = {"fp32": "fp32", "fp16": "fp16 AMP (autocast + GradScaler)", "bf16": "bf16 AMP "
             "(autocast)", "bf16-pure": "pure bf16 (model.to(torch.bfloat16))"}[best.precision]
     ckpt = " with activation checkpointing" if best.checkpointing else ""
-    lines = [f"recommended: {name}{ckpt}, micro-batch {best.max_batch_size} (the largest that "
-             "fits); reach a larger effective batch with gradient accumulation (no quality "
+    size = (f"at least {best.max_batch_size} (the search cap; --max-batch-size to search "
+            "further)" if best.capped else f"{best.max_batch_size} (the largest that fits)")
+    lines = [f"recommended: {name}{ckpt}, micro-batch {size}; reach a larger effective batch with gradient accumulation (no quality "
              "cost), and scale the learning rate with the effective batch"]
     other = [c for c in r.results if c.precision == best.precision
              and c.checkpointing != best.checkpointing and c.max_batch_size]
