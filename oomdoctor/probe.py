@@ -461,11 +461,24 @@ class OomPlan:
         parts.append("the largest batch that fits is " + ", ".join(fits))
         return "; ".join(parts)
 
+    def fix_effects(self) -> dict[str, str]:
+        """What the simulator says each of explain's fixes buys, by fix id."""
+        found = dict(self.max_batch)
+        amp = next((label for label, _ in self.max_batch
+                    if "AMP" in label and "checkpointing" not in label), None)
+        wanted = {"halve_micro_batch": "in fp32" if self.precision == "fp32" else None,
+                  "mixed_precision": amp,
+                  "activation_checkpointing": amp and f"{amp} + checkpointing"}
+        return {fix: (f"simulated: batch {found[label]} fits {label}" if found[label]
+                      else f"simulated: not even batch 1 fits {label}")
+                for fix, label in wanted.items() if label in found}
+
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "gpu": self.gpu,
                 "device_total_bytes": self.device_total_bytes, "batch_size": self.batch_size,
                 "precision": self.precision, "needed_bytes": self.needed_bytes,
                 "fits": self.fits, "summary": self.summary(),
+                "fix_effects": self.fix_effects(),
                 "max_batch": [{"config": c, "max_batch_size": b} for c, b in self.max_batch]}
 
 
