@@ -78,6 +78,7 @@ class Estimate:
     num_alloc_retries: int
     top_activations: tuple[tuple[str, int], ...] = ()   # (module, bytes) live at the peak
     notes: tuple[str, ...] = ()
+    other_bytes: int = 0                # memory other processes hold (--other), in the budget
 
     @property
     def device_peak_bytes(self) -> int:
@@ -184,7 +185,7 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
         gradient_bytes=trace.gradient_bytes, optimizer_state_bytes=trace.optimizer_state_bytes,
         allocator=allocator_conf_string(alloc), num_alloc_retries=result.num_alloc_retries,
         top_activations=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])[:5]),
-        notes=tuple(notes))
+        notes=tuple(notes), other_bytes=budget.other_bytes)
 
 
 def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
@@ -206,6 +207,16 @@ def estimate(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
                           spec.name)
 
 
+def budget_text(e: Estimate) -> str:
+    """'22.12 GiB budget (23.69 GiB card - 0.39 GiB CUDA context - 1.18 GiB margin)'."""
+    from oomdoctor.allocator import format_size
+    context = e.breakdown["cuda_context"]
+    margin = e.device_total_bytes - context - e.other_bytes - e.budget_bytes
+    other = f" - {format_size(e.other_bytes)} other processes" if e.other_bytes else ""
+    return (f"{format_size(e.budget_bytes)} budget ({format_size(e.device_total_bytes)} card - "
+            f"{format_size(context)} CUDA context{other} - {format_size(max(margin, 0))} margin)")
+
+
 def render_text(e: Estimate) -> str:
     """A terminal report of one estimate."""
     from tabulate import tabulate
@@ -216,10 +227,9 @@ def render_text(e: Estimate) -> str:
     head = (f"{e.model}: batch {e.batch_size}{accum} (effective {e.effective_batch_size}), "
             f"{e.precision}{', checkpointing' if e.checkpointing else ''} on {e.gpu} "
             f"({format_size(e.device_total_bytes)})")
-    verdict = (f"FITS: peak {format_size(e.device_peak_bytes)} of "
-               f"{format_size(e.device_total_bytes)} on the card" if e.fits else
-               f"DOES NOT FIT: needs {format_size(e.device_peak_bytes)} of "
-               f"{format_size(e.device_total_bytes)}")
+    verdict = (f"FITS: peak {format_size(e.peak_reserved_bytes)} reserved" if e.fits else
+               f"DOES NOT FIT: needs {format_size(e.peak_reserved_bytes)} reserved") + \
+        f" of the {budget_text(e)}; {format_size(e.device_peak_bytes)} on the card with the context"
     rows = [(k.replace("_", " "), format_size(v),
              f"{100 * v / max(e.device_peak_bytes, 1):.1f}%") for k, v in e.breakdown.items()]
     rows.append(("total on the card", format_size(e.device_peak_bytes), "100.0%"))

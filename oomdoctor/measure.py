@@ -56,6 +56,10 @@ class MeasureError(Exception):
     """The measured probe cannot run here (no such device, bad arguments)."""
 
 
+class NoDeviceError(MeasureError):
+    """The CUDA device asked for is not here (no GPU, CPU-only torch, index out of range)."""
+
+
 @dataclass(frozen=True)
 class MeasuredTrial:
     """One real training run at one batch size."""
@@ -136,13 +140,13 @@ class TorchRunner:
         if dev.type == "cuda":
             # Checked here, not at import: library code never initialises CUDA on import.
             if not torch.cuda.is_available():
-                raise MeasureError(f"--device {device} asked for a CUDA GPU, but torch "
+                raise NoDeviceError(f"--device {device} asked for a CUDA GPU, but torch "
                                    f"{torch.__version__} sees none (CPU-only build or no "
                                    "driver); run on a machine with a GPU, or use "
                                    "`oomdoctor probe` without --device for the simulation")
             index = 0 if dev.index is None else dev.index
             if index >= torch.cuda.device_count():
-                raise MeasureError(f"--device {device}: only {torch.cuda.device_count()} CUDA "
+                raise NoDeviceError(f"--device {device}: only {torch.cuda.device_count()} CUDA "
                                    "device(s) visible; check CUDA_VISIBLE_DEVICES")
             dev = torch.device("cuda", index)
         self.dev = dev

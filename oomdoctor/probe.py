@@ -88,7 +88,10 @@ class ProbeResult:
                 "checkpointing": (lambda ck: ck and ck.to_json())(checkpointing_effect(self)),
                 "recommended": None if best is None else {
                     "precision": best.precision, "checkpointing": best.checkpointing,
-                    "batch_size": best.max_batch_size}}
+                    "batch_size": best.max_batch_size, "capped": best.capped,
+                    "batch_size_meaning": ("at least this: the search cap (--max-batch-size), "
+                                           "not the largest that fits") if best.capped
+                    else "the largest that fits"}}
 
 
 def _pattern(trace: Trace) -> list[tuple[bool, int]]:
@@ -458,11 +461,24 @@ class OomPlan:
         parts.append("the largest batch that fits is " + ", ".join(fits))
         return "; ".join(parts)
 
+    def fix_effects(self) -> dict[str, str]:
+        """What the simulator says each of explain's fixes buys, by fix id."""
+        found = dict(self.max_batch)
+        amp = next((label for label, _ in self.max_batch
+                    if "AMP" in label and "checkpointing" not in label), None)
+        wanted = {"halve_micro_batch": "in fp32" if self.precision == "fp32" else None,
+                  "mixed_precision": amp,
+                  "activation_checkpointing": amp and f"{amp} + checkpointing"}
+        return {fix: (f"simulated: batch {found[label]} fits {label}" if found[label]
+                      else f"simulated: not even batch 1 fits {label}")
+                for fix, label in wanted.items() if label in found}
+
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "gpu": self.gpu,
                 "device_total_bytes": self.device_total_bytes, "batch_size": self.batch_size,
                 "precision": self.precision, "needed_bytes": self.needed_bytes,
                 "fits": self.fits, "summary": self.summary(),
+                "fix_effects": self.fix_effects(),
                 "max_batch": [{"config": c, "max_batch_size": b} for c, b in self.max_batch]}
 
 
@@ -515,8 +531,9 @@ def render_recommendation(r: ProbeResult) -> str:
     name = {"fp32": "fp32", "fp16": "fp16 AMP (autocast + GradScaler)", "bf16": "bf16 AMP "
             "(autocast)", "bf16-pure": "pure bf16 (model.to(torch.bfloat16))"}[best.precision]
     ckpt = " with activation checkpointing" if best.checkpointing else ""
-    lines = [f"recommended: {name}{ckpt}, micro-batch {best.max_batch_size} (the largest that "
-             "fits); reach a larger effective batch with gradient accumulation (no quality "
+    size = (f"at least {best.max_batch_size} (the search cap; --max-batch-size to search "
+            "further)" if best.capped else f"{best.max_batch_size} (the largest that fits)")
+    lines = [f"recommended: {name}{ckpt}, micro-batch {size}; reach a larger effective batch with gradient accumulation (no quality "
              "cost), and scale the learning rate with the effective batch"]
     other = [c for c in r.results if c.precision == best.precision
              and c.checkpointing != best.checkpointing and c.max_batch_size]

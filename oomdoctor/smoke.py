@@ -27,7 +27,7 @@ import queue
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -62,6 +62,7 @@ class SmokeConfig:
     device_map: dict[str, int] | None = None     # pipeline2: module -> stage
     main_device: int = 0              # pipeline2: where inputs and the loss live
     timeout_s: float = 600.0
+    cpu_fp32_fallback: bool = True    # bf16 on a CPU without fast bf16 runs in fp32
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -163,9 +164,11 @@ def _to(batch: Any, device: torch.device) -> Any:
 
 
 def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, world: int = 1,
-                  want_state: bool = False) -> dict[str, Any]:
+                  want_state: bool = False,
+                  on_step: Callable[[int, float], None] | None = None) -> dict[str, Any]:
     """Build, wrap and train ``cfg.steps`` steps in this process; return losses, step times,
-    per-GPU peaks (CUDA) and, if asked, the model's final state (rank 0's full parameters)."""
+    per-GPU peaks (CUDA) and, if asked, the model's final state (rank 0's full parameters).
+    ``on_step(step, seconds)`` is told as each step completes."""
     from oomdoctor.loader import build_for_training, make_configured_batch, make_configured_optimizer
 
     strategy = cfg.strategy
@@ -255,6 +258,8 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
                     torch.cuda.synchronize(d)
             times.append(time.perf_counter() - t0)
             losses.append(total)
+            if on_step is not None:
+                on_step(len(times), times[-1])
     except torch.cuda.OutOfMemoryError as e:    # the caching allocator's OOM (torch >= 1.13)
         error = f"CUDA out of memory at step {len(losses) + 1}: {str(e).splitlines()[0]}"
     memory = []
@@ -328,7 +333,11 @@ def _rank_main(path: str, cfg: SmokeConfig, cuda: bool, rank: int, world: int, i
                                 world_size=world)
         try:
             spec = load_model_file(path)
-            out = train_process(spec, cfg, cuda, rank, world, want_state and rank == 0)
+
+            def on_step(step: int, seconds: float) -> None:
+                results.put({"rank": rank, "step": step, "seconds": seconds})
+            out = train_process(spec, cfg, cuda, rank, world, want_state and rank == 0,
+                                on_step if rank == 0 else None)
             if out["losses"]:
                 t = torch.tensor(out["losses"], dtype=torch.float64,
                                  device="cuda" if cuda else "cpu")
@@ -342,12 +351,18 @@ def _rank_main(path: str, cfg: SmokeConfig, cuda: bool, rank: int, world: int, i
                      "traceback": traceback.format_exc()})
 
 
-def run_training(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, want_state: bool = False
-                 ) -> list[dict[str, Any]]:
+def _step_line(cfg: SmokeConfig, step: int, seconds: float) -> str:
+    return f"step {step}/{cfg.steps}: {seconds:.1f} s"
+
+
+def run_training(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, want_state: bool = False,
+                 progress: Progress = lambda _: None) -> list[dict[str, Any]]:
     """Every process's result, rank order. Distributed strategies start one process per rank
-    (spawn with CUDA, fork on the CPU where available) and rendezvous through a file store."""
+    (spawn with CUDA, fork on the CPU where available) and rendezvous through a file store.
+    ``progress`` is told of each of rank 0's steps as it completes."""
     if cfg.strategy not in DISTRIBUTED:
-        out = train_process(spec, cfg, cuda, 0, 1, want_state)
+        out = train_process(spec, cfg, cuda, 0, 1, want_state,
+                            lambda i, t: progress(_step_line(cfg, i, t)))
         if "state" in out:
             out["state"] = {k: torch.from_numpy(v) for k, v in out["state"].items()}
         return [out]
@@ -363,15 +378,19 @@ def run_training(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, want_state: bool
         for p in procs:
             p.start()
         out: list[dict[str, Any]] = []
+        steps: list[float] = []         # rank 0's completed steps, seconds each
         deadline = time.monotonic() + cfg.timeout_s
         try:
             while len(out) < world:
                 try:
-                    out.append(results.get(timeout=max(1.0, deadline - time.monotonic())))
+                    msg = results.get(timeout=max(1.0, deadline - time.monotonic()))
                 except queue.Empty:
-                    raise SmokeError(f"{cfg.strategy} smoke timed out after {cfg.timeout_s:.0f} s "
-                                     f"with {len(out)} of {world} ranks done; a rank is stuck "
-                                     "(NCCL/gloo rendezvous, or a hang in the model)") from None
+                    raise SmokeError(_timeout_message(cfg, len(out), steps)) from None
+                if "step" in msg:
+                    steps.append(msg["seconds"])
+                    progress(_step_line(cfg, msg["step"], msg["seconds"]))
+                    continue
+                out.append(msg)
                 if "error" in out[-1]:
                     break
         finally:
@@ -387,6 +406,28 @@ def run_training(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, want_state: bool
         if "state" in o:
             o["state"] = {k: torch.from_numpy(v) for k, v in o["state"].items()}
     return sorted(out, key=lambda o: o["rank"])
+
+
+def _timeout_message(cfg: SmokeConfig, done: int, steps: list[float]) -> str:
+    """Slow, not stuck, when steps were completing; stuck when none did."""
+    head = (f"{cfg.strategy} smoke timed out after {cfg.timeout_s:.0f} s with {done} of "
+            f"{cfg.num_gpus} ranks done")
+    if steps:
+        return (f"{head}; it is slow, not stuck: {len(steps)} of {cfg.steps} steps completed "
+                f"(last {steps[-1]:.1f} s); run fewer --steps or a smaller configuration")
+    return (f"{head} and no step completed; a rank is stuck (NCCL/gloo rendezvous, or a hang "
+            "in the model)")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU computes bf16 natively (AVX512_BF16 or AMX); elsewhere a bf16 matmul
+    is emulated and runs many times slower than fp32."""
+    cpu = getattr(torch, "cpu", None)
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        f = getattr(cpu, probe, None)
+        if f is not None and f():
+            return True
+    return any(k in torch.backends.cpu.get_cpu_capability() for k in ("AVX512_BF16", "AMX"))
 
 
 def host_bytes_needed(spec: ModelSpec, cfg: SmokeConfig) -> int:
@@ -427,6 +468,7 @@ def run_smoke(spec: ModelSpec, cfg: SmokeConfig, prediction: StrategyEstimate | 
     """Run the configuration and judge it: finite, moving loss; with CUDA, no OOM and peaks
     within :data:`TOLERANCE` of ``prediction``."""
     want_cuda = cfg.device in ("auto", "cuda")
+    asked = cfg.precision
     have = torch.cuda.is_available() and torch.cuda.device_count() >= cfg.num_gpus
     if cfg.device == "cuda" and not have:
         raise SmokeError(f"--device cuda asked for {cfg.num_gpus} CUDA GPU(s) but "
@@ -436,6 +478,16 @@ def run_smoke(spec: ModelSpec, cfg: SmokeConfig, prediction: StrategyEstimate | 
     cuda = want_cuda and have
     notes: list[str] = []
     problems: list[str] = []
+    ran_precision = cfg.precision if cuda or cfg.precision != "fp16" else "bf16"
+    if not cuda and ran_precision.startswith("bf16") and cfg.cpu_fp32_fallback \
+            and not cpu_has_fast_bf16():
+        note = (f"this CPU has no fast bf16 (no AVX512_BF16/AMX): {cfg.precision} ran in fp32 "
+                "instead, many times faster here; the smoke checks that the training loop runs, "
+                "not bf16 numerics")
+        progress(note)
+        notes.append(note)
+        ran_precision = "fp32"
+        cfg = replace(cfg, precision="fp32")
     if not cuda:
         need = host_bytes_needed(spec, cfg)
         avail = _available_host_bytes()
@@ -460,7 +512,7 @@ def run_smoke(spec: ModelSpec, cfg: SmokeConfig, prediction: StrategyEstimate | 
             notes.append("split via accelerate's dispatch_model hooks with both stages on the CPU")
     progress(f"smoke: {cfg.steps} steps of {cfg.strategy} on "
              f"{'CUDA' if cuda else 'the CPU'}")
-    outs = run_training(spec, cfg, cuda)
+    outs = run_training(spec, cfg, cuda, progress=progress)
     rank0 = outs[0]
     losses = tuple(rank0["losses"])
     for o in outs:
@@ -496,9 +548,8 @@ def run_smoke(spec: ModelSpec, cfg: SmokeConfig, prediction: StrategyEstimate | 
         if prediction is None:
             notes.append("no prediction given: peaks measured, not compared")
     return SmokeResult(
-        model=spec.name, strategy=cfg.strategy, num_gpus=cfg.num_gpus, precision=cfg.precision,
-        ran_precision=cfg.precision if cuda or cfg.precision in ("fp32", "bf16", "bf16-pure")
-        else "bf16", checkpointing=cfg.checkpointing, micro_batch=cfg.micro_batch,
+        model=spec.name, strategy=cfg.strategy, num_gpus=cfg.num_gpus, precision=asked,
+        ran_precision=ran_precision, checkpointing=cfg.checkpointing, micro_batch=cfg.micro_batch,
         ran_micro_batch=rank0["batch"], grad_accum=cfg.grad_accum, steps=cfg.steps,
         device="cuda" if cuda else "cpu", cuda_exercised=cuda, processes=len(outs),
         losses=losses, step_seconds=tuple(rank0["times"]), memory=tuple(memory),

@@ -200,8 +200,9 @@ def test_estimate_with_a_strategy_is_per_gpu():
 def test_probe_recommends_amp_where_it_fits():
     res = run("probe", MLP, "--gpu", "t4", "--max-batch-size", "256", "-j", "1", "--json")
     rec = json.loads(res.stdout)["recommended"]
-    # T4 has no bf16: fp16 AMP, without checkpointing, at the largest batch that fits.
-    assert rec == {"precision": "fp16", "checkpointing": False, "batch_size": 256}
+    # T4 has no bf16: fp16 AMP, without checkpointing, at the search cap (tiny_mlp fits more).
+    assert {k: rec[k] for k in ("precision", "checkpointing", "batch_size", "capped")} == \
+        {"precision": "fp16", "checkpointing": False, "batch_size": 256, "capped": True}
     text = run("probe", MLP, "--gpu", "rtx3090", "--max-batch-size", "64", "-j", "1").stdout
     assert "recommended: bf16 AMP" in text
 
@@ -216,7 +217,7 @@ def test_probe_smoke_runs_the_recommended_configuration():
 
 def test_probe_measured_on_a_device():
     """--device runs real steps (here on the CPU, where max_batch caps the search) seeded by the
-    simulator; on this CPU-only torch, --device cuda is a clear usage error."""
+    simulator; on this CPU-only torch, --device cuda exits 4 (no GPU) before simulating."""
     res = run("probe", MLP, "--gpu", "rtx3090", "--precision", "fp32", "--no-checkpointing",
               "--max-batch-size", "32", "-j", "1", "--device", "cpu", "--json")
     assert res.exit_code == EXIT_OK, res.stderr
@@ -227,4 +228,4 @@ def test_probe_measured_on_a_device():
     if not torch.cuda.is_available():
         res = run("probe", MLP, "--gpu", "rtx3090", "--precision", "fp32",
                   "--no-checkpointing", "--max-batch-size", "32", "-j", "1", "--device", "cuda")
-        assert res.exit_code == EXIT_USAGE and "CUDA" in res.stderr
+        assert res.exit_code == 4 and "CUDA" in res.stderr

@@ -49,9 +49,11 @@ def explain_command(file, as_json: bool, model_file, gpu_name, batch_size, preci
             doc["simulation"] = plan.to_json()
         click.echo(json.dumps(doc, indent=2))
     elif result.findings:
-        click.echo(ex.render_text(result), nl=False)
-        if plan is not None:
-            click.echo(f"\nSimulated with {plan.model} on {plan.gpu}: {plan.summary()}.")
+        if plan is None:
+            click.echo(ex.render_text(result), nl=False)
+        else:
+            click.echo(ex.render_text(result, f"Simulated with {plan.model} on {plan.gpu}: "
+                                      f"{plan.summary()}.", plan.fix_effects()), nl=False)
     if not result.findings:
         name = getattr(file, "name", "-")
         click.echo(f"oomdoctor explain: no known error found in {result.lines_read:,} lines of {name}. It looks "

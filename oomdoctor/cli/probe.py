@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from oomdoctor.cli.group import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
+from oomdoctor.cli.group import EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _detect_gpus, _die, _load_model,
                                    _make_budget, _progress, _slow_trace_progress)
 from oomdoctor.cli.runs import _smoke_run
@@ -113,11 +113,20 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
     oomdoctor probe sample_models/llama7b.py --gpu a100-80 --precision bf16-pure --json
 
     Progress goes to stderr, the result to stdout.
-    Exit codes: 0 something fits, 1 nothing fits, 2 usage error, 3 model file error.
+    Exit codes: 0 something fits, 1 nothing fits, 2 usage error, 3 model file error,
+    4 --device cuda[:i] and no such GPU here.
     """
     from oomdoctor import probe as probe_mod
     from oomdoctor.loader import ModelFileError
     from oomdoctor.trace import TraceConfig
+    if device:     # before minutes of simulation: is the device there at all?
+        from oomdoctor import measure
+        try:
+            measure.TorchRunner(device)
+        except measure.NoDeviceError as e:
+            _die(e, debug, EXIT_NO_GPU)
+        except measure.MeasureError as e:
+            _die(e, debug, EXIT_USAGE)
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     configs = probe_mod.default_matrix(budget.gpu.bf16)

@@ -39,12 +39,17 @@ def _wrap(text: str, indent: str, hang: int = 2, width: int = 100) -> list[str]:
                          break_on_hyphens=False) or [indent]
 
 
-def render_text(result: ExplainResult) -> str:
+def render_text(result: ExplainResult, headline: str | None = None,
+                fix_effects: dict[str, str] | None = None) -> str:
     """Terminal text: per finding a title line, the numbers (IEC units), the diagnosis, and the
-    fixes ranked by what they buy with their speed and quality trade-offs. ASCII only."""
+    fixes ranked by what they buy with their speed and quality trade-offs. ASCII only.
+    ``headline`` (explain --model: the simulated answer) follows the first line; ``fix_effects``
+    (fix id -> what the simulator says it buys) stands in where the log cannot tell."""
     if not result.findings:
         return f"No known error found in {result.lines_read:,} lines.\n"
     out = [f"Found {len(result.findings)} error(s) in {result.lines_read:,} lines."]
+    if headline:
+        out.extend(_wrap(headline, ""))
     for i, f in enumerate(result.findings, 1):
         out.append("")
         out.append(f"[{i}] {f.title}")
@@ -85,6 +90,10 @@ def render_text(result: ExplainResult) -> str:
                 trade = f"speed: {fx.speed} | quality: {fx.quality}"
                 if fx.effect_bytes is not None:
                     trade = f"frees: {fx.effect_bound} {format_bytes(fx.effect_bytes)} | {trade}"
+                elif fix_effects and fx.id in fix_effects:
+                    trade = f"{fix_effects[fx.id]} | {trade}"
+                elif fix_effects is not None and f.category is Category.GPU_MEMORY:
+                    trade = f"frees: see the simulated answer at the top | {trade}"
                 elif f.category is Category.GPU_MEMORY:
                     trade = f"frees: not computable from this log | {trade}"
                 out.extend(_wrap(trade, pad))

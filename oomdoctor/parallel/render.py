@@ -30,6 +30,7 @@ def render_report(r: ParallelReport) -> str:
             f"{r.gpu} ({_gib(r.device_total_bytes)}, {_gib(r.budget_bytes)} for the "
             "allocator)")
     rows = []
+    verdict = render_verdict(r)
     for e in r.estimates:
         for i, g in enumerate(e.gpus):
             b = g.breakdown
@@ -41,7 +42,7 @@ def render_report(r: ParallelReport) -> str:
     table = tabulate(rows, headers=("strategy", "GPU", "fits", "peak", "params", "grads",
                                     "optim", "activ", "temp", "comm", "peak in", "samples/step"),
                      colalign=("left", "left", "left") + ("right",) * 7 + ("left", "right"))
-    lines = [head, table, f"({unit} per GPU at its peak; peak = max_memory_reserved + CUDA "
+    lines = [head, verdict, "", table, f"({unit} per GPU at its peak; peak = max_memory_reserved + CUDA "
              "context)"]
     for e in r.estimates:
         if e.deepspeed_bytes is not None:
@@ -59,6 +60,19 @@ def render_report(r: ParallelReport) -> str:
     for s, m in r.errors:
         lines.append(f"{s}: not estimated - {m}")
     return "\n".join(lines)
+
+
+def render_verdict(r: ParallelReport) -> str:
+    """The headline: which strategies fit the per-GPU budget, which do not, the best."""
+    budget = f"the {_gib(r.budget_bytes)} per-GPU budget"
+    if not r.estimates:
+        return "NOTHING ESTIMATED: see the errors below"
+    if r.best is None:
+        return (f"NOTHING FITS {budget}: {', '.join(r.not_fitting)} "
+                "(`oomdoctor recommend` searches micro-batches, precisions and checkpointing)")
+    rest = f"; does not fit: {', '.join(r.not_fitting)}" if r.not_fitting else ""
+    return (f"FITS {budget}: {', '.join(r.fitting)}{rest}; best: {r.best} (most samples per "
+            "step, least communication; `oomdoctor recommend` ranks by step time)")
 
 
 def _span(names: tuple[str, ...]) -> str:

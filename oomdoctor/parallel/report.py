@@ -16,6 +16,10 @@ from oomdoctor.trace import TraceConfig
 
 
 Progress = Callable[[str], None]
+# Among strategies that fit at the same samples per step, the one to prefer: least
+# communication first (DDP), then more sharding, then DataParallel (one process, GPU 0 gathers)
+# and the naive split (one GPU busy at a time). `oomdoctor recommend` ranks by step time.
+PREFERENCE = ("ddp", "zero1", "zero2", "zero3", "dp", "pipeline2", "single")
 
 
 @dataclass(frozen=True)
@@ -34,13 +38,34 @@ class ParallelReport:
     estimates: tuple[StrategyEstimate, ...]
     errors: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def fitting(self) -> tuple[str, ...]:
+        return tuple(e.strategy for e in self.estimates if e.fits)
+
+    @property
+    def not_fitting(self) -> tuple[str, ...]:
+        return tuple(e.strategy for e in self.estimates if not e.fits)
+
+    @property
+    def best(self) -> str | None:
+        """The fitting strategy that trains the most samples per step with the least
+        communication and idle time (PREFERENCE); None when nothing fits."""
+        fit = [e for e in self.estimates if e.fits]
+        if not fit:
+            return None
+        return min(fit, key=lambda e: (-e.effective_batch,
+                                       PREFERENCE.index(e.strategy)
+                                       if e.strategy in PREFERENCE else len(PREFERENCE))).strategy
+
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "gpu": self.gpu, "num_gpus": self.num_gpus,
                 "device_total_bytes": self.device_total_bytes, "budget_bytes": self.budget_bytes,
                 "micro_batch": self.micro_batch, "precision": self.precision,
                 "checkpointing": self.checkpointing, "num_parameters": self.num_parameters,
                 "strategies": [e.to_json() for e in self.estimates],
-                "errors": [{"strategy": s, "error": m} for s, m in self.errors]}
+                "errors": [{"strategy": s, "error": m} for s, m in self.errors],
+                "fits": list(self.fitting), "does_not_fit": list(self.not_fitting),
+                "best": self.best}
 
 
 def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_gpus: int,
