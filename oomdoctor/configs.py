@@ -13,3 +13,14 @@ MAX_BATCH = 1 << 16   # the probe stops searching here; a model this light fits 
 ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")
 # Multi-GPU strategies (oomdoctor.parallel.STRATEGIES, plus "fsdp" as a name for zero3).
 STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp")
+
+# The model-file protocol, as `--help` prints it (the errors of oomdoctor.loader point here).
+MODEL_PROTOCOL = """\b
+MODEL is a Python model file, or a Hugging Face id / config folder / config.json
+(--task, --seq-len). A model file defines:
+  build_model() -> nn.Module       no weights from the network, no .cuda()
+  make_batch(batch_size)           a tensor, tuple or dict of tensors (default device)
+  loss_fn(model, batch) -> loss    optional; else model(*batch) / model(**batch) /
+                                   model(batch), whose output or .loss is the loss
+  make_optimizer(params)           optional; else AdamW(lr=1e-4), foreach as on CUDA
+Everything runs on fake tensors: no .item() or data-dependent shapes in your code."""

@@ -94,7 +94,7 @@ def load_model_file(path: str) -> ModelSpec:
         fn = getattr(module, name, None)
         if fn is None:
             raise ModelFileError(f"{path}: no `{name}` function; define `def {signature}:` "
-                                 "(see the model-file protocol in the README)")
+                                 "(see the model-file protocol in `oomdoctor probe --help`)")
         if not callable(fn):
             raise ModelFileError(f"{path}: `{name}` is a {type(fn).__name__}, not a function; "
                                  f"define `def {signature}:`")

@@ -83,3 +83,12 @@ def test_two_files_with_the_same_name_do_not_collide(tmp_path):
     a = trace_training(load_model_file(str(tmp_path / "a" / "model.py")), TraceConfig(1))
     b = trace_training(load_model_file(str(tmp_path / "b" / "model.py")), TraceConfig(1))
     assert (a.num_parameters, b.num_parameters) == (4, 6)
+
+
+def test_the_protocol_the_errors_point_to_is_in_help():
+    for command in ("estimate", "probe", "parallel", "split", "recommend", "smoke"):
+        res = CliRunner().invoke(cli, [command, "--help"])
+        assert res.exit_code == 0
+        for needle in ("build_model() -> nn.Module", "make_batch(batch_size)",
+                       "loss_fn(model, batch)", "make_optimizer(params)", "config.json"):
+            assert needle in res.stdout, (command, needle)

@@ -10,7 +10,7 @@ from oomdoctor.cli.group import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, c
 from oomdoctor.cli.options import (_alloc_config, _card_options, _detect_gpus, _die, _load_model,
                                    _make_budget, _num_gpus, _progress)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
-from oomdoctor.configs import PRECISIONS, STRATEGY_CHOICES
+from oomdoctor.configs import MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES
 
 # --- parallel, split, recommend, smoke (section owned by the multi-GPU modules' author) ---
 # Choices spelled out here so that --help never imports torch; tests/test_parallel.py checks
@@ -18,7 +18,7 @@ from oomdoctor.configs import PRECISIONS, STRATEGY_CHOICES
 LINK_CHOICES = ("pcie-no-p2p", "pcie", "nvlink")
 
 
-@cli.command("parallel")
+@cli.command("parallel", epilog=MODEL_PROTOCOL)
 @click.argument("model_file", type=click.Path())
 @click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
               help="Micro-batch per GPU (per data-parallel rank).")
@@ -62,7 +62,7 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
     sys.exit(EXIT_OK if any(e.fits for e in report.estimates) else EXIT_PROBLEM)
 
 
-@cli.command("split")
+@cli.command("split", epilog=MODEL_PROTOCOL)
 @click.argument("model_file", type=click.Path())
 @click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
               help="Micro-batch (the whole batch: both GPUs see it in turn).")
@@ -111,7 +111,7 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
     sys.exit(EXIT_OK if plan.estimate.fits else EXIT_PROBLEM)
 
 
-@cli.command("recommend")
+@cli.command("recommend", epilog=MODEL_PROTOCOL)
 @click.argument("model_file", type=click.Path())
 @click.option("--target-batch", type=click.IntRange(1), default=256, show_default=True,
               help="The effective batch you want (micro-batch x accumulation x GPUs).")
@@ -185,7 +185,7 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     sys.exit(EXIT_OK if result.best is not None else EXIT_PROBLEM)
 
 
-@cli.command("smoke")
+@cli.command("smoke", epilog=MODEL_PROTOCOL)
 @click.argument("model_file", type=click.Path())
 @click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
               show_default=True)

@@ -10,10 +10,10 @@ from oomdoctor.cli.group import EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, 
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _detect_gpus, _die, _load_model,
                                    _make_budget, _progress, _slow_trace_progress)
 from oomdoctor.cli.runs import _smoke_run
-from oomdoctor.configs import MAX_BATCH, PRECISIONS, STRATEGY_CHOICES
+from oomdoctor.configs import MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES
 
 
-@cli.command()
+@cli.command(epilog=MODEL_PROTOCOL)
 @click.argument("model_file", type=click.Path())
 @click.option("-b", "--batch-size", type=click.IntRange(1), required=True,
               help="Micro-batch size per GPU.")
@@ -71,7 +71,7 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
     sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
 
 
-@cli.command()
+@cli.command(epilog=MODEL_PROTOCOL)
 @click.argument("model_file", type=click.Path())
 @click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
               help="Probe only these precisions (repeatable; default: fp32, fp16, and bf16 "
