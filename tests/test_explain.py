@@ -488,6 +488,31 @@ def test_old_torch_gets_max_split_size_mb_not_expandable_segments():
     assert f.fixes[0].effect_bytes == sz("1.50 GiB") // 2 and f.fixes[0].effect_bound == "at least"
 
 
+SEED_OOM = ("RuntimeError: CUDA out of memory. Tried to allocate 1.50 GiB (GPU 0; 23.69 GiB total capacity; "
+            "21.93 GiB already allocated; 111.88 MiB free; 23.27 GiB reserved in total by PyTorch)\n")
+
+
+@pytest.mark.parametrize("with_traceback", [False, True])
+def test_a_fix_that_cannot_cover_the_shortfall_ranks_last_with_or_without_traceback(with_traceback):
+    """1.34 GiB of cache cannot cover 1.39 GiB missing: max_split_size_mb goes after every fix that
+    can (sized or not), says so in its title and detail, and the order is the same either way."""
+    text = (LOGS / "torch20_reserved_3090.log").read_text() if with_traceback else SEED_OOM
+    f = only(ex.explain_text(text))
+    ids = [x.id for x in f.fixes]
+    assert ids[-1] == "max_split_size_mb", ids
+    last = f.fixes[-1]
+    assert "not enough on its own (up to 1.34 GiB of the 1.39 GiB missing)" in last.title
+    assert "cannot cover the shortfall" in last.detail
+    assert all("not enough" not in x.title for x in f.fixes[:-1])
+
+
+def test_output_cites_only_shipped_documents():
+    for p in LOGS.glob("*.log"):
+        for f in explain_file(p.name).findings:
+            words = " ".join([x.detail + x.title for x in f.fixes] + [d.text for d in f.diagnosis] + list(f.notes))
+            assert "docs/allocator.md" not in words and "../shared" not in words and "ground-truth" not in words
+
+
 def test_model_states_exceed_card_says_ddp_does_not_help():
     f = only(explain_file("hf_trainer_7b_too_big.log"))
     assert "DDP would not help" in f.diagnosis[0].text
