@@ -361,6 +361,26 @@ EXPECTED = {
                                 numbers=dict(requested=4294967296)),
     "nccl_shm_permission.log": dict(kind=Kind.SHARED_MEMORY, cause="shared_memory_permission",
                                     first_fix="fix_shm_permissions", not_causes={"shared_memory_exhausted"}),
+    # The seed users' DataParallel questions (issue 12, item 4).
+    "topo_p2p_not_supported.log": dict(
+        kind=Kind.P2P, cause="dataparallel_p2p", first_fix="ddp_not_dp", numbers=dict(device_count=4),
+        details=dict(source="nvidia-smi topo -p2p r",
+                     unsupported_pairs="GPU0-GPU1 (NS), GPU0-GPU2 (NS), GPU0-GPU3 (NS), GPU1-GPU3 (NS), "
+                                       "GPU2-GPU3 (NS)")),
+    "dataparallel_hang_ctrl_c.log": dict(kind=Kind.P2P, cause="dataparallel_p2p", first_fix="ddp_not_dp"),
+    "dmesg_oom_killer.log": dict(
+        kind=Kind.OOM_KILLER, cause="host_oom_killer",
+        numbers=dict(pid=48213, anon_rss=60817408 * 1024, total_vm=71302144 * 1024, shmem_rss=2097152 * 1024),
+        details=dict(source="kernel log (dmesg)", process="python")),
+    "accelerate_rtx4000_p2p.log": dict(kind=Kind.P2P, cause="accelerate_rtx4000_p2p",
+                                       first_fix="nccl_p2p_ib_disable"),
+    "port_in_use_windows_10048.log": dict(kind=Kind.PORT_IN_USE, cause="port_taken", first_fix="other_port",
+                                          numbers=dict(port=29500),
+                                          details=dict(platform="Windows (WSAEADDRINUSE, error 10048)")),
+    "nccl_calloc_oom.log": dict(kind=Kind.NCCL_CUDA_OOM, cause="nccl_buffers_oom", ranks=(1,),
+                                first_fix="free_memory_for_nccl", numbers=dict(requested=10485760)),
+    "nccl_warn_cuda_failure_oom.log": dict(kind=Kind.NCCL_CUDA_OOM, cause="nccl_buffers_oom",
+                                           first_fix="free_memory_for_nccl"),
 }
 
 MULTI = {
@@ -486,6 +506,95 @@ def test_old_torch_gets_max_split_size_mb_not_expandable_segments():
     # 1.34 GiB of cache cannot cover the 1.39 GiB missing, so halving the batch ranks first.
     assert ids[0] == "halve_micro_batch"
     assert f.fixes[0].effect_bytes == sz("1.50 GiB") // 2 and f.fixes[0].effect_bound == "at least"
+
+
+SEED_OOM = ("RuntimeError: CUDA out of memory. Tried to allocate 1.50 GiB (GPU 0; 23.69 GiB total capacity; "
+            "21.93 GiB already allocated; 111.88 MiB free; 23.27 GiB reserved in total by PyTorch)\n")
+
+
+@pytest.mark.parametrize("with_traceback", [False, True])
+def test_a_fix_that_cannot_cover_the_shortfall_ranks_last_with_or_without_traceback(with_traceback):
+    """1.34 GiB of cache cannot cover 1.39 GiB missing: max_split_size_mb goes after every fix that
+    can (sized or not), says so in its title and detail, and the order is the same either way."""
+    text = (LOGS / "torch20_reserved_3090.log").read_text() if with_traceback else SEED_OOM
+    f = only(ex.explain_text(text))
+    ids = [x.id for x in f.fixes]
+    assert ids[-1] == "max_split_size_mb", ids
+    last = f.fixes[-1]
+    assert "not enough on its own (up to 1.34 GiB of the 1.39 GiB missing)" in last.title
+    assert "cannot cover the shortfall" in last.detail
+    assert all("not enough" not in x.title for x in f.fixes[:-1])
+
+
+def test_output_cites_only_shipped_documents():
+    for p in LOGS.glob("*.log"):
+        for f in explain_file(p.name).findings:
+            words = " ".join([x.detail + x.title for x in f.fixes] + [d.text for d in f.diagnosis] + list(f.notes))
+            assert "docs/allocator.md" not in words and "../shared" not in words and "ground-truth" not in words
+
+
+def test_topo_table_and_dataparallel_hang_advise_ddp_not_p2p():
+    for name in ("topo_p2p_not_supported.log", "dataparallel_hang_ctrl_c.log"):
+        f = only(explain_file(name))
+        assert "DataParallel" in f.diagnosis[0].text and "does not need P2P" in f.diagnosis[0].text
+        assert "torchrun --standalone --nproc_per_node=" in f.fixes[0].title
+        assert "NCCL_P2P_DISABLE=1" in f.fixes[1].title
+    assert "--nproc_per_node=4" in only(explain_file("topo_p2p_not_supported.log")).fixes[0].title
+
+
+def test_ctrl_c_outside_dataparallel_is_not_an_error():
+    text = ("Traceback (most recent call last):\n  File \"train.py\", line 9, in <module>\n    time.sleep(5)\n"
+            "KeyboardInterrupt\n")
+    assert ex.explain_text(text).findings == ()
+    # A topology table where every pair is OK is not a problem either.
+    assert ex.explain_text(" \tGPU0\tGPU1\n GPU0\tX\tOK\n GPU1\tOK\tX\n").findings == ()
+
+
+def test_dmesg_oom_killer_reports_anon_rss():
+    f = only(explain_file("dmesg_oom_killer.log"))
+    assert "killed process 48213 (python), which held 58.00 GiB of host RAM" in f.diagnosis[0].text
+    assert re.search(r"anon-rss \(process RAM\)\s+58\.00 GiB", ex.render_text(explain_file("dmesg_oom_killer.log")))
+
+
+def test_accelerate_rtx4000_fix_names_both_variables():
+    fix = only(explain_file("accelerate_rtx4000_p2p.log")).fixes[0]
+    assert 'NCCL_P2P_DISABLE="1"' in fix.title and 'NCCL_IB_DISABLE="1"' in fix.title
+    assert "accelerate launch" in fix.title
+
+
+def test_windows_10048_is_a_taken_port_in_any_language():
+    f = only(explain_file("port_in_use_windows_10048.log"))
+    assert "10048" in f.diagnosis[0].text and "MASTER_PORT" in f.fixes[0].detail
+    assert "netstat -ano | findstr :29500" in f.fixes[0].detail
+    english = ("OSError: [WinError 10048] Only one usage of each socket address (protocol/network address/port) "
+               "is normally permitted: ('127.0.0.1', 29500)\n")
+    assert only(ex.explain_text(english)).kind is Kind.PORT_IN_USE
+
+
+def test_nccl_buffer_oom_says_outside_the_allocator_with_the_bytes():
+    f = only(explain_file("nccl_calloc_oom.log"))
+    assert "10.00 MiB" in f.diagnosis[0].text and "outside PyTorch's caching allocator" in f.diagnosis[0].text
+    titles = " ".join(x.title for x in f.fixes)
+    assert "expandable_segments:True" in titles and "NCCL_BUFFSIZE" in titles and "nvidia-smi" in titles
+    assert f.category is ex.Category.GPU_MEMORY
+
+
+@pytest.mark.parametrize("name,kind,cause", [
+    ("topo_p2p_not_supported.log", "p2p_unsupported", "dataparallel_p2p"),
+    ("dataparallel_hang_ctrl_c.log", "p2p_unsupported", "dataparallel_p2p"),
+    ("dmesg_oom_killer.log", "oom_killer", "host_oom_killer"),
+    ("accelerate_rtx4000_p2p.log", "p2p_unsupported", "accelerate_rtx4000_p2p"),
+    ("port_in_use_windows_10048.log", "port_in_use", "port_taken"),
+    ("nccl_calloc_oom.log", "nccl_cuda_oom", "nccl_buffers_oom"),
+])
+def test_seed_dataparallel_questions_through_the_cli(name, kind, cause):
+    runner = CliRunner()
+    res = runner.invoke(cli, ["explain", str(LOGS / name), "--json"])
+    assert res.exit_code == EXIT_OK, res.output
+    f = json.loads(res.stdout)["findings"][0]
+    assert f["kind"] == kind and f["cause"] == cause
+    text = runner.invoke(cli, ["explain", str(LOGS / name)])
+    assert text.exit_code == EXIT_OK and f["fixes"][0]["title"][:40] in " ".join(text.stdout.split())
 
 
 def test_model_states_exceed_card_says_ddp_does_not_help():

@@ -92,8 +92,8 @@ class CachingAllocator:
 
         # should_split: in the small pool, or with expandable segments, any
         # tail of at least 512 bytes becomes its own free block.  In the large
-        # pool the tail must exceed 1 MiB, and the *request* (not the block,
-        # as docs/allocator.md puts it) must be below max_split_size.
+        # pool the tail must exceed 1 MiB, and the *request*, not the block, must be below
+        # max_split_size (c10/cuda/CUDACachingAllocator.cpp, should_split(): size < max_split_size()).
         remaining = block.size - size
         if pool.small or self._expandable:
             split = remaining >= K_MIN_BLOCK_SIZE

@@ -1,7 +1,7 @@
 """What every family's diagnosis uses: the log's context, the collector of causes and fixes, fix ranking."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .draft import _Draft
 from .results import Diagnosis, Fix, Kind, Phase
@@ -15,8 +15,9 @@ _SPEED_NONE = "none"
 _QUALITY_NONE = "none"
 
 # The CUDA context and loaded kernels live outside the allocator: "hundreds of MiB to ~1.3 GiB
-# depending on GPU, driver, CUDA version and lazy loading" (docs/allocator.md; HF-0: 1343 MB on a
-# V100). Memory outside the allocator beyond this margin is something else.
+# depending on GPU, driver, CUDA version and lazy loading (CUDA_MODULE_LOADING=LAZY, CUDA >= 11.7); the
+# Hugging Face transformers guide "Model training anatomy" measures 1343 MB of CUDA kernels on a
+# V100 before any tensor exists. Memory outside the allocator beyond this margin is something else.
 _CONTEXT_MARGIN = 1536 * MiB
 
 # Bytes per trainable parameter for weights + gradients + AdamW state: 4+4+8 in fp32, 2+2+12 with
@@ -24,7 +25,8 @@ _CONTEXT_MARGIN = 1536 * MiB
 # 2020, arXiv:1910.02054, section 3.1). Frozen parameters: weights only, assumed 16-bit.
 _STATE_BYTES_TRAINABLE = 16
 _STATE_BYTES_FROZEN = 2
-# AdamW keeps 8 B/param of state, 8-bit Adam 2 B/param (docs/ground-truth.md, "Analytic pieces").
+# AdamW keeps 8 B/param of state (two fp32 moments, torch/optim/adamw.py), 8-bit Adam 2 B/param
+# (two 8-bit moments: Dettmers et al. 2021, arXiv:2110.02861).
 _ADAM8BIT_SAVING = 6
 
 
@@ -44,6 +46,7 @@ class _Out:
         self.notes: list[str] = []
         self.derived: dict[str, int] = {}
         self.shortfall: int | None = None
+        self.held: int | None = None      # what the process holds on the device, when stated
         self._fixes: dict[str, tuple[Fix, int, bool, int]] = {}
 
     def diag(self, cause: str, text: str) -> None:
@@ -62,14 +65,29 @@ class _Out:
     def ranked(self) -> tuple[Fix, ...]:
         """Fixes for the diagnosed cause first (unless their known effect falls short of what is
         missing), then fixes that cover the shortfall, then the rest by what they are expected to
-        buy; ties go to the cheaper fix."""
+        buy; ties go to the cheaper fix. A fix whose stated effect ("about" or "up to") is smaller
+        than the shortfall cannot fix the error on its own: its text says so, and it goes after every
+        fix that can - one that covers it, one whose lower bound ("at least") or unknown effect may -
+        so the order does not depend on whether a traceback sized the other fixes. An unknown effect
+        cannot exceed what the process holds on the device, so when the shortfall is larger than
+        that and no fix covers it, nothing can on its own and the order stays by expected effect."""
         need = self.shortfall if self.shortfall and self.shortfall > 0 else None
+
+        def short(fix: Fix) -> bool:
+            return (need is not None and fix.effect_bytes is not None and fix.effect_bound != "at least"
+                    and fix.effect_bytes < need)
+
+        fixes = [item[0] for item in self._fixes.values()]
+        unknown_may = need is not None and (self.held is None or need <= self.held)
+        demote = any(not short(f) and (f.effect_bytes is not None or unknown_may) for f in fixes)
 
         def key(item: tuple[Fix, int, bool, int]) -> tuple:
             fix, cost, primary, order = item
             eff = fix.effect_bytes
             enough = eff is None or need is None or eff >= need
-            if primary and enough:
+            if demote and short(fix):
+                group = 4
+            elif primary and enough:
                 group = 0
             elif eff is not None and need is not None and eff >= need:
                 group = 1
@@ -81,7 +99,17 @@ class _Out:
                 return (group, cost, order)
             return (group, -_expected(fix), cost, order)
 
-        return tuple(item[0] for item in sorted(self._fixes.values(), key=key))
+        ranked = []
+        for fix, *_ in sorted(self._fixes.values(), key=key):
+            if short(fix):
+                missing, frees = _F(need or 0), f"{fix.effect_bound} {_F(fix.effect_bytes or 0)}"
+                fix = replace(fix, title=f"{fix.title} - not enough on its own ({frees} of the {missing} missing)",
+                              detail=(fix.detail + " " if fix.detail else "") + f"On its own this cannot cover "
+                              f"the shortfall: it frees {frees} and {missing} was missing, so "
+                              + ("use a fix above, or this one together with another." if demote else
+                                 "combine it with others."))
+            ranked.append(fix)
+        return tuple(ranked)
 
     def ordered_diagnosis(self) -> tuple[Diagnosis, ...]:
         """The most explanatory cause first; phase remarks and side observations last."""

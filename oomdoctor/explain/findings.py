@@ -51,6 +51,9 @@ def _finalise(scanner: _Scanner) -> ExplainResult:
         phase, no_grad = _phase_of(d.frames) if d.frames and memory else (None, False)
         out = _Out()
         _DIAGNOSE[d.kind](d, ctx, phase, no_grad, out)
+        held = [v for k in ("this_process", "reserved", "allocated", "in_use")
+                if (v := d.numbers.get(k, out.derived.get(k))) is not None]
+        out.held = max(held) if held else None
         findings.append(Finding(
             kind=d.kind, title=_title(d), line=d.line, occurrences=d.occurrences,
             ranks=tuple(sorted(d.ranks)), gpus=tuple(sorted(d.gpus)), phase=phase,

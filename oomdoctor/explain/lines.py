@@ -65,7 +65,7 @@ _KEYWORDS = (
     "illegal", "device-side", "misaligned", "assertion", "inuse", "params", "parameters =",
     "parameters:", "batch size", "batch_size",
     "accumulat", "world_size", "world size", "nproc", "unable to write", "unable to find", "tried to",
-    "'local_rank'",
+    "'local_rank'", "keyboardinterrupt", "gpu0", "not supported", "10048", "calloc", "rtx 4000",
 )
 _TRACEBACK_HINTS = ("Traceback (most recent", 'File "', "File ~", "Cell In[", ".py:")
 

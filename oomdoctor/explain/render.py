@@ -19,7 +19,8 @@ _LABELS = {
     "non_pytorch_in_process": "non-PyTorch memory in process", "shortfall": "short by (at least)",
     "model_states": "model states (est.)", "activations": "activations (est.)",
     "timeout_ms": "timeout", "elapsed_ms": "ran for", "port": "port", "device": "device index",
-    "device_count": "visible devices",
+    "device_count": "visible devices", "anon_rss": "anon-rss (process RAM)", "total_vm": "total-vm",
+    "file_rss": "file-rss", "shmem_rss": "shmem-rss", "pid": "killed PID",
 }
 
 

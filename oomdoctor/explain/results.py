@@ -29,6 +29,7 @@ class Kind(str, Enum):
     PORT_IN_USE = "port_in_use"
     PORT_PERMISSION = "port_permission_denied"
     P2P = "p2p_unsupported"
+    NCCL_CUDA_OOM = "nccl_cuda_oom"
     ILLEGAL_MEMORY_ACCESS = "illegal_memory_access"
     DEVICE_ASSERT = "device_side_assert"
     MISALIGNED_ADDRESS = "misaligned_address"
@@ -73,6 +74,7 @@ _KIND_INFO: dict[Kind, tuple[Category, str]] = {
     Kind.PORT_IN_USE: (Category.LAUNCH, "Rendezvous port already in use"),
     Kind.PORT_PERMISSION: (Category.LAUNCH, "Permission denied binding the rendezvous port"),
     Kind.P2P: (Category.LAUNCH, "GPU peer-to-peer (P2P) access problem"),
+    Kind.NCCL_CUDA_OOM: (Category.GPU_MEMORY, "NCCL could not allocate its CUDA buffers (out of memory)"),
     Kind.ILLEGAL_MEMORY_ACCESS: (Category.NOT_OOM, "Illegal memory access - not an out-of-memory error"),
     Kind.DEVICE_ASSERT: (Category.NOT_OOM, "Device-side assert - not an out-of-memory error"),
     Kind.MISALIGNED_ADDRESS: (Category.NOT_OOM, "Misaligned address - not an out-of-memory error"),
@@ -85,6 +87,7 @@ BYTE_KEYS = frozenset({
     "private_pools", "this_process", "limit", "other_allocations", "in_use", "max_in_use",
     "total_allocation", "temp_allocation", "parameter_allocation", "other_processes",
     "outside_allocator", "non_pytorch_in_process", "shortfall", "model_states", "activations",
+    "anon_rss", "total_vm", "file_rss", "shmem_rss",
 })
 
 

@@ -10,7 +10,7 @@ from .draft import _compatible, _Draft, _merge
 from .formats import _ABSORBED_BY, _ANCHORS, _EXTRACT
 from .formats.frameworks import _F_TF_INUSE, _F_TF_LIMIT, _F_TF_MAXINUSE
 from .formats.host import _BUS_ERROR_LINE, _KILLED_LINE
-from .formats.launch import _BARE_ENV_LINE
+from .formats.launch import _BARE_ENV_LINE, _DP_HANG, _dp_hang_frames, _p2p_table
 from .formats.lookalikes import _ASSERT_TEXT
 from .formats.patterns import _AnchorSpec
 from .formats.torch_async_mps import _CUT_AT_DEVICE, _CUT_ASYNC_LINE
@@ -350,6 +350,9 @@ class _Scanner:
         kinds = {spec.kind for _, spec, _ in kept}
         cut_async = "allocationondevice" in low and Kind.CUDA_ASYNC_OOM not in kinds
         bare_env = Kind.MISSING_LAUNCH_ENV not in kinds and "os.environ[" in low
+        if "gpu0" in low and "gpu1" in low and (table := _p2p_table(lines)) is not None:
+            if stop_line is None or table[0] < stop_line:
+                self._place(table[2], st, key, table[0], table[1])
         if "killed" not in low and "buserror" not in low and not cut_async and not bare_env:
             return
         for lineno, body in lines:
@@ -406,6 +409,8 @@ class _Scanner:
             # The "[Rank N]" inside a watchdog line was consumed as this stream's prefix.
             d.collectives = [c if c.rank is not None else replace(c, rank=key) for c in d.collectives]
         d.frames = self._frames_for(st, lineno)
+        if d.details.get("source") == _DP_HANG and not _dp_hang_frames(d.frames):
+            return   # a Ctrl-C anywhere else is not an error to explain
         if d.kind is Kind.TF_OOM and self.tf_stats and 0 <= lineno - self.tf_stats[0] <= 5000:
             for k, v in self.tf_stats[1].items():
                 d.numbers.setdefault(k, v)

@@ -10,8 +10,8 @@ from .host import _ANCHORS as _HOST_ANCHORS
 from .host import (_diag_cpu, _diag_dataloader, _diag_oom_killer, _diag_paging, _diag_shm, _x_cpu, _x_dataloader,
                    _x_oom_killer, _x_shm)
 from .launch import _ANCHORS as _LAUNCH_ANCHORS
-from .launch import (_diag_missing_env, _diag_nccl, _diag_ordinal, _diag_p2p, _diag_port, _x_missing_env, _x_nccl,
-                     _x_ordinal, _x_p2p, _x_port)
+from .launch import (_diag_missing_env, _diag_nccl, _diag_nccl_oom, _diag_ordinal, _diag_p2p, _diag_port,
+                     _x_missing_env, _x_nccl, _x_nccl_oom, _x_ordinal, _x_p2p, _x_port)
 from .lookalikes import _ANCHORS as _LOOKALIKE_ANCHORS
 from .lookalikes import _diag_lookalike, _x_assert
 from .patterns import _AnchorSpec, _x_simple
@@ -33,7 +33,7 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
 _ABSORBED_BY: dict[Kind, tuple[frozenset[Kind], int]] = {
     Kind.CUDA_OOM: (frozenset({Kind.CUDA_OOM, Kind.HIP_OOM, Kind.MPS_OOM}), 80),
     Kind.SHARED_MEMORY: (frozenset({Kind.DATALOADER_KILLED}), 400),
-    Kind.CUDA_ERROR_OOM: (frozenset({Kind.CUBLAS_ALLOC, Kind.CUDNN_FAILURE}), 200),
+    Kind.CUDA_ERROR_OOM: (frozenset({Kind.CUBLAS_ALLOC, Kind.CUDNN_FAILURE, Kind.NCCL_CUDA_OOM}), 200),
     Kind.PORT_PERMISSION: (frozenset({Kind.PORT_IN_USE}), 200),
 }
 
@@ -58,6 +58,7 @@ _EXTRACT = {
     Kind.PORT_IN_USE: _x_port(Kind.PORT_IN_USE),
     Kind.PORT_PERMISSION: _x_port(Kind.PORT_PERMISSION),
     Kind.P2P: _x_p2p,
+    Kind.NCCL_CUDA_OOM: _x_nccl_oom,
     Kind.ILLEGAL_MEMORY_ACCESS: _x_simple(Kind.ILLEGAL_MEMORY_ACCESS),
     Kind.DEVICE_ASSERT: _x_assert,
     Kind.MISALIGNED_ADDRESS: _x_simple(Kind.MISALIGNED_ADDRESS),
@@ -85,6 +86,7 @@ _DIAGNOSE = {
     Kind.PORT_IN_USE: _diag_port,
     Kind.PORT_PERMISSION: _diag_port,
     Kind.P2P: _diag_p2p,
+    Kind.NCCL_CUDA_OOM: _diag_nccl_oom,
     Kind.ILLEGAL_MEMORY_ACCESS: _diag_lookalike,
     Kind.DEVICE_ASSERT: _diag_lookalike,
     Kind.MISALIGNED_ADDRESS: _diag_lookalike,

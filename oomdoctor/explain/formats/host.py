@@ -52,6 +52,11 @@ _F_NUMPY = _rx(r"Unabletoallocate" + _SZ + r"foranarraywithshape\(([\d,]*)\)andd
 
 _F_DL_PIDS = _rx(r"DataLoaderworker\(pid(?:\(s\))?([\d,]+)\)")
 _F_DL_SIGNAL = _rx(r"iskilledbysignal:(Killed|Buserror|Segmentationfault|Aborted|Terminated|\w{1,20}?)(?:\.|It|$)")
+# The kernel's own report (mm/oom_kill.c, __oom_kill_process): "Out of memory: Killed process <pid>
+# (<comm>) total-vm:<n>kB, anon-rss:<n>kB, file-rss:<n>kB, shmem-rss:<n>kB, ..." (older kernels:
+# "Kill process <pid> (<comm>) score <n> or sacrifice child" then "Killed process ...").
+_F_DMESG_KILL = _rx(r"Killedprocess(\d+)\(([^)]{0,64})\)total-vm:(\d+)kB,anon-rss:(\d+)kB"
+                    r"(?:,file-rss:(\d+)kB)?(?:,shmem-rss:(\d+)kB)?")
 _F_RANK_TORCHRUN = _rx(r"(?:^|\W)rank:(\d+)\(local_rank|local_rank:(\d+)")
 
 
@@ -89,12 +94,20 @@ def _x_oom_killer(span: str, pre: str, m: re.Match) -> _Draft:
     text = m.group(0).lower()
     if "exitcode" in text and "137" not in text or "signal9" in text or "sigkill" in text or "returncode" in text:
         d.details["source"] = "launcher reported SIGKILL (exit code -9)"
-    elif "outofmemory:kill" in text:
+    elif ("outofmemory:kill" in text or span.lower().startswith("oom-kill:constraint")
+          or pre.lower().endswith("invoked")):
         d.details["source"] = "kernel log (dmesg)"
     elif "oom" in text:
         d.details["source"] = "scheduler/container OOM kill (Slurm/Kubernetes)"
     else:
         d.details["source"] = "exit status 137 (128 + SIGKILL)"
+    kill = _F_DMESG_KILL.search(span[:400])
+    if kill:
+        d.numbers["pid"] = int(kill.group(1))
+        d.details["process"] = kill.group(2)
+        for key, group in (("total_vm", 3), ("anon_rss", 4), ("file_rss", 5), ("shmem_rss", 6)):
+            if kill.group(group) is not None:
+                d.numbers[key] = int(kill.group(group)) * 1024
     _add_torchrun_rank(d, span)
     d.sig = ()
     return d
@@ -175,6 +188,14 @@ def _diag_paging(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: 
 
 
 def _diag_oom_killer(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    rss = d.numbers.get("anon_rss")
+    if rss is not None:
+        pid, name = d.numbers.get("pid"), d.details.get("process", "?")
+        out.diag("host_oom_killer", f"The Linux kernel's OOM killer killed process {pid} ({name}), which held "
+                 f"{_F(rss)} of host RAM of its own (anon-rss: heap, Python objects, tensors on the CPU"
+                 + (f"; {_F(d.numbers['shmem_rss'])} more in shared memory" if d.numbers.get("shmem_rss") else "")
+                 + "). Host RAM ran out, not GPU memory: the machine (or its cgroup/container limit) had no more "
+                 "to give. Everything else running at the time - other ranks, DataLoader workers - counts too.")
     out.diag("host_oom_killer", "The process was killed with SIGKILL (" + d.details.get("source", "") + "), which "
              "without an error message almost always means the Linux OOM killer or the job scheduler's memory "
              "limit: host RAM, not GPU memory, ran out. Confirm with `dmesg -T | grep -i oom` or the scheduler's "

@@ -1,9 +1,11 @@
-"""Launch and multi-GPU errors: launch variables (LOCAL_RANK, ...), device ordinal, NCCL timeouts, ports, P2P."""
+"""Launch and multi-GPU errors: launch variables (LOCAL_RANK, ...), device ordinal, NCCL timeouts and buffer
+allocation failures, ports (also Windows' WSAEADDRINUSE), P2P (NCCL errors, `nvidia-smi topo -p2p r` tables,
+DataParallel hangs, accelerate's RTX 4000 refusal)."""
 from __future__ import annotations
 
 import re
 
-from ..diagnosis import _QUALITY_NONE, _SPEED_NONE, _Ctx, _Out
+from ..diagnosis import _F, _QUALITY_NONE, _SPEED_NONE, _Ctx, _Out
 from ..draft import _Draft, _seq
 from ..results import Collective, Kind, Phase
 from .patterns import _I, _AnchorSpec, _rx
@@ -19,14 +21,44 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
         r"|AttemptingtodeserializeobjectonCUDAdevice\d+buttorch\.cuda\.device_count\(\)is\d+", _I), absorb=200),
     _AnchorSpec(Kind.NCCL_TIMEOUT, ("watchdog",),
                 re.compile(r"Watchdogcaughtcollectiveoperationtimeout", _I), absorb=0),
-    _AnchorSpec(Kind.PORT_IN_USE, ("alreadyinuse", "eaddrinuse", "errno:98"), re.compile(
-        r"(?:errno:98-?)?Addressalreadyinuse|EADDRINUSE|errno:98(?!\d)", _I), absorb=300),
+    _AnchorSpec(Kind.PORT_IN_USE, ("alreadyinuse", "eaddrinuse", "errno:98", "10048"), re.compile(
+        r"(?:errno:98-?)?Addressalreadyinuse|EADDRINUSE|errno:98(?!\d)"
+        # Windows: WSAEADDRINUSE is error 10048, its text localised ("Only one usage of each socket
+        # address ... is normally permitted" in English), so the code is what is matched.
+        r"|(?:WinError|systemerror:?|Errno|error:?|error=)10048(?!\d)", _I), absorb=300),
     _AnchorSpec(Kind.PORT_PERMISSION, ("errno:13", "eacces"),
                 re.compile(r"errno:13-?Permissiondenied|EACCES", _I), absorb=300),
     _AnchorSpec(Kind.P2P, ("peeraccess", "peermapping", "p2p"), re.compile(
         r"peeraccessisnotsupport(?:ed)?betweenthesetwodevices|cudaErrorPeerAccessUnsupported"
-        r"|peermappingresourcesexhausted|P2P(?:access)?(?:is)?notsupported", _I), absorb=300),
+        r"|peermappingresourcesexhausted|P2P(?:access)?(?:is)?notsupported"
+        # accelerate refuses RTX 4000-series cards unless P2P and IB are disabled
+        # (accelerate/state.py, with accelerate/utils/environment.py check_cuda_p2p_ib_support).
+        r"|RTX4000series(?:doesn.?t|doesnot)supportfastercommunication", _I), absorb=300),
+    # A Ctrl-C'd DataParallel hang: kept only when its traceback is inside DataParallel's weight
+    # broadcast (scanner: _dp_hang_frames).
+    _AnchorSpec(Kind.P2P, ("keyboardinterrupt",), re.compile(r"(?<![A-Za-z_.])KeyboardInterrupt(?![A-Za-z_])"),
+                absorb=300),
+    # NCCL allocating its own buffers with cudaMalloc outside PyTorch's allocator (NCCL
+    # src/include/alloc.h, ncclCudaCalloc: "Failed to CUDA calloc %ld bytes"; CUDACHECK's
+    # "Cuda failure '%s'" warning). It starts at "NCCL WARN" so it takes precedence over the
+    # generic "CUDA failure ... out of memory" anchor of cuda.py, which begins inside it.
+    _AnchorSpec(Kind.NCCL_CUDA_OOM, ("calloc", "ncclwarncudafailure"), re.compile(
+        r"FailedtoCUDAcalloc(?:async)?\d+bytes|NCCLWARNCudafailure['\"]?outofmemory", _I), absorb=600),
 )
+
+_DP_HANG = "DataParallel hang interrupted with Ctrl-C (KeyboardInterrupt in its weight broadcast)"
+_TOPO = "nvidia-smi topo -p2p r"
+_RTX4000 = "accelerate refuses P2P/IB on RTX 4000-series cards"
+# torch/nn/parallel/replicate.py copies the module to every GPU at each forward through
+# comm.broadcast_coalesced (torch/nn/parallel/comm.py) - peer copies, which hang without P2P.
+_DP_FUNCS = frozenset({"broadcast_coalesced", "_broadcast_coalesced_reshape", "replicate"})
+_DP_FILES = ("nn/parallel/comm.py", "nn/parallel/replicate.py")
+
+# `nvidia-smi topo -p2p r` (read; also w/n/a/p): a header of GPU columns, a row per GPU with
+# X (self), OK, or a "not supported" status (NS, CNS chipset, GNS GPU, TNS topology), U unknown.
+_TOPO_HEADER = re.compile(r"^\s*((?:GPU\d+\s+)*GPU\d+)\s*$")
+_TOPO_ROW = re.compile(r"^\s*GPU(\d+)((?:\s+(?:X|OK|NS|CNS|GNS|TNS|U))+)\s*$")
+_TOPO_BAD = frozenset({"NS", "CNS", "GNS", "TNS"})
 
 # Matched per (unsquashed) line by the scanner: a message whose meaning depends on being alone.
 # A KeyError printed by str() (an IDE, a logger): a line that is only the quoted variable.
@@ -42,6 +74,7 @@ _F_DESERIALIZE = _rx(r"AttemptingtodeserializeobjectonCUDAdevice(\d+)buttorch\.c
 _F_NCCL = _rx(r"WorkNCCL\((?:SeqNum=(\d+),)?OpType=(\w+?)(?:,NumelIn=(\d+))?(?:,NumelOut=\d+)?,Timeout\(ms\)=(\d+)\)"
               r"ranfor(\d+)milliseconds")
 _F_RANK_IN_TEXT = _rx(r"\[(?:PG[^\]]*)?Rank(\d+)\]")
+_F_CALLOC = _rx(r"FailedtoCUDAcalloc(?:async)?(\d+)bytes")
 _F_PORT = _rx(r"(?:port[:=]|\]:|0\.0\.0\.0:|localhost:|127\.0\.0\.1:|MASTER_PORT=)(\d{2,5})")
 
 
@@ -89,6 +122,8 @@ def _x_port(kind: Kind):
         ports = _F_PORT.findall(pre[-120:] + span[:300])
         if ports:
             d.numbers["port"] = int(ports[0])
+        if "10048" in m.group(0):
+            d.details["platform"] = "Windows (WSAEADDRINUSE, error 10048)"
         d.sig = (d.numbers.get("port"),)
         return d
     return extract
@@ -96,7 +131,56 @@ def _x_port(kind: Kind):
 
 def _x_p2p(span: str, pre: str, m: re.Match) -> _Draft:
     d = _Draft(Kind.P2P)
-    d.details["message"] = m.group(0)
+    text = m.group(0)
+    if text == "KeyboardInterrupt":
+        d.details["source"] = _DP_HANG
+    elif text.lower().startswith("rtx4000"):
+        d.details["source"] = _RTX4000
+    else:
+        d.details["message"] = text
+    d.sig = ()
+    return d
+
+
+def _dp_hang_frames(frames: list) -> bool:
+    """Whether a KeyboardInterrupt's traceback is inside DataParallel's weight broadcast."""
+    return any(f.func in _DP_FUNCS or f.file.replace("\\", "/").endswith(_DP_FILES) for f in frames)
+
+
+def _p2p_table(lines: list[tuple[int, str]]) -> tuple[int, str, _Draft] | None:
+    """A pasted `nvidia-smi topo -p2p r` table with a 'not supported' pair -> a P2P draft."""
+    columns: list[int] = []
+    bad: list[str] = []
+    first = None
+    for lineno, body in lines:
+        head = _TOPO_HEADER.match(body)
+        if head:
+            columns = [int(c) for c in re.findall(r"GPU(\d+)", head.group(1))]
+            continue
+        row = _TOPO_ROW.match(body)
+        if not row or not columns:
+            continue
+        gpu, cells = int(row.group(1)), row.group(2).split()
+        for col, cell in zip(columns, cells):
+            if cell in _TOPO_BAD and gpu < col:
+                bad.append(f"GPU{gpu}-GPU{col} ({cell})")
+                if first is None:
+                    first = (lineno, body)
+    if first is None:
+        return None
+    d = _Draft(Kind.P2P)
+    d.details["source"] = _TOPO
+    d.details["unsupported_pairs"] = ", ".join(bad[:16])
+    d.numbers["device_count"] = len(columns)
+    d.sig = ()
+    return first[0], first[1], d
+
+
+def _x_nccl_oom(span: str, pre: str, m: re.Match) -> _Draft:
+    d = _Draft(Kind.NCCL_CUDA_OOM)
+    size = _F_CALLOC.search(span[:400]) or _F_CALLOC.search(pre)
+    if size:
+        d.numbers["requested"] = int(size.group(1))
     d.sig = ()
     return d
 
@@ -179,15 +263,51 @@ def _diag_port(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _O
         out.fix("use_high_port", "Use a port above 1024: torchrun --master_port=29511 ...", None, None, _SPEED_NONE,
                 _QUALITY_NONE, "", cost=0, primary=True)
         return
-    out.diag("port_taken", f"Port {p} is already taken: another torchrun job on this machine uses the default "
-             "29500 (two trainings at once), or a previous run's processes are still alive.")
+    windows = "10048" in d.details.get("platform", "")
+    out.diag("port_taken", f"Port {p} is already taken"
+             + (" (Windows error 10048, WSAEADDRINUSE, whatever language its text is in)" if windows else "")
+             + ": another torchrun job on this machine uses the default 29500 (two trainings at once), or a "
+             "previous run's processes are still alive.")
+    find = (f"`netstat -ano | findstr :{port or 29500}` shows the PID holding it; stop it with "
+            "`taskkill /PID <pid> /F` (or close the old run)." if windows else
+            f"Find the holder with `ss -ltnp | grep {port or 29500}` and stop leftover processes.")
     out.fix("other_port", "Give each job its own port: torchrun --master_port=29501 ... (or --rdzv-endpoint="
             "localhost:0 --standalone)", None, None, _SPEED_NONE, _QUALITY_NONE,
-            f"Find the holder with `ss -ltnp | grep {port or 29500}` and stop leftover processes.", cost=0,
+            ("Without torchrun set MASTER_PORT=29501 in the environment. " if windows else "") + find, cost=0,
             primary=True)
 
 
 def _diag_p2p(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    source = d.details.get("source")
+    if source == _RTX4000:
+        out.diag("accelerate_rtx4000_p2p", "accelerate refused to start: RTX 4000-series (Ada GeForce) cards "
+                 "do not support GPU peer-to-peer transfers, and NCCL would try P2P (and InfiniBand) and hang or "
+                 "fail, so accelerate requires both to be disabled explicitly.")
+        out.fix("nccl_p2p_ib_disable", "Set NCCL_P2P_DISABLE=\"1\" and NCCL_IB_DISABLE=\"1\" before the process "
+                "starts, or launch with `accelerate launch` (which sets them for these cards)", None, None,
+                "GPU-to-GPU traffic goes through host memory (slower than P2P would be)", _QUALITY_NONE,
+                "export NCCL_P2P_DISABLE=1 NCCL_IB_DISABLE=1 (or os.environ[...] at the very top of the script, "
+                "before accelerate or torch.distributed is initialised).", cost=0, primary=True)
+        return
+    if source in (_TOPO, _DP_HANG):
+        n = d.numbers.get("device_count") or ctx.world
+        pairs = d.details.get("unsupported_pairs")
+        what = (f"`nvidia-smi topo -p2p r` reports P2P not supported between {pairs}"
+                if pairs else "The run hung in DataParallel's weight broadcast (torch/nn/parallel/comm.py "
+                "broadcast_coalesced, called from replicate.py) and was interrupted with Ctrl-C")
+        out.diag("dataparallel_p2p", f"{what}. DataParallel copies the weights from GPU 0 to every other GPU at "
+                 "every forward, GPU to GPU; where the GPUs cannot reach each other peer-to-peer (common on "
+                 "consumer boards and with some BIOS/IOMMU settings) it hangs or is very slow. "
+                 "DistributedDataParallel does not need P2P: one process per GPU, gradients all-reduced by NCCL.")
+        out.fix("ddp_not_dp", f"Use DistributedDataParallel instead of DataParallel: torchrun --standalone "
+                f"--nproc_per_node={n or '<number of GPUs>'} train.py", None, None,
+                "faster than DataParallel (no per-step weight copies, no GIL contention)", _QUALITY_NONE,
+                "Wrap the model with DDP(model, device_ids=[local_rank]) after torch.cuda.set_device(local_rank) "
+                "and use a DistributedSampler; the effective batch is the per-GPU batch x GPUs.", cost=1,
+                primary=True)
+        out.fix("nccl_p2p_disable", "If NCCL itself then hangs: NCCL_P2P_DISABLE=1 (NCCL copies through host "
+                "memory)", None, None, "slower inter-GPU transfers", _QUALITY_NONE, "", cost=1)
+        return
     out.diag("p2p_unsupported", "The GPUs cannot access each other's memory directly (peer-to-peer). Many "
              "consumer boards (and some BIOS/IOMMU settings) do not support it; `nvidia-smi topo -p2p r` shows it.")
     out.fix("nccl_p2p_disable", "NCCL_P2P_DISABLE=1 (NCCL then copies through host memory)", None, None,
@@ -195,3 +315,23 @@ def _diag_p2p(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Ou
     out.fix("ddp_not_dp", "Use DistributedDataParallel (one process per GPU) instead of DataParallel", None, None,
             "faster", _QUALITY_NONE, "DataParallel copies through GPU 0 with peer access and hangs or crawls "
             "without it; DDP over NCCL does not need P2P.", cost=1)
+
+
+def _diag_nccl_oom(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    req = d.numbers.get("requested")
+    size = f" {_F(req)}" if req is not None else ""
+    out.diag("nccl_buffers_oom", f"NCCL could not allocate{size} of GPU memory for its own communication "
+             "buffers: it allocates them with cudaMalloc itself, outside PyTorch's caching allocator, when a "
+             "communicator is created or first used. The GPU was already full - PyTorch's cached (reserved) "
+             "memory, this step's tensors or another process - so nothing was left for NCCL. This is an "
+             "out-of-memory error, not a network or driver fault.")
+    out.fix("free_memory_for_nccl", "Leave GPU memory for NCCL: a smaller micro-batch (with gradient "
+            "accumulation), and PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so PyTorch's cache does not "
+            "hoard freed memory", None, None, "slightly slower per sample", _QUALITY_NONE,
+            "Initialising the process group and running one small all_reduce before building the model also "
+            "lets NCCL take its buffers while the GPU is still empty.", cost=1, primary=True)
+    out.fix("nccl_buffsize", "Smaller NCCL buffers: NCCL_BUFFSIZE=1048576 (the default is 4 MiB per channel "
+            "and peer)", None, None, "slightly slower collectives", _QUALITY_NONE, "", cost=1)
+    out.fix("check_other_processes", "Check what else is on the GPU: nvidia-smi (a leftover run, a second job, "
+            "or several ranks on GPU 0 because torch.cuda.set_device(local_rank) is missing)", None, None,
+            _SPEED_NONE, _QUALITY_NONE, "", cost=0)

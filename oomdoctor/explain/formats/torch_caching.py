@@ -140,7 +140,8 @@ def _torch_numbers(d: _Draft, out: _Out) -> _TorchNums:
     alloc, pools, fmt = n.get("allocated"), n.get("private_pools", 0), d.details.get("format", "")
     reserved, unalloc = n.get("reserved"), n.get("reserved_unallocated")
     if reserved is None and alloc is not None and unalloc is not None:
-        # <= 1.4: "cached" is held by the allocator but unused (docs/oom-formats.md);
+        # <= 1.4: "cached" is held by the allocator but unused (the torch <= 1.4 message built in
+        # c10/cuda/CUDACachingAllocator.cpp's malloc);
         # >= 2.1: reserved = allocated + private pools + reserved-but-unallocated.
         reserved = alloc + unalloc + (0 if fmt == "torch<=1.4" else pools)
         out.derived["reserved"] = reserved
@@ -280,7 +281,8 @@ def _diag_fragmentation(t: _TorchNums, out: _Out) -> None:
     if unalloc is None or unalloc < 64 * MiB or t.spill:
         return
     # After a failed cudaMalloc the allocator frees every unsplit cached block and retries
-    # (docs/allocator.md, "Malloc order"), so what stays reserved-but-unallocated is pieces of
+    # (c10/cuda/CUDACachingAllocator.cpp, malloc(): release_available_cached_blocks, then
+    # release_cached_blocks, then alloc_block again), so what stays reserved-but-unallocated is pieces of
     # partly used segments: fragmentation, which is what these two settings address.
     fits = req is not None and free is not None and free < req <= unalloc + free
     share = unalloc / t.reserved if t.reserved else 0
@@ -294,7 +296,7 @@ def _diag_fragmentation(t: _TorchNums, out: _Out) -> None:
         out.fix("max_split_size_mb", f"Set {t.env}=max_split_size_mb:128 (or upgrade to torch >= 2.2 and use "
                 "expandable_segments:True)", unalloc, "up to", "none to slight", _QUALITY_NONE,
                 "Blocks of at least max_split_size_mb are never split, so large cached blocks stay whole for "
-                "large requests (docs/allocator.md).", cost=0, primary=primary)
+                "large requests.", cost=0, primary=primary)
     else:
         out.fix("expandable_segments", f"Set {t.env}=expandable_segments:True before the process starts",
                 unalloc, "up to", _SPEED_NONE, _QUALITY_NONE,
