@@ -44,6 +44,10 @@ class SmokeError(Exception):
     """The smoke run cannot start (what, why, fix in the message)."""
 
 
+class NoDeviceError(SmokeError):
+    """--device cuda, and not enough CUDA GPUs are visible (the CLI's no-device exit code)."""
+
+
 @dataclass(frozen=True)
 class SmokeConfig:
     """What to run."""
@@ -471,7 +475,7 @@ def run_smoke(spec: ModelSpec, cfg: SmokeConfig, prediction: StrategyEstimate | 
     asked = cfg.precision
     have = torch.cuda.is_available() and torch.cuda.device_count() >= cfg.num_gpus
     if cfg.device == "cuda" and not have:
-        raise SmokeError(f"--device cuda asked for {cfg.num_gpus} CUDA GPU(s) but "
+        raise NoDeviceError(f"--device cuda asked for {cfg.num_gpus} CUDA GPU(s) but "
                          f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} are "
                          "visible; check CUDA_VISIBLE_DEVICES, or drop --device cuda to run on "
                          "the CPU")

@@ -47,3 +47,14 @@ def test_a_construct_the_simulator_cannot_follow_is_not_a_verdict(tmp_path):
     assert "not a verdict on memory" in lines[0] and "Traceback" not in r.stderr
     r = run("estimate", model, "-b", "8", "--gpu", "rtx3090", "--debug")
     assert r.exit_code == EXIT_INTERNAL and "Traceback (most recent call last)" in r.stderr
+
+
+def test_no_gpu_where_one_is_required_is_exit_4():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    from oomdoctor.cli import EXIT_NO_GPU
+    for args in (["smoke", MLP, "--device", "cuda"], ["probe", MLP, "--device", "cuda"]):
+        r = run(*args)
+        assert r.exit_code == EXIT_NO_GPU, (args, r.output)
+        assert r.stderr.strip().splitlines()[-1].startswith("error: ")

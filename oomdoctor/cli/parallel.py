@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from oomdoctor.cli.group import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
+from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
+                                 cli)
 from oomdoctor.cli.options import (_alloc_config, _card_options, _detect_gpus, _die, _load_model,
                                    _make_budget, _num_gpus, _progress)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
@@ -238,6 +239,8 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
         result = smoke_mod.run_smoke(spec, cfg, prediction, progress=_progress)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
+    except smoke_mod.NoDeviceError as e:
+        _die(e, debug, EXIT_NO_GPU)
     except smoke_mod.SmokeError as e:
         _die(e, debug, EXIT_PROBLEM)
     except ValueError as e:
