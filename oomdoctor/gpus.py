@@ -8,7 +8,8 @@ the "total capacity" in OOM messages), not the marketing size: a "24 GB" RTX 309
 and loaded kernels - which never shows in ``max_memory_reserved()``. It depends on GPU, driver,
 CUDA version and lazy loading (the default since CUDA 11.7); the defaults below are typical
 readings with lazy loading and are overridable with ``--overhead``. One published reading
-without lazy loading: 1343 MB on a V100 (docs/ground-truth.md, HF-0).
+without lazy loading: 1343 MB on a V100 (transformers docs, "Efficient Training on a Single GPU",
+the CUDA-context reading; rebuilt in tests/test_ground_truth.py as HF-0).
 
 TFLOP/s are dense peak numbers from the vendors' datasheets, with fp32 accumulation for the
 16-bit tensor-core rates (what PyTorch's matmuls use; GeForce cards run that at half the fp16-
