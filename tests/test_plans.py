@@ -52,3 +52,15 @@ def test_omp_threads_planned_elsewhere_are_said_to_be_this_machines():
     assert lc.env["OMP_NUM_THREADS"] == "8"
     assert "this machine's 16 cores / 2 processes" in lc.env_note
     assert _launch(_candidate(strategy="ddp"), detected=True).env_note == ""
+
+
+def test_amp_is_the_plan_even_when_pure_bf16_is_faster_and_the_note_says_why():
+    from oomdoctor.recommend.search import faster_pure_bf16_note, rank
+    amp = _candidate(strategy="ddp", precision="bf16", step_seconds=2.0, score=2.0)
+    pure = _candidate(strategy="ddp", precision="bf16-pure", step_seconds=1.0, score=1.25)
+    ranked = rank([pure, amp])
+    assert [c.precision for c in ranked] == ["bf16", "bf16-pure"]
+    note = faster_pure_bf16_note(ranked[0], ranked)
+    assert "would step 2.0x faster" in note and "not neutral" in note and "keeps bf16" in note
+    assert rank([pure])[0] is pure                       # the plan when nothing else fits
+    assert faster_pure_bf16_note(amp, [amp]) is None

@@ -199,16 +199,7 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
                                              strategies_for(p), base, progress)
                 candidates += cands
                 errors += errs
-    # Step times equal to the three digits the table shows (typically: compute hides all
-    # communication) are a tie - the estimate is not finer than that. Ties go to the plan that
-    # moves fewer bytes, then to the simpler strategy (DDP before the ZeRO stages: fewer
-    # moving parts, plain checkpoints), then to the one with more headroom.
-    # Pure bf16 comes after every plan that keeps fp32 master weights, whatever its speed: its
-    # quality note says it is not neutral, so it is the plan only when nothing else fits (the
-    # speed it would buy is stated in a note below).
-    candidates.sort(key=lambda c: (NUMERICS[c.precision], float(f"{c.score:.3g}"),
-                                   c.traffic_bytes, SIMPLICITY.index(c.strategy),
-                                   c.peak_device_bytes))
+    candidates = rank(candidates)
     candidates = _verified(spec, candidates, hw, budget, alloc, base, progress)
     best = candidates[0] if candidates else None
     # Per-GPU memory of every strategy for one configuration: the best's, else the one with the
@@ -238,15 +229,7 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
                and c.checkpointing == best.checkpointing]
         if one and best.step_seconds:
             speedup = one[0].step_seconds / best.step_seconds
-    notes = []
-    faster = [c for c in candidates if NUMERICS[c.precision] and best is not None
-              and not NUMERICS[best.precision] and c.step_seconds < best.step_seconds]
-    if faster:
-        f = faster[0]
-        notes.append(f"pure bf16 ({f.strategy} x{f.num_gpus}, micro-batch {f.micro_batch}) would "
-                     f"step {best.step_seconds / f.step_seconds:.1f}x faster, but it is not "
-                     "neutral for quality (bf16 weights and optimizer state lose small "
-                     f"updates); the plan keeps {best.precision} with fp32 master weights")
+    notes = [n for n in [faster_pure_bf16_note(best, candidates)] if n]
     if "ddp" in names and hw.num_gpus > 1:
         ddp = [e for e in by_strategy if e.strategy == "ddp"]
         one = [e for e in by_strategy if e.strategy == "single"]
@@ -263,6 +246,33 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         budget.limit_bytes, facts.num_parameters, tuple(candidates[:top]), best, launch,
         by_strategy, ref, tuple(floors), tuple(alternatives), tuple(notes), tuple(errors),
         speedup)
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Best first. Pure bf16 comes after every plan that keeps fp32 master weights, whatever
+    its speed: its quality note says it is not neutral, so it is the plan only when nothing
+    else fits (faster_pure_bf16_note says what speed it would buy)."""
+    # Step times equal to the three digits the table shows (typically: compute hides all
+    # communication) are a tie - the estimate is not finer than that. Ties go to the plan that
+    # moves fewer bytes, then to the simpler strategy (DDP before the ZeRO stages: fewer
+    # moving parts, plain checkpoints), then to the one with more headroom.
+    return sorted(candidates, key=lambda c: (NUMERICS[c.precision], float(f"{c.score:.3g}"),
+                                             c.traffic_bytes, SIMPLICITY.index(c.strategy),
+                                             c.peak_device_bytes))
+
+
+def faster_pure_bf16_note(best: Candidate | None, candidates: list[Candidate]) -> str | None:
+    """When a pure bf16 plan would step faster than the recommended one: by how much, and why
+    the plan keeps fp32 master weights."""
+    faster = [c for c in candidates if NUMERICS[c.precision] and best is not None
+              and not NUMERICS[best.precision] and c.step_seconds < best.step_seconds]
+    if not faster:
+        return None
+    f = faster[0]
+    return (f"pure bf16 ({f.strategy} x{f.num_gpus}, micro-batch {f.micro_batch}) would step "
+            f"{best.step_seconds / f.step_seconds:.1f}x faster, but it is not neutral for "
+            "quality (bf16 weights and optimizer state lose small updates); the plan keeps "
+            f"{best.precision} with fp32 master weights")
 
 
 def _verified(spec: ModelSpec, candidates: list[Candidate], hw: Hardware, budget: Budget,
