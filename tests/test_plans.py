@@ -64,3 +64,19 @@ def test_amp_is_the_plan_even_when_pure_bf16_is_faster_and_the_note_says_why():
     assert "would step 2.0x faster" in note and "not neutral" in note and "keeps bf16" in note
     assert rank([pure])[0] is pure                       # the plan when nothing else fits
     assert faster_pure_bf16_note(amp, [amp]) is None
+
+
+def test_recommend_prints_a_dataparallel_plan_that_does_what_it_says():
+    from click.testing import CliRunner
+
+    from oomdoctor.cli import EXIT_OK, cli
+    r = CliRunner().invoke(cli, ["recommend", MLP.path, "--gpu", "rtx3090", "--gpus", "2",
+                                 "--strategy", "dp", "--link", "pcie-no-p2p", "--quick", "-j",
+                                 "1", "--precision", "bf16", "--target-batch", "256"])
+    assert r.exit_code == EXIT_OK, r.output
+    out = r.stdout
+    assert "RECOMMENDED: dp on 2 GPU(s), bf16, micro-batch 128 x 1" in out
+    assert "batch_size=256" in out and "128 per GPU x 2 GPUs" in out
+    assert "from torch.utils.data import DataLoader" in out
+    assert "(broadcast_coalesced) can hang or crawl here" in out
+    assert "on the training server use its cores" in out
