@@ -45,7 +45,7 @@ from oomdoctor import __version__
 from oomdoctor.allocator import format_size
 from oomdoctor.estimate import Budget, estimate
 from oomdoctor.gpus import custom_profile, get_profile, parse_size
-from oomdoctor.loader import ModelFileError, load_model_file
+from oomdoctor.loader import ModelFileError, load_model
 from oomdoctor.trace import PRECISIONS, TraceConfig
 
 SCHEMA = 1
@@ -72,11 +72,17 @@ class Case:
     budget_bytes: int | None = None
     margin: float = 0.05
     tolerance: float = DEFAULT_TOLERANCE
+    task: str | None = None          # a Hugging Face id or config as `model`: its task ...
+    seq_len: int | None = None       # ... and tokens per sequence
 
     def config(self) -> dict[str, Any]:
-        """What defines the numbers: a change here makes the baseline stale."""
+        """What defines the numbers: a change here makes the baseline stale. (task and seq_len
+        only where set: baselines recorded before they existed stay valid.)"""
         d = asdict(self)
         del d["name"], d["tolerance"]
+        for key in ("task", "seq_len"):
+            if d[key] is None:
+                del d[key]
         return d
 
 
@@ -172,7 +178,7 @@ def load_config(path: str | None = None) -> CheckConfig:
         s = cp[section]
         where = f"{path} [{section}]"
         known = {"model", "batch_size", "precision", "checkpointing", "grad_accum", "optimizer",
-                 "strategy", "gpu", "budget", "margin", "tolerance"}
+                 "strategy", "gpu", "budget", "margin", "tolerance", "task", "seq_len"}
         unknown = set(s) - known
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: "
@@ -183,6 +189,7 @@ def load_config(path: str | None = None) -> CheckConfig:
             batch_size = int(s["batch_size"])
             grad_accum = int(s.get("grad_accum", "1"))
             checkpointing = s.getboolean("checkpointing", fallback=False)
+            seq_len = int(s["seq_len"]) if "seq_len" in s else None
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from e
         precision = s.get("precision", "fp32")
@@ -203,7 +210,7 @@ def load_config(path: str | None = None) -> CheckConfig:
                           s.get("optimizer"), strategy, gpu, budget,
                           _fraction(s.get("margin", "5%"), "margin"),
                           _fraction(s["tolerance"], "tolerance") if "tolerance" in s
-                          else tolerance))
+                          else tolerance, s.get("task"), seq_len))
     if not cases:
         raise ConfigError(f"{path}: no [oomdoctor:NAME] sections; add one per case (see "
                           "`oomdoctor check --help`)")
@@ -215,7 +222,10 @@ def load_config(path: str | None = None) -> CheckConfig:
 def measure_case(case: Case, root: str) -> Measured:
     """Estimate one case; any failure becomes the case's error (fail closed)."""
     try:
-        spec = load_model_file(os.path.join(root, case.model))
+        # a path relative to the config's folder, else a Hugging Face id as written
+        local = os.path.join(root, case.model)
+        spec = load_model(local if os.path.exists(local) else case.model, task=case.task,
+                          seq_len=case.seq_len)
         gpu = get_profile(case.gpu)
         cfg = TraceConfig(case.batch_size, case.precision, case.checkpointing, None,
                           case.grad_accum, case.optimizer)

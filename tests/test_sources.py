@@ -98,3 +98,22 @@ def test_one_line_errors_for_what_cannot_be_read(tmp_path):
     r = CliRunner().invoke(cli, ["estimate", str(MODELS / "fused_adamw_mlp.py"), "--seq-len", "8",
                                  "-b", "1", "--gpu", "rtx3090"])
     assert r.exit_code == EXIT_MODEL and "apply to Hugging Face models" in r.stderr
+
+
+def test_a_check_case_can_name_a_config_folder(tmp_path):
+    """`oomdoctor check` cases take a config folder (or a Hub id) with task and seq_len; the
+    case's peak is the estimate of the same model and batch."""
+    config_dir(tmp_path)
+    cfg = tmp_path / "setup.cfg"
+    cfg.write_text("[oomdoctor]\nbaseline = base.json\n\n[oomdoctor:tiny-llama]\n"
+                   "model = tiny-llama\nseq_len = 64\ntask = causal-lm\nbatch_size = 2\n"
+                   "precision = bf16\n")
+    r = CliRunner().invoke(cli, ["check", "--config", str(cfg), "--update", "--json", "-j", "1"])
+    assert r.exit_code == EXIT_OK, r.output
+    row = json.loads(r.stdout)["cases"][0]
+    e = CliRunner().invoke(cli, ["estimate", str(tmp_path / "tiny-llama"), "--seq-len", "64",
+                                 "-b", "2", "--precision", "bf16", "--gpu", "rtx3090", "--json"])
+    assert row["status"] == "ok", row
+    assert row["now_reserved"] == json.loads(e.stdout)["peak_reserved_bytes"]
+    baseline = json.loads((tmp_path / "base.json").read_text())
+    assert baseline["cases"]["tiny-llama"]["config"]["seq_len"] == 64
