@@ -65,14 +65,18 @@ def test_folder_config_file_and_hub_id_give_identical_estimates(tmp_path):
     (snap / "config.json").write_text((d / "config.json").read_text())
     (cache / "models--test-org--tiny-llama" / "refs").mkdir()
     (cache / "models--test-org--tiny-llama" / "refs" / "main").write_text("0" * 40)
-    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    args = ["--seq-len", "64", "-b", "2", "--gpu", "rtx3090", "--json"]
     outs = []
-    for source in (str(d), str(d / "config.json"), "test-org/tiny-llama"):
-        p = subprocess.run([sys.executable, "-m", "oomdoctor", "estimate", source, "--seq-len",
-                            "64", "-b", "2", "--gpu", "rtx3090", "--json"],
-                           capture_output=True, text=True, env=env, timeout=300)
-        assert p.returncode == EXIT_OK, p.stderr
-        outs.append(p.stdout)
+    for source in (str(d), str(d / "config.json")):
+        r = CliRunner().invoke(cli, ["estimate", source, *args])
+        assert r.exit_code == EXIT_OK, r.output
+        outs.append(r.stdout)
+    # huggingface_hub reads its cache location when imported: the Hub id runs in a fresh process
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    p = subprocess.run([sys.executable, "-m", "oomdoctor", "estimate", "test-org/tiny-llama",
+                        *args], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == EXIT_OK, p.stderr
+    outs.append(p.stdout)
     assert outs[0] == outs[1] == outs[2]
     assert json.loads(outs[0])["model"] == "tiny-llama (causal-lm, 64 tokens)"
 
