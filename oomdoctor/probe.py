@@ -449,6 +449,12 @@ class OomPlan:
     needed_bytes: int | None            # reserved + CUDA context at that batch size
     fits: bool | None
     max_batch: tuple[tuple[str, int | None], ...]   # (configuration, largest batch that fits)
+    capped: tuple[str, ...] = ()        # configurations whose search stopped at the cap
+
+    def _batch(self, label: str, b: int | None) -> str:
+        if not b:
+            return f"none {label}"
+        return f"at least {b} {label} (the search cap)" if label in self.capped else f"{b} {label}"
 
     def summary(self) -> str:
         from oomdoctor.allocator import format_size
@@ -457,7 +463,7 @@ class OomPlan:
             parts.append(f"at batch {self.batch_size} ({self.precision}) this step needs "
                          f"{format_size(self.needed_bytes)} on a "
                          f"{format_size(self.device_total_bytes)} {self.gpu}")
-        fits = [f"{b} {label}" if b else f"none {label}" for label, b in self.max_batch]
+        fits = [self._batch(label, b) for label, b in self.max_batch]
         parts.append("the largest batch that fits is " + ", ".join(fits))
         return "; ".join(parts)
 
@@ -469,9 +475,14 @@ class OomPlan:
         wanted = {"halve_micro_batch": "in fp32" if self.precision == "fp32" else None,
                   "mixed_precision": amp,
                   "activation_checkpointing": amp and f"{amp} + checkpointing"}
-        return {fix: (f"simulated: batch {found[label]} fits {label}" if found[label]
-                      else f"simulated: not even batch 1 fits {label}")
-                for fix, label in wanted.items() if label in found}
+        def effect(label: str) -> str:
+            b = found[label]
+            if not b:
+                return f"simulated: not even batch 1 fits {label}"
+            if label in self.capped:
+                return f"simulated: batch {b} and more fits {label} (the search cap)"
+            return f"simulated: batch {b} fits {label}"
+        return {fix: effect(label) for fix, label in wanted.items() if label in found}
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "gpu": self.gpu,
@@ -479,7 +490,8 @@ class OomPlan:
                 "precision": self.precision, "needed_bytes": self.needed_bytes,
                 "fits": self.fits, "summary": self.summary(),
                 "fix_effects": self.fix_effects(),
-                "max_batch": [{"config": c, "max_batch_size": b} for c, b in self.max_batch]}
+                "max_batch": [{"config": c, "max_batch_size": b, "capped": c in self.capped}
+                              for c, b in self.max_batch]}
 
 
 _LABELS = {("fp32", False): "in fp32", ("fp16", False): "with fp16 AMP",
@@ -503,7 +515,9 @@ def oom_plan(spec: ModelSpec, budget: Budget, batch_size: int | None = None,
     return OomPlan(spec.name, budget.gpu.name, budget.gpu.total_bytes, batch_size, precision,
                    needed, fits,
                    tuple((_LABELS[(r.precision, r.checkpointing)], r.max_batch_size)
-                         for r in result.results if r.error is None))
+                         for r in result.results if r.error is None),
+                   tuple(_LABELS[(r.precision, r.checkpointing)] for r in result.results
+                         if r.error is None and r.capped))
 
 
 # Preference among configurations that fit, best first: AMP keeps fp32 master weights and is

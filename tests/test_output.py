@@ -93,6 +93,10 @@ def test_explain_model_puts_the_simulated_answer_first(tmp_path):
     assert "simulated: batch" in res.stdout and "fits with bf16 AMP" in res.stdout
     doc = json.loads(run("explain", str(log), "--model", MLP, "-b", "64", "--json").stdout)
     assert "mixed_precision" in doc["simulation"]["fix_effects"]
+    # tiny_mlp fits any batch the probe tries on a 24 GiB card: the cap, said as the cap
+    assert "at least 65536 in fp32 (the search cap)" in " ".join(lines[1:3])
+    assert "batch 65536 and more fits with bf16 AMP (the search cap)" in res.stdout
+    assert all(m["capped"] for m in doc["simulation"]["max_batch"])
 
 
 def test_explain_without_model_is_unchanged(tmp_path):
