@@ -99,11 +99,7 @@ def probe(model: Any, batch: Callable[[int], Any] | None = None, *,
     from oomdoctor.trace import TraceConfig
     spec = _spec(model, batch, loss_fn, task, seq_len)
     budget = _budget(gpu, memory, margin, overhead, other)
-    configs = probe_mod.default_matrix(budget.gpu.bf16)
-    if precisions:
-        configs = [(p, ck) for p in precisions for ck in (False, True)]
-    if checkpointing is not None:
-        configs = [(p, ck) for p, ck in configs if ck == checkpointing]
+    configs = probe_mod.matrix(budget.gpu, precisions or (), checkpointing)
     base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer)
     alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
     return probe_mod.probe(spec, base, budget, configs, alloc,

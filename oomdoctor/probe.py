@@ -12,17 +12,17 @@ are not affine) fall back to tracing every trial, Lightning-tuner style: double,
 """
 from __future__ import annotations
 
-import re
-
 import multiprocessing
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from oomdoctor.allocator import AllocatorConfig
 from oomdoctor.configs import MAX_BATCH
 from oomdoctor.estimate import Budget, Estimate, estimate_trace, trace_for
+from oomdoctor.gpus import GpuProfile
 from oomdoctor.loader import ModelSpec
 from oomdoctor.trace import SpliceMismatch, Trace, TraceConfig
 
@@ -80,12 +80,13 @@ class ProbeResult:
 
     def to_json(self) -> dict[str, Any]:
         best = recommended(self)
+        ck = checkpointing_effect(self)
         return {"model": self.model, "gpu": self.gpu,
                 "device_total_bytes": self.device_total_bytes,
                 "budget_bytes": self.budget_bytes, "margin": self.margin,
                 "grad_accum": self.grad_accum,
                 "results": [r.to_json() for r in self.results],
-                "checkpointing": (lambda ck: ck and ck.to_json())(checkpointing_effect(self)),
+                "checkpointing": ck.to_json() if ck is not None else None,
                 "recommended": None if best is None else {
                     "precision": best.precision, "checkpointing": best.checkpointing,
                     "batch_size": best.max_batch_size, "capped": best.capped,
@@ -231,6 +232,21 @@ def default_matrix(bf16: bool) -> list[tuple[str, bool]]:
     """The design card's matrix: fp32, fp16 AMP, bf16 AMP, pure bf16 x checkpointing off/on."""
     precisions = ["fp32", "fp16"] + (["bf16", "bf16-pure"] if bf16 else [])
     return [(p, ck) for p in precisions for ck in (False, True)]
+
+
+def matrix(gpu: GpuProfile, precisions: Sequence[str] = (),
+           checkpointing: bool | None = None) -> list[tuple[str, bool]]:
+    """The configurations to probe: the default matrix, or these precisions; with or without
+    checkpointing only when ``checkpointing`` says. bf16 on a card without it is a ValueError."""
+    configs = default_matrix(gpu.bf16)
+    if precisions:
+        bad = [p for p in precisions if p.startswith("bf16") and not gpu.bf16]
+        if bad:
+            raise ValueError(f"{gpu.name} has no bf16 support; drop --precision {bad[0]}")
+        configs = [(p, ck) for p in precisions for ck in (False, True)]
+    if checkpointing is not None:
+        configs = [(p, ck) for p, ck in configs if ck == checkpointing]
+    return configs
 
 
 def probe_strategy(spec: ModelSpec, cfg: TraceConfig, budget: Budget, strategy: str,
@@ -384,7 +400,9 @@ def render_table(r: ProbeResult) -> str:
 
 
 _CKPT_NOTE = re.compile(r"^checkpointing (\d+) blocks of class (\S+)$")
-CKPT_WORTH = 0.05     # below this share of the peak freed, checkpointing is not worth a third more compute
+# Below this share of the activations (per sample) freed, checkpointing is not worth the third
+# more compute it costs.
+CKPT_WORTH = 0.05
 
 
 @dataclass(frozen=True)
@@ -426,7 +444,8 @@ def checkpointing_effect(r: ProbeResult) -> CheckpointingEffect | None:
 
 
 def render_checkpointing(ck: CheckpointingEffect) -> str:
-    line = f"ckpt: {ck.blocks} blocks of class {ck.block_class} (--checkpoint-class NAME for others)"
+    line = (f"ckpt: {ck.blocks} blocks of class {ck.block_class} (--checkpoint-class NAME for "
+            "others)")
     if ck.frees:
         line += "; frees " + ", ".join(f"{f:.0%} in {p}" for p, f in ck.frees) + \
             " of the activations per sample"

@@ -129,15 +129,10 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
             _die(e, debug, EXIT_USAGE)
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
-    configs = probe_mod.default_matrix(budget.gpu.bf16)
-    if precisions:
-        bad = [p for p in precisions if p.startswith("bf16") and not budget.gpu.bf16]
-        if bad:
-            raise click.UsageError(f"{budget.gpu.name} has no bf16 support; drop "
-                                   f"--precision {bad[0]}")
-        configs = [(p, ck) for p in precisions for ck in (False, True)]
-    if checkpointing is not None:
-        configs = [(p, ck) for p, ck in configs if ck == checkpointing]
+    try:
+        configs = probe_mod.matrix(budget.gpu, precisions, checkpointing)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
     try:
         spec = _load_model(model_file)
         base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer,
