@@ -37,8 +37,8 @@ from torch.utils._pytree import tree_leaves
 
 from oomdoctor import emulate, values
 from oomdoctor.eager import compile_as_eager, dynamo_left_unloaded
-from oomdoctor.loader import (DataDependentError, ModelFileError, ModelSpec, build_for_training, compute_loss,
-                              make_configured_batch, make_configured_optimizer)
+from oomdoctor.loader import (DataDependentError, ModelFileError, ModelSpec, build_for_training,
+                              compute_loss, make_configured_batch, make_configured_optimizer)
 
 from oomdoctor.configs import PRECISIONS, ZERO_GRAD_MODES  # noqa: E402  (re-exported)
 
@@ -299,6 +299,15 @@ def _storages(tensors) -> dict[int, torch.Tensor]:
     return seen
 
 
+def _state_bytes(optimizer: torch.optim.Optimizer, keep: Callable[[str, torch.Tensor], bool]
+                 ) -> int:
+    """Bytes of the optimizer's state tensors that ``keep(key, tensor)`` selects, once per
+    storage: bitsandbytes shares its quantization maps across parameters."""
+    return sum(t.untyped_storage().nbytes() for t in _storages(
+        v for st in optimizer.state.values() for k, v in st.items()
+        if isinstance(v, torch.Tensor) and keep(k, v)).values())
+
+
 @contextlib.contextmanager
 def _phase(rec: _Recorder, marks: list[PhaseMark], phase: Phase, it: int, micro: int
            ) -> Iterator[None]:
@@ -527,12 +536,8 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
                 h.remove()
         # Gradient and optimizer-state bytes as held after the last backward / step.
         gradient_bytes = sum(t.numel() * t.element_size() for t in trainable.values())
-        # Once per storage: bitsandbytes shares its quantization maps across parameters.
         state_bytes = (optimizer_from.optimizer_state_bytes if optimizer_from is not None else
-                       sum(t.untyped_storage().nbytes() for t in _storages(
-                           v for st in optimizer.state.values() for k, v in st.items()
-                           if isinstance(v, torch.Tensor)
-                           and not _host_state(cfg, optimizer, k, v)).values()))
+                       _state_bytes(optimizer, lambda k, v: not _host_state(cfg, optimizer, k, v)))
         rec.closed = True
         if compiled:
             # Compiled training usually saves less for backward: Inductor fuses elementwise
@@ -541,9 +546,7 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
             notes.append("the model file calls torch.compile: traced as eager PyTorch; "
                          "compiled training usually needs less activation memory (fused "
                          "kernels save fewer tensors), so read this as an upper bound")
-        paged = sum(t.untyped_storage().nbytes() for t in _storages(
-            v for st in optimizer.state.values() for v in st.values()
-            if getattr(v, "is_paged", False)).values())
+        paged = _state_bytes(optimizer, lambda k, v: getattr(v, "is_paged", False))
         if paged:
             notes.append(f"{type(optimizer).__name__}: {paged / 2**20:.1f} MiB of optimizer "
                          "state is paged (CUDA unified memory, outside PyTorch's allocator): "
