@@ -12,6 +12,9 @@ MAX_BATCH = 1 << 16   # the probe stops searching here; a model this light fits 
 #   versions - gradients are never freed.
 ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")
 # Multi-GPU strategies (oomdoctor.parallel.STRATEGIES, plus "fsdp" as a name for zero3).
+# The heads a Hugging Face model can be built with (oomdoctor.sources.TASKS maps each to its
+# transformers auto class).
+TASKS = ("causal-lm", "seq-cls", "masked-lm", "token-cls", "seq2seq-lm")
 STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp")
 
 # The model-file protocol, as `--help` prints it (the errors of oomdoctor.loader point here).

@@ -17,16 +17,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from oomdoctor import configs
 from oomdoctor.loader import ModelFileError, ModelSpec
 
-# task name -> (the transformers auto class, the architecture-name suffixes that imply it)
-TASKS = {
-    "causal-lm": ("AutoModelForCausalLM", ("ForCausalLM", "LMHeadModel")),
-    "seq-cls": ("AutoModelForSequenceClassification", ("ForSequenceClassification",)),
-    "masked-lm": ("AutoModelForMaskedLM", ("ForMaskedLM", "ForPreTraining")),
-    "token-cls": ("AutoModelForTokenClassification", ("ForTokenClassification",)),
-    "seq2seq-lm": ("AutoModelForSeq2SeqLM", ("ForConditionalGeneration",)),
-}
+# task name (configs.TASKS, what --task offers) -> (the transformers auto class, the
+# architecture-name suffixes that imply it)
+TASKS = dict(zip(configs.TASKS, [
+    ("AutoModelForCausalLM", ("ForCausalLM", "LMHeadModel")),
+    ("AutoModelForSequenceClassification", ("ForSequenceClassification",)),
+    ("AutoModelForMaskedLM", ("ForMaskedLM", "ForPreTraining")),
+    ("AutoModelForTokenClassification", ("ForTokenClassification",)),
+    ("AutoModelForSeq2SeqLM", ("ForConditionalGeneration",)),
+], strict=True))
 DEFAULT_SEQ_LEN = 1024      # tokens, capped at the model's max_position_embeddings
 
 

@@ -6,7 +6,7 @@ import sys
 import click
 
 from oomdoctor.allocator import AllocatorConfig
-from oomdoctor.configs import OPTIMIZERS, ZERO_GRAD_MODES
+from oomdoctor.configs import OPTIMIZERS, TASKS, ZERO_GRAD_MODES
 from oomdoctor.gpus import PROFILES, custom_profile, get_profile, parse_size
 
 
@@ -35,8 +35,7 @@ def _source_options(f):
     """--task and --seq-len: how to build a Hugging Face model given by id or config. They are
     kept in the context (not passed to every command function) and read by _load_model."""
     for opt in reversed([
-        click.option("--task", type=click.Choice(["causal-lm", "seq-cls", "masked-lm",
-                                                   "token-cls", "seq2seq-lm"]),
+        click.option("--task", type=click.Choice(TASKS),
                      expose_value=False, callback=_remember, is_eager=True,
                      help="For a Hugging Face id or config: the head to train (default: from "
                           "the config's architectures)."),
