@@ -22,13 +22,8 @@ _spec.loader.exec_module(_base)
 
 build_model = _base.build_model
 make_batch = _base.make_batch
-
-
-class TrainerAdafactor(torch.optim.Adafactor):
-    """Per-parameter Adafactor, then the era's ``model.zero_grad()`` (set_to_none=False)."""
-
-    def zero_grad(self, set_to_none=True):
-        super().zero_grad(set_to_none=False)
+# Per-parameter Adafactor, then the era's model.zero_grad() (set_to_none=False).
+TrainerAdafactor = _base.in_place_zero_grad(torch.optim.Adafactor)
 
 
 def make_optimizer(params):

@@ -20,13 +20,8 @@ _spec.loader.exec_module(_base)
 
 build_model = _base.build_model
 make_batch = _base.make_batch
-
-
-class TrainerAdam8bit(bnb.optim.Adam8bit):
-    """The era's ``model.zero_grad()`` (set_to_none=False): gradients zeroed in place, kept."""
-
-    def zero_grad(self, set_to_none=True):
-        super().zero_grad(set_to_none=False)
+# The era's model.zero_grad() (set_to_none=False): gradients zeroed in place, kept.
+TrainerAdam8bit = _base.in_place_zero_grad(bnb.optim.Adam8bit)
 
 
 def make_optimizer(params):

@@ -201,12 +201,19 @@ class BertForSequenceClassification(nn.Module):
         return F.cross_entropy(logits.view(-1, NUM_LABELS), labels.view(-1))
 
 
-class TrainerAdamW(torch.optim.AdamW):
-    """The Trainer's update of that era: per-parameter AdamW, then ``model.zero_grad()`` with
-    torch 1.10's default ``set_to_none=False``: the gradients are zeroed in place and kept."""
+def in_place_zero_grad(optimizer_class):
+    """``optimizer_class`` as the Trainer of that era used it: its ``model.zero_grad()`` ran with
+    torch 1.10's default ``set_to_none=False``, so the gradients are zeroed in place and kept.
+    (hf_bert_large_adafactor.py and hf_bert_large_adam8bit.py wrap their optimizers the same.)"""
+    class Trainer(optimizer_class):
+        def zero_grad(self, set_to_none=True):
+            super().zero_grad(set_to_none=False)
+    Trainer.__name__ = f"Trainer{optimizer_class.__name__}"
+    return Trainer
 
-    def zero_grad(self, set_to_none=True):
-        super().zero_grad(set_to_none=False)
+
+# The Trainer's update of that era: per-parameter AdamW with the in-place zero_grad above.
+TrainerAdamW = in_place_zero_grad(torch.optim.AdamW)
 
 
 def build_model():
