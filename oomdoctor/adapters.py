@@ -51,14 +51,14 @@ class AdapterError(ModelFileError):
 class Adapters:
     """How the base model is adapted for training: LoRA on top, 4-bit weights underneath."""
 
-    lora_rank: int | None = None
+    lora_rank: int
     lora_targets: tuple[str, ...] | None = None    # module names (suffixes); None: defaults
     lora_dropout: float = 0.0                      # peft's default
     quantize: str | None = None                    # nf4 | fp4
     double_quant: bool = False                     # transformers' BitsAndBytesConfig default
 
     def __post_init__(self) -> None:
-        if self.lora_rank is not None and self.lora_rank < 1:
+        if self.lora_rank < 1:
             raise ValueError(f"--lora must be a rank >= 1, got {self.lora_rank}")
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
             raise ValueError(f"unknown --quantize {self.quantize!r}; choose one of "
@@ -69,13 +69,9 @@ class Adapters:
     @property
     def label(self) -> str:
         """' + QLoRA r16 (nf4)': what the model's name gets, so outputs say what was estimated."""
-        parts = []
-        if self.quantize:
-            parts.append(f"{self.quantize}{'+dq' if self.double_quant else ''}")
-        if self.lora_rank:
-            kind = "QLoRA" if self.quantize else "LoRA"
-            return f" + {kind} r{self.lora_rank}" + (f" ({parts[0]})" if parts else "")
-        return f" ({parts[0]} weights, frozen)" if parts else ""
+        if not self.quantize:
+            return f" + LoRA r{self.lora_rank}"
+        return f" + QLoRA r{self.lora_rank} ({self.quantize}{'+dq' if self.double_quant else ''})"
 
 
 def adapt(model: torch.nn.Module, adapters: Adapters, precision: str
@@ -106,17 +102,9 @@ def adapt(model: torch.nn.Module, adapters: Adapters, precision: str
                 warnings.simplefilter("ignore", FutureWarning)
                 peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False,
                                                      auto_clear_cache=False)
-    elif amp is not None and adapters.lora_rank:
+    elif amp is not None:
         # Frozen weights loaded 16-bit, as LoRA recipes do; the adapters stay fp32 (below).
         to_dtype(model, amp)
-    if not adapters.lora_rank:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        trainable = [p for p in model.parameters() if p.is_floating_point()]
-        if not trainable:
-            raise AdapterError("--quantize without --lora leaves nothing to train; add "
-                               "--lora RANK (QLoRA)")
-        return model, notes
     peft = _import("peft", "LoRA")
     targets = _targets(model, adapters)
     config = peft.LoraConfig(r=adapters.lora_rank, lora_alpha=adapters.lora_rank,
@@ -126,13 +114,12 @@ def adapt(model: torch.nn.Module, adapters: Adapters, precision: str
             warnings.simplefilter("ignore", FutureWarning)
             model = peft.get_peft_model(model, config)
     except ValueError as e:
-        raise AdapterError(f"peft could not apply LoRA: {str(e).splitlines()[0]}; name the "
+        raise AdapterError(f"peft could not apply LoRA: {str(e).splitlines()[0].rstrip('.')}; name the "
                            "layers with --lora-targets q_proj,v_proj (module name suffixes)"
                            ) from e
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_all = sum(logical_numel(p) for p in model.parameters())
-    shown = targets if isinstance(targets, list) else sorted(_linear_names(model))
-    notes.append(f"LoRA r={adapters.lora_rank} on {', '.join(shown)}: {n_train:,} trainable "
+    notes.append(f"LoRA r={adapters.lora_rank} on {', '.join(targets)}: {n_train:,} trainable "
                  f"parameters ({100 * n_train / max(n_all, 1):.2f}% of {n_all:,})")
     return model, notes
 
@@ -159,21 +146,26 @@ def gemm_4bit_as_cuda(func, args, kwargs):
     dense ``F.linear`` (bitsandbytes ``backends/cuda/ops.py``: ``_gemm_4bit_use_custom_cuda``,
     "custom wins up to M=512", and ``_dequant_linear_fallback``). The meta kernel returns only
     the output; these are the same allocations, made with plain tensors. Below that the custom
-    kernel reads the 4-bit weight directly and allocates only the output (small weights on an
-    A100 keep it to M=1536; those temporaries are small)."""
+    kernel reads the 4-bit weight directly and allocates only the output (fp32 inputs take the
+    fallback from 8 rows; small weights on an A100 keep the custom kernel to 1536 rows, and
+    their temporaries are small)."""
     names = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit",
              "absmax_code", "absmax_offset")
     bound = dict(zip(names, args), **kwargs)
     a = bound["A"]
-    if a.numel() // a.shape[-1] <= 512:
+    rows = a.numel() // a.shape[-1]
+    # fp32 has no tensor-core kernel: the custom one only wins below 8 rows.
+    if rows < 8 or (rows <= 512 and a.dtype != torch.float32):
         return func(*args, **kwargs)
     absmax_8bit = bound.get("absmax_8bit")
+    scales = []         # live, like the fallback's locals, until the matmul is done
     if absmax_8bit is not None:
         rebuilt = torch.empty(absmax_8bit.shape, dtype=torch.float32, device=a.device)
-        absmax = rebuilt + bound["absmax_offset"]
-        del rebuilt, absmax
+        scales = [rebuilt, rebuilt + bound["absmax_offset"]]
     weight = torch.empty(tuple(bound["shapeB"]), dtype=a.dtype, device=a.device)
-    return torch.nn.functional.linear(a, weight, bound.get("bias"))
+    out = torch.nn.functional.linear(a, weight, bound.get("bias"))
+    del scales, weight
+    return out
 
 
 # --- internals ---------------------------------------------------------------------------------

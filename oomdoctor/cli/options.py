@@ -86,9 +86,12 @@ def _adapters(opts: dict):
             raise click.UsageError("--lora-targets, --lora-dropout and --double-quant go with "
                                    "--lora RANK or --quantize")
         return None
+    if not opts.get("lora_rank"):
+        raise click.UsageError("--quantize alone leaves nothing to train (4-bit weights are "
+                               "frozen); add --lora RANK for QLoRA")
     from oomdoctor.adapters import Adapters
     targets = opts.get("lora_targets")
-    return Adapters(lora_rank=opts.get("lora_rank"),
+    return Adapters(lora_rank=opts["lora_rank"],
                     lora_targets=tuple(t.strip() for t in targets.split(",") if t.strip())
                     if targets else None,
                     lora_dropout=opts.get("lora_dropout") or 0.0,
