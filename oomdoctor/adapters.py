@@ -100,8 +100,7 @@ def adapt(model: torch.nn.Module, adapters: Adapters, precision: str
             model.is_loaded_in_4bit = True
             with warnings.catch_warnings():        # deprecation chatter between the libraries
                 warnings.simplefilter("ignore", FutureWarning)
-                peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False,
-                                                     auto_clear_cache=False)
+                peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     elif amp is not None:
         # Frozen weights loaded 16-bit, as LoRA recipes do; the adapters stay fp32 (below).
         to_dtype(model, amp)

@@ -189,6 +189,13 @@ def test_cli_lora_and_qlora(llama_dir):
     assert "QLoRA r8 (nf4+dq)" in out["model"]
     assert any("stored as bitsandbytes nf4 with double quantization" in n for n in out["notes"])
     assert any(n.startswith("LoRA r=8 on q_proj, v_proj") for n in out["notes"])
+    import oomdoctor               # the Python API takes the same options
+    api = oomdoctor.estimate(llama_dir, 1, seq_len=128, precision="bf16", gpu="rtx3090",
+                             lora=8, quantize="nf4")
+    r = CliRunner().invoke(cli, ["estimate", llama_dir, "-b", "1", "--seq-len", "128",
+                                 "--precision", "bf16", "--lora", "8", "--quantize", "nf4",
+                                 "--gpu", "rtx3090", "--json"])
+    assert api.peak_reserved_bytes == json.loads(r.stdout)["peak_reserved_bytes"]
 
     r = CliRunner().invoke(cli, ["estimate", llama_dir, "-b", "1", "--quantize", "nf4"])
     assert r.exit_code == 2 and "add --lora RANK" in r.output
@@ -196,3 +203,22 @@ def test_cli_lora_and_qlora(llama_dir):
                                   "--lora-targets", "nothere", "--gpu", "rtx3090"])
     assert r.exit_code == 3
     assert "--lora-targets" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_check_case_can_train_qlora(llama_dir, tmp_path):
+    cfg = tmp_path / "setup.cfg"
+    cfg.write_text(f"[oomdoctor]\nbaseline = base.json\n\n[oomdoctor:qlora]\nmodel = {llama_dir}\n"
+                   "seq_len = 64\nbatch_size = 2\nprecision = bf16\nlora = 8\nquantize = nf4\n"
+                   "\n[oomdoctor:bad]\nmodel = x\nbatch_size = 1\nquantize = nf4\n")
+    r = CliRunner().invoke(cli, ["check", "--config", str(cfg), "--update", "-j", "1"])
+    assert r.exit_code == 2 and "need lora = RANK" in r.output
+    cfg.write_text(cfg.read_text().split("\n[oomdoctor:bad]")[0])
+    r = CliRunner().invoke(cli, ["check", "--config", str(cfg), "--update", "--json", "-j", "1"])
+    assert r.exit_code == 0, r.output
+    row = json.loads(r.stdout)["cases"][0]
+    e = CliRunner().invoke(cli, ["estimate", llama_dir, "--seq-len", "64", "-b", "2",
+                                 "--precision", "bf16", "--gpu", "rtx3090", "--lora", "8",
+                                 "--quantize", "nf4", "--json"])
+    assert row["now_reserved"] == json.loads(e.stdout)["peak_reserved_bytes"]
+    config = json.loads((tmp_path / "base.json").read_text())["cases"]["qlora"]["config"]
+    assert (config["lora"], config["quantize"]) == (8, "nf4") and "lora_targets" not in config
