@@ -47,6 +47,7 @@ class ModelSpec:
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None
     label: str | None = None           # the name to show, when not the file's (Hub ids, configs)
     adapters: Any = None               # LoRA / 4-bit weights (oomdoctor.adapters.Adapters)
+    origin: tuple | None = None        # load_model's arguments, to rebuild it in a new process
 
     @property
     def name(self) -> str:
@@ -67,7 +68,7 @@ def load_model(source: str, *, task: str | None = None, seq_len: int | None = No
     else:
         from oomdoctor import sources
         spec = sources.load_hf(source, task, seq_len)
-    return dataclasses.replace(spec, adapters=adapters) if adapters is not None else spec
+    return dataclasses.replace(spec, adapters=adapters, origin=(source, task, seq_len))
 
 
 def load_model_file(path: str) -> ModelSpec:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from oomdoctor.loader import ModelSpec, build_checked_model, compute_loss, load_model_file
+from oomdoctor.loader import ModelSpec, build_checked_model, compute_loss, load_model
 from oomdoctor.parallel import STRATEGIES, StrategyEstimate, execution_blocks
 
 TOLERANCE = 0.10          # measured peak vs prediction, relative
@@ -328,15 +328,17 @@ def dispatch_split(model: torch.nn.Module, device_map: dict[str, int], main_devi
 # Processes
 # ---------------------------------------------------------------------------------------------
 
-def _rank_main(path: str, cfg: SmokeConfig, cuda: bool, rank: int, world: int, init: str,
-               results: Any, want_state: bool) -> None:
+def _rank_main(source: ModelSpec | tuple, cfg: SmokeConfig, cuda: bool, rank: int, world: int,
+               init: str, results: Any, want_state: bool) -> None:
     import torch.distributed as dist
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank,
                                 world_size=world)
         try:
-            spec = load_model_file(path)
+            # A forked rank inherits the spec; a spawned one rebuilds it (closures do not pickle).
+            spec = source if isinstance(source, ModelSpec) else load_model(*source[0],
+                                                                           adapters=source[1])
 
             def on_step(step: int, seconds: float) -> None:
                 results.put({"rank": rank, "step": step, "seconds": seconds})
@@ -376,7 +378,11 @@ def run_training(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, want_state: bool
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
-        procs = [ctx.Process(target=_rank_main, args=(spec.path, cfg, cuda, r, world, init,
+        if method != "fork" and spec.origin is None:
+            raise SmokeError(f"{spec.name} was not loaded from a file or a Hugging Face id, so "
+                             "spawned processes cannot rebuild it; smoke it single-process")
+        source = spec if method == "fork" else (spec.origin, spec.adapters)
+        procs = [ctx.Process(target=_rank_main, args=(source, cfg, cuda, r, world, init,
                                                       results, want_state), daemon=True)
                  for r in range(world)]
         for p in procs:

@@ -222,3 +222,16 @@ def test_a_check_case_can_train_qlora(llama_dir, tmp_path):
     assert row["now_reserved"] == json.loads(e.stdout)["peak_reserved_bytes"]
     config = json.loads((tmp_path / "base.json").read_text())["cases"]["qlora"]["config"]
     assert (config["lora"], config["quantize"]) == (8, "nf4") and "lora_targets" not in config
+
+
+def test_smoke_processes_train_the_adapters():
+    """Each DDP rank rebuilds the model with its LoRA: step 2's loss is LoRA's (lora_B starts
+    at zero, so the first update barely moves it), not full fine-tuning's."""
+    def losses(*extra):
+        r = CliRunner().invoke(cli, ["smoke", MLP, *extra, "--gpus", "2", "--strategy", "ddp",
+                                     "-b", "8", "--steps", "2", "--json"])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["losses"]
+    full, lora = losses(), losses("--lora", "4")
+    assert full[0] == pytest.approx(lora[0])
+    assert abs(lora[1] - lora[0]) < abs(full[1] - full[0]) / 10
