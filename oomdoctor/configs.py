@@ -15,7 +15,8 @@ ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")
 # The heads a Hugging Face model can be built with (oomdoctor.sources.TASKS maps each to its
 # transformers auto class).
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "token-cls", "seq2seq-lm")
-STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp")
+STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp",
+                    "hsdp")    # hsdp: hybrid sharding, several nodes (recommend/smoke --nodes)
 
 # The model-file protocol, as `--help` prints it (the errors of oomdoctor.loader point here).
 MODEL_PROTOCOL = """\b

@@ -17,6 +17,10 @@ from oomdoctor.configs import MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES
 # Choices spelled out here so that --help never imports torch; tests/test_parallel.py checks
 # them against oomdoctor.parallel.STRATEGIES and oomdoctor.recommend.LINKS.
 LINK_CHOICES = ("pcie-no-p2p", "pcie", "nvlink")
+INTER_NODE_CHOICES = ("ib", "ethernet")          # oomdoctor.recommend.INTER_NODE_GBPS
+_NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default=True,
+                      help="Machines, each with --num-gpus GPUs (plans and launch lines for "
+                           "several nodes).")
 
 
 @cli.command("parallel", epilog=MODEL_PROTOCOL)
@@ -130,15 +134,26 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
               help="Skip the per-strategy table when nothing can fit (no trace).")
 @click.option("--smoke", "run_smoke", is_flag=True,
               help="Then run a few real training steps of the recommended configuration.")
+@_NODES
+@click.option("--inter-node-link", "inter_node", type=click.Choice(INTER_NODE_CHOICES),
+              default="ethernet", show_default=True,
+              help="Link between nodes: ib (HDR, 25 GB/s) or ethernet (10 GbE, 1.25 GB/s).")
+@click.option("--inter-node-bandwidth", "inter_node_gbps", type=click.FloatRange(min=0.001),
+              metavar="GB/S", help="Per-direction GB/s between nodes, e.g. 3.125 for 25 GbE.")
+@click.option("--host-ram", metavar="SIZE",
+              help="RAM of each node for the CPU offload plans, e.g. 128GiB (default: this "
+                   "machine's when planning for its own GPUs).")
 @_card_options
 def recommend_command(model_file, target_batch, precisions, strategies, link, top, jobs, quick,
-                      run_smoke, gpu_name, memory, num_gpus, overhead, other_mem, margin,
-                      alloc_conf, checkpoint_class, optimizer, as_json, debug):
+                      run_smoke, nodes, inter_node, inter_node_gbps, host_ram, gpu_name, memory,
+                      num_gpus, overhead, other_mem, margin, alloc_conf, checkpoint_class,
+                      optimizer, as_json, debug):
     """Recommend precision, checkpointing, strategy, micro-batch and accumulation.
 
     \b
     oomdoctor recommend sample_models/gpt2_small.py --gpu rtx3090 --num-gpus 2 --target-batch 256
     oomdoctor recommend sample_models/llama7b.py --gpu rtx3090 --num-gpus 2 --target-batch 64
+    oomdoctor recommend sample_models/gpt2_small.py --nodes 2 --num-gpus 2 --inter-node-link ib
 
     Exit codes: 0 a configuration fits, 1 nothing fits (the output says what would), 2 usage
     error, 3 model file error.
@@ -154,15 +169,17 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     n = num_gpus or (detected[1] if detected else _num_gpus(None))
+    ram, ram_source = _host_ram(host_ram, detected is not None)
     try:
         hw = rec.hardware(budget.gpu, n, link or (detected[2] if detected else None),
-                          detected is not None)
+                          detected is not None, nodes, inter_node, inter_node_gbps)
         spec = _load_model(model_file)
         base = TraceConfig(1, "fp32", False, checkpoint_class, 1, optimizer)
         result = rec.recommend(spec, hw, target_batch, budget, list(precisions) or None,
                                list(dict.fromkeys(parse_strategy(s) for s in strategies))
                                or None, alloc, base, jobs=jobs or probe_mod.default_jobs(),
-                               top=top, detail=not quick, progress=_progress)
+                               top=top, detail=not quick, progress=_progress,
+                               host_ram=ram, host_ram_source=ram_source)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
@@ -184,6 +201,22 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     if smoked is not None and not smoked.ok:
         sys.exit(EXIT_PROBLEM)
     sys.exit(EXIT_OK if result.best is not None else EXIT_PROBLEM)
+
+
+def _host_ram(text, local):
+    """Each node's RAM for the offload plans: --host-ram, else this machine's when the plan is
+    for its own GPUs, else unknown."""
+    from oomdoctor.gpus import parse_size
+    if text:
+        try:
+            return parse_size(text), "--host-ram"
+        except ValueError as e:
+            raise click.UsageError(f"--host-ram {text}: {e}") from None
+    if local:
+        from oomdoctor.recommend.offload import local_host_ram
+        ram = local_host_ram()
+        return ram, "this machine's MemTotal" if ram else ""
+    return None, ""
 
 
 @cli.command("smoke", epilog=MODEL_PROTOCOL)
