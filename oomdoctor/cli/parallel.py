@@ -50,6 +50,10 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
     from oomdoctor import parallel as par
     from oomdoctor.loader import ModelFileError
     from oomdoctor.trace import TraceConfig
+    if "hsdp" in strategies:
+        raise click.UsageError("hsdp (hybrid sharding) spans several nodes: use `oomdoctor "
+                               "recommend MODEL --nodes N --strategy hsdp`, or --strategy zero3 "
+                               "on one node")
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     n = _num_gpus(num_gpus)
@@ -236,15 +240,18 @@ def _host_ram(text, local):
 @click.option("--device-map", "device_map_path", type=click.Path(exists=True, dir_okay=False),
               help="pipeline2: the map `oomdoctor split --device-map` wrote (default: "
                    "computed now).")
+@_NODES
 @_card_options
 def smoke_command(model_file, strategy, batch_size, grad_accum, precision, checkpointing, steps,
-                  device, cpu_batch, device_map_path, gpu_name, memory, num_gpus, overhead,
-                  other_mem, margin, alloc_conf, checkpoint_class, optimizer, as_json, debug):
+                  device, cpu_batch, device_map_path, nodes, gpu_name, memory, num_gpus,
+                  overhead, other_mem, margin, alloc_conf, checkpoint_class, optimizer, as_json,
+                  debug):
     """Run a few real training steps; loss per step, step time, measured vs predicted peaks.
 
     \b
     oomdoctor smoke sample_models/tiny_mlp.py --strategy ddp --gpus 2 -b 16 --grad-accum 2
     oomdoctor smoke model.py --strategy pipeline2 --device-map map.json --precision bf16
+    oomdoctor smoke sample_models/tiny_mlp.py --strategy hsdp --nodes 2 --num-gpus 2
 
     Without CUDA it runs on the CPU (gloo processes, bf16 autocast, the split via accelerate)
     and says that GPU memory was not measured.
@@ -255,6 +262,10 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
     from oomdoctor.loader import ModelFileError
     from oomdoctor.parallel import parse_strategy
     strategy = parse_strategy(strategy)
+    if nodes > 1:
+        _smoke_nodes(model_file, strategy, nodes, num_gpus or 1, batch_size, grad_accum,
+                     precision, checkpointing, checkpoint_class, steps, optimizer, cpu_batch,
+                     as_json, debug)
     n = 1 if strategy == "single" else _num_gpus(num_gpus)
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
@@ -280,4 +291,27 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
         _die(e, debug, EXIT_USAGE)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json
                else smoke_mod.render_text(result))
+    sys.exit(EXIT_OK if result.ok else EXIT_PROBLEM)
+
+
+def _smoke_nodes(model_file, strategy, nodes, per_node, batch_size, grad_accum, precision,
+                 checkpointing, checkpoint_class, steps, optimizer, cpu_batch, as_json, debug):
+    """smoke --nodes N: the plan's ranks as gloo processes on this machine (exits)."""
+    from oomdoctor import smoke as smoke_mod
+    from oomdoctor import smoke_nodes
+    from oomdoctor.loader import ModelFileError
+    try:
+        spec = _load_model(model_file)
+        cfg = smoke_mod.SmokeConfig(strategy, nodes * per_node, precision, checkpointing,
+                                    checkpoint_class, batch_size, grad_accum, steps, optimizer,
+                                    "cpu", cpu_batch, nodes=nodes)
+        result = smoke_nodes.run_nodes_smoke(spec, cfg, nodes, per_node, progress=_progress)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except smoke_mod.SmokeError as e:
+        _die(e, debug, EXIT_PROBLEM)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json
+               else smoke_nodes.render_text(result))
     sys.exit(EXIT_OK if result.ok else EXIT_PROBLEM)

@@ -99,8 +99,8 @@ class Recommendation:
         return d
 
 
-_ADDED = {"nodes": 1, "inter_node": "", "inter_node_gbps": 0.0, "tensor_parallel": [],
-          "offload": [], "host_ram_bytes": None, "host_ram_source": ""}
+_ADDED = {"nodes": 1, "inter_node": "", "inter_node_gbps": 0.0, "tensor_parallel": (),
+          "offload": (), "host_ram_bytes": None, "host_ram_source": ""}
 
 
 @dataclass(frozen=True)
