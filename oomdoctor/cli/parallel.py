@@ -201,7 +201,9 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
         click.echo(rec.render_text(result))
         if smoked is not None:
             from oomdoctor import smoke as smoke_mod
-            click.echo("\n" + smoke_mod.render_text(smoked))
+            from oomdoctor import smoke_nodes
+            click.echo("\n" + (smoke_nodes.render_text(smoked) if result.best.nodes > 1
+                               else smoke_mod.render_text(smoked)))
     if smoked is not None and not smoked.ok:
         sys.exit(EXIT_PROBLEM)
     sys.exit(EXIT_OK if result.best is not None else EXIT_PROBLEM)
