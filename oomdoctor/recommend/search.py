@@ -236,7 +236,9 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
             by_strategy, flops = _every_strategy(spec, replace(base, batch_size=b, precision=p,
                                                                checkpointing=ck), hw, budget,
                                                  alloc, strats)
-            per_sample = flops * (1 + ck / 3) / throughput(gpu, p)
+            # A card known only by its memory (--memory) has no FLOP/s: no slowdown ratio.
+            if (gpu.tflops_fp32 if p == "fp32" else gpu.tflops_16) > 0:
+                per_sample = flops * (1 + ck / 3) / throughput(gpu, p)
         except ValueError as e:
             errors.append(str(e))
     alternatives = () if best is not None else _alternatives(facts, hw, budget, allowed,
