@@ -136,8 +136,8 @@ def test_recommend_two_nodes_cli():
     node, a SLURM script and the HSDP snippet (2-D mesh)."""
     args = ["recommend", "sample_models/tiny_mlp.py", "--gpu", "rtx3090", "--nodes", "2",
             "--num-gpus", "2", "--inter-node-link", "ib", "-j", "1", "--quick",
-            "--precision", "fp32", "--target-batch", "64", "--strategy", "ddp", "--strategy", "zero3",
-            "--strategy", "hsdp"]
+            "--precision", "fp32", "--target-batch", "64", "--strategy", "ddp",
+            "--strategy", "zero3", "--strategy", "hsdp"]
     res = CliRunner().invoke(cli, [*args, "--json"])
     assert res.exit_code == EXIT_OK, res.output
     d = json.loads(res.stdout)

@@ -63,8 +63,9 @@ def render_text(r: Recommendation) -> str:
         precs = list(dict.fromkeys(f.precision for f in r.floors))
         table: dict[str, dict[str, str]] = {}
         for f in r.floors:
-            table.setdefault(label(f.strategy, 1 if f.strategy == "single"
-                                   else r.num_gpus * r.nodes), {})[f.precision] = gib(f.bytes) + ("" if f.fits else " NO")
+            row = table.setdefault(label(f.strategy, 1 if f.strategy == "single"
+                                         else r.num_gpus * r.nodes), {})
+            row[f.precision] = gib(f.bytes) + ("" if f.fits else " NO")
         rows = [(s, *[cells.get(p, "") for p in precs]) for s, cells in table.items()]
         lines += [f"parameters + gradients + optimizer state per GPU, GiB (a lower bound; NO: "
                   f"over the {gib(r.budget_bytes)} GiB budget whatever the batch):",
