@@ -74,16 +74,28 @@ class Case:
     tolerance: float = DEFAULT_TOLERANCE
     task: str | None = None          # a Hugging Face id or config as `model`: its task ...
     seq_len: int | None = None       # ... and tokens per sequence
+    lora: int | None = None          # LoRA rank (oomdoctor.adapters) ...
+    lora_targets: str | None = None  # ... its module names, comma-separated ...
+    quantize: str | None = None      # ... and 4-bit frozen weights (QLoRA)
 
     def config(self) -> dict[str, Any]:
-        """What defines the numbers: a change here makes the baseline stale. (task and seq_len
-        only where set: baselines recorded before they existed stay valid.)"""
+        """What defines the numbers: a change here makes the baseline stale. (task, seq_len and
+        the LoRA keys only where set: baselines recorded before they existed stay valid.)"""
         d = asdict(self)
         del d["name"], d["tolerance"]
-        for key in ("task", "seq_len"):
+        for key in ("task", "seq_len", "lora", "lora_targets", "quantize"):
             if d[key] is None:
                 del d[key]
         return d
+
+    def adapters(self):
+        """The case's LoRA / QLoRA, or None."""
+        if self.lora is None:
+            return None
+        from oomdoctor.adapters import Adapters
+        targets = tuple(t.strip() for t in self.lora_targets.split(",")) \
+            if self.lora_targets else None
+        return Adapters(self.lora, targets, quantize=self.quantize)
 
 
 @dataclass(frozen=True)
@@ -178,7 +190,8 @@ def load_config(path: str | None = None) -> CheckConfig:
         s = cp[section]
         where = f"{path} [{section}]"
         known = {"model", "batch_size", "precision", "checkpointing", "grad_accum", "optimizer",
-                 "strategy", "gpu", "budget", "margin", "tolerance", "task", "seq_len"}
+                 "strategy", "gpu", "budget", "margin", "tolerance", "task", "seq_len",
+                 "lora", "lora_targets", "quantize"}
         unknown = set(s) - known
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: "
@@ -190,6 +203,7 @@ def load_config(path: str | None = None) -> CheckConfig:
             grad_accum = int(s.get("grad_accum", "1"))
             checkpointing = s.getboolean("checkpointing", fallback=False)
             seq_len = int(s["seq_len"]) if "seq_len" in s else None
+            lora = int(s["lora"]) if "lora" in s else None
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from e
         precision = s.get("precision", "fp32")
@@ -210,7 +224,14 @@ def load_config(path: str | None = None) -> CheckConfig:
                           s.get("optimizer"), strategy, gpu, budget,
                           _fraction(s.get("margin", "5%"), "margin"),
                           _fraction(s["tolerance"], "tolerance") if "tolerance" in s
-                          else tolerance, s.get("task"), seq_len))
+                          else tolerance, s.get("task"), seq_len, lora,
+                          s.get("lora_targets"), s.get("quantize")))
+        if lora is None and (s.get("quantize") or s.get("lora_targets")):
+            raise ConfigError(f"{where}: quantize and lora_targets need lora = RANK")
+        try:
+            cases[-1].adapters()
+        except ValueError as e:
+            raise ConfigError(f"{where}: {e}") from e
     if not cases:
         raise ConfigError(f"{path}: no [oomdoctor:NAME] sections; add one per case (see "
                           "`oomdoctor check --help`)")
@@ -225,7 +246,7 @@ def measure_case(case: Case, root: str) -> Measured:
         # a path relative to the config's folder, else a Hugging Face id as written
         local = os.path.join(root, case.model)
         spec = load_model(local if os.path.exists(local) else case.model, task=case.task,
-                          seq_len=case.seq_len)
+                          seq_len=case.seq_len, adapters=case.adapters())
         gpu = get_profile(case.gpu)
         cfg = TraceConfig(case.batch_size, case.precision, case.checkpointing, None,
                           case.grad_accum, case.optimizer)

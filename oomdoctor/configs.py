@@ -14,6 +14,8 @@ ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")
 # Multi-GPU strategies (oomdoctor.parallel.STRATEGIES, plus "fsdp" as a name for zero3).
 # The heads a Hugging Face model can be built with (oomdoctor.sources.TASKS maps each to its
 # transformers auto class).
+# --quantize: bitsandbytes 4-bit weight formats (oomdoctor.adapters)
+QUANTIZATIONS = ("nf4", "fp4")
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "token-cls", "seq2seq-lm")
 STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp",
                     "hsdp")    # hsdp: hybrid sharding, several nodes (recommend/smoke --nodes)

@@ -28,6 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from oomdoctor import adapters
 from oomdoctor.configs import OPTIMIZERS
 
 # CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
@@ -311,6 +312,8 @@ class CudaKernels(_OurMode):
             return self._sdpa(func, args, kwargs)
         if name == "dropout":
             return self._dropout(func, args, kwargs)
+        if name == "gemm_4bit.default":              # bitsandbytes' 4-bit matmul
+            return adapters.gemm_4bit_as_cuda(func, args, kwargs)
         return self._passthrough(func, args, kwargs)
 
     def _sdpa(self, func, args, kwargs):

@@ -20,6 +20,7 @@ message naming the file, the function and the fix.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import os
@@ -45,22 +46,28 @@ class ModelSpec:
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None
     label: str | None = None           # the name to show, when not the file's (Hub ids, configs)
+    adapters: Any = None               # LoRA / 4-bit weights (oomdoctor.adapters.Adapters)
 
     @property
     def name(self) -> str:
-        return self.label or os.path.splitext(os.path.basename(self.path))[0]
+        base = self.label or os.path.splitext(os.path.basename(self.path))[0]
+        return base + (self.adapters.label if self.adapters is not None else "")
 
 
-def load_model(source: str, *, task: str | None = None, seq_len: int | None = None) -> ModelSpec:
+def load_model(source: str, *, task: str | None = None, seq_len: int | None = None,
+               adapters: Any = None) -> ModelSpec:
     """A model file (``.py``), or a Hugging Face id / config folder / ``config.json``
-    (:mod:`oomdoctor.sources`; ``task`` and ``seq_len`` apply to those only)."""
+    (:mod:`oomdoctor.sources`; ``task`` and ``seq_len`` apply to those only). ``adapters``
+    (:class:`oomdoctor.adapters.Adapters`): train it with LoRA / on 4-bit weights."""
     if source.endswith(".py") or (os.path.isfile(source) and not source.endswith(".json")):
         if task or seq_len:
             raise ModelFileError(f"{source}: --task and --seq-len apply to Hugging Face models; "
                                  "a model file makes its own batch in make_batch(batch_size)")
-        return load_model_file(source)
-    from oomdoctor import sources
-    return sources.load_hf(source, task, seq_len)
+        spec = load_model_file(source)
+    else:
+        from oomdoctor import sources
+        spec = sources.load_hf(source, task, seq_len)
+    return dataclasses.replace(spec, adapters=adapters) if adapters is not None else spec
 
 
 def load_model_file(path: str) -> ModelSpec:
@@ -208,15 +215,22 @@ def make_configured_optimizer(spec: ModelSpec, model: torch.nn.Module,
 # --- one training configuration, the same for the trace, the measured probe and the smoke run --
 
 def build_for_training(spec: ModelSpec, precision: str = "fp32", checkpointing: bool = False,
-                       checkpoint_class: str | None = None, *, preserve_rng_state: bool = True
+                       checkpoint_class: str | None = None, *, preserve_rng_state: bool = True,
+                       notes: list[str] | None = None
                        ) -> tuple[torch.nn.Module, tuple[str, ...]]:
     """The file's model as a configuration trains it, under the caller's device or fake-tensor
-    context: in train mode, cast to bf16 for pure bf16, repeated blocks checkpointed. Returns the
-    model and the checkpointed blocks' names."""
+    context: in train mode, cast to bf16 for pure bf16, LoRA/4-bit weights if the spec asks,
+    repeated blocks checkpointed. Returns the model and the checkpointed blocks' names; what
+    the adapters did is appended to ``notes``."""
     model = build_checked_model(spec)
     model.train()
     if precision == "bf16-pure":
         to_dtype(model, torch.bfloat16)
+    if spec.adapters is not None:
+        from oomdoctor import adapters
+        model, said = adapters.adapt(model, spec.adapters, precision)
+        if notes is not None:
+            notes += said
     checkpointed: tuple[str, ...] = ()
     if checkpointing:
         from oomdoctor import emulate

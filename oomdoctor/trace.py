@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from oomdoctor import emulate, values
+from oomdoctor import adapters, emulate, values
 from oomdoctor.eager import compile_as_eager, dynamo_left_unloaded
 from oomdoctor.loader import (DataDependentError, ModelFileError, ModelSpec, build_for_training,
                               compute_loss, make_configured_batch, make_configured_optimizer)
@@ -453,7 +453,8 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
             (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()), \
             (compile_as_eager(compiled) if fake else contextlib.nullcontext()):
         model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
-                                                 cfg.checkpoint_class, preserve_rng_state=not fake)
+                                                 cfg.checkpoint_class, preserve_rng_state=not fake,
+                                                 notes=notes)
         if checkpointed:
             notes.append(f"checkpointing {len(checkpointed)} blocks of class "
                          f"{type(model.get_submodule(checkpointed[0])).__name__}")
@@ -470,7 +471,9 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
             rec.shadows = values.Shadows()
         marks: list[PhaseMark] = []
         params = _storages(model.parameters())
-        buffers = _storages(b for b in model.buffers() if b.untyped_storage()._cdata not in params)
+        # bitsandbytes' quantization statistics are held like buffers (adapters.quant_states).
+        buffers = _storages(b for b in (*model.buffers(), *adapters.quant_states(model))
+                            if b.untyped_storage()._cdata not in params)
         trainable = _storages(p for p in model.parameters() if p.requires_grad)
         with _phase(rec, marks, Phase.SETUP, 0, 0):
             for t in params.values():
@@ -579,7 +582,7 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
         config=cfg, events=events, storages=rec.storages, marks=tuple(marks),
         parameter_bytes=sum(t.untyped_storage().nbytes() for t in params.values()),
         trainable_parameter_bytes=gradient_bytes,
-        num_parameters=sum(p.numel() for p in params.values()),
+        num_parameters=sum(adapters.logical_numel(p) for p in params.values()),
         num_trainable_parameters=sum(p.numel() for p in trainable.values()),
         buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
         gradient_bytes=gradient_bytes, optimizer_state_bytes=state_bytes,

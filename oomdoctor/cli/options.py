@@ -6,7 +6,7 @@ import sys
 import click
 
 from oomdoctor.allocator import AllocatorConfig
-from oomdoctor.configs import OPTIMIZERS, TASKS, ZERO_GRAD_MODES
+from oomdoctor.configs import OPTIMIZERS, QUANTIZATIONS, TASKS, ZERO_GRAD_MODES
 from oomdoctor.gpus import PROFILES, custom_profile, get_profile, parse_size
 
 
@@ -32,8 +32,9 @@ def _remember(ctx: click.Context, param: click.Parameter, value):
 
 
 def _source_options(f):
-    """--task and --seq-len: how to build a Hugging Face model given by id or config. They are
-    kept in the context (not passed to every command function) and read by _load_model."""
+    """--task and --seq-len (how to build a Hugging Face model given by id or config) and
+    --lora/--quantize (how the model is fine-tuned). They are kept in the context (not passed
+    to every command function) and read by _load_model."""
     for opt in reversed([
         click.option("--task", type=click.Choice(TASKS),
                      expose_value=False, callback=_remember, is_eager=True,
@@ -43,6 +44,26 @@ def _source_options(f):
                      callback=_remember, is_eager=True,
                      help="For a Hugging Face id or config: tokens per sequence (default 1024, "
                           "at most the model's max_position_embeddings)."),
+        click.option("--lora", "lora_rank", type=click.IntRange(1), metavar="RANK",
+                     expose_value=False, callback=_remember, is_eager=True,
+                     help="Train LoRA adapters of this rank (peft) on the frozen model; under "
+                          "fp16/bf16 AMP the frozen weights are 16-bit, as LoRA recipes load "
+                          "them. Alpha scales the update, not memory."),
+        click.option("--lora-targets", metavar="NAMES", expose_value=False,
+                     callback=_remember, is_eager=True,
+                     help="Comma-separated module names for LoRA, e.g. q_proj,v_proj (default: "
+                          "peft's for the architecture, else every nn.Linear)."),
+        click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True),
+                     default=0.0, expose_value=False, callback=_remember, is_eager=True,
+                     help="LoRA dropout (peft's default 0; recipes often use 0.05)."),
+        click.option("--quantize", type=click.Choice(QUANTIZATIONS), expose_value=False,
+                     callback=_remember, is_eager=True,
+                     help="Store the frozen linear layers 4-bit with bitsandbytes (QLoRA with "
+                          "--lora); they compute in the AMP dtype."),
+        click.option("--double-quant", is_flag=True, expose_value=False, callback=_remember,
+                     is_eager=True,
+                     help="With --quantize: quantize the 4-bit weights' scales too "
+                          "(bnb_4bit_use_double_quant, about 0.37 bit per parameter less)."),
     ]):
         f = opt(f)
     return f
@@ -54,7 +75,27 @@ def _load_model(source: str):
     from oomdoctor.loader import load_model
     ctx = click.get_current_context(silent=True)
     opts = (ctx.meta.get(_SOURCE, {}) if ctx is not None else {})
-    return load_model(source, task=opts.get("task"), seq_len=opts.get("seq_len"))
+    return load_model(source, task=opts.get("task"), seq_len=opts.get("seq_len"),
+                      adapters=_adapters(opts))
+
+
+def _adapters(opts: dict):
+    """--lora / --quantize as an Adapters, or None when neither is given."""
+    if not opts.get("lora_rank") and not opts.get("quantize"):
+        if opts.get("lora_targets") or opts.get("double_quant") or opts.get("lora_dropout"):
+            raise click.UsageError("--lora-targets, --lora-dropout and --double-quant go with "
+                                   "--lora RANK or --quantize")
+        return None
+    if not opts.get("lora_rank"):
+        raise click.UsageError("--quantize alone leaves nothing to train (4-bit weights are "
+                               "frozen); add --lora RANK for QLoRA")
+    from oomdoctor.adapters import Adapters
+    targets = opts.get("lora_targets")
+    return Adapters(lora_rank=opts["lora_rank"],
+                    lora_targets=tuple(t.strip() for t in targets.split(",") if t.strip())
+                    if targets else None,
+                    lora_dropout=opts.get("lora_dropout") or 0.0,
+                    quantize=opts.get("quantize"), double_quant=bool(opts.get("double_quant")))
 
 
 def _budget_options(f):

@@ -72,6 +72,22 @@ def _size_fixes(out: _Out, d: _Draft, ctx: _Ctx, phase: Phase | None, act: int |
                 "them at a small speed cost." + ("" if trainable else
                 " The log does not print the parameter count, so the saving is not computed."),
                 cost=1, primary=phase is Phase.OPTIMIZER_STEP)
+        # Per trainable parameter, full fine-tuning with AdamW holds a 4-byte weight, a 4-byte
+        # gradient and 8 bytes of state; LoRA keeps a frozen 16-bit copy (2 bytes), QLoRA about
+        # half a byte (4-bit weights plus block scales), and trains ~1% as many adapter weights.
+        eff = (16 - 2) * trainable if trainable else None
+        out.fix("parameter_efficient", "Fine-tune adapters instead of every weight: LoRA (peft), "
+                "or QLoRA with the frozen weights stored 4-bit (bitsandbytes); check the fit with "
+                "`oomdoctor estimate MODEL --lora 16 --quantize nf4`", eff, "about",
+                "similar per step (QLoRA slower: it dequantizes each weight for its matmul)",
+                "changes what is trained: adapters come close to full fine-tuning on many "
+                "fine-tuning tasks (QLoRA, arXiv:2305.14314), not for pretraining",
+                "Gradients and optimizer state exist only for the adapters (about 1% of the "
+                "parameters at rank 16), and the frozen weights need no fp32 copy: 2 bytes per "
+                "parameter in bf16, about 0.5 with 4-bit storage, instead of the 16 that full "
+                "fine-tuning with AdamW holds." + ("" if trainable else
+                " The log does not print the parameter count, so the saving is not computed."),
+                cost=2)
         if not multi_gpu:
             return
         n = ctx.world if ctx.world and ctx.world >= 2 else 2
