@@ -17,8 +17,10 @@ ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")
 # --quantize: bitsandbytes 4-bit weight formats (oomdoctor.adapters)
 QUANTIZATIONS = ("nf4", "fp4")
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "token-cls", "seq2seq-lm")
-STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp",
-                    "hsdp")    # hsdp: hybrid sharding, several nodes (recommend/smoke --nodes)
+STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp")
+# recommend and smoke also take hsdp (hybrid sharding, oomdoctor.parallel.NODE_STRATEGIES), a
+# plan for several nodes (--nodes N).
+NODE_STRATEGY_CHOICES = STRATEGY_CHOICES + ("hsdp",)
 
 # The model-file protocol, as `--help` prints it (the errors of oomdoctor.loader point here).
 MODEL_PROTOCOL = """\b

@@ -158,9 +158,12 @@ def test_recommend_two_nodes_cli():
 
 
 def test_hsdp_needs_several_nodes():
-    res = CliRunner().invoke(cli, ["parallel", "sample_models/tiny_mlp.py", "--gpus", "2",
-                                   "--strategy", "hsdp"])
-    assert res.exit_code == EXIT_USAGE and "several nodes" in res.stderr
+    from oomdoctor.configs import NODE_STRATEGY_CHOICES, STRATEGY_CHOICES
+    assert set(NODE_STRATEGY_CHOICES) - set(STRATEGY_CHOICES) == set(par.NODE_STRATEGIES)
+    for cmd in (["recommend", "--quick", "-j", "1"], ["smoke"]):
+        res = CliRunner().invoke(cli, [cmd[0], "sample_models/tiny_mlp.py", "--gpus", "2",
+                                       "--strategy", "hsdp", *cmd[1:]])
+        assert res.exit_code == EXIT_USAGE and "several nodes" in res.stderr, res.output
     with pytest.raises(ValueError, match="inter-node link"):
         rec.hardware(RTX3090, 2, nodes=2, inter_node="token-ring")
 

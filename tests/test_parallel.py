@@ -372,7 +372,7 @@ def test_strategy_names_and_errors():
         par.parse_strategy("tensor-parallel")
     with pytest.raises(ValueError, match="exactly 2 GPUs"):
         par.Strategy("pipeline2", 4)
-    assert set(STRATEGY_CHOICES) - {"fsdp"} == set(par.STRATEGIES + par.NODE_STRATEGIES)
+    assert set(STRATEGY_CHOICES) - {"fsdp"} == set(par.STRATEGIES)
     from oomdoctor.recommend import LINKS
     assert LINK_CHOICES == LINKS
 

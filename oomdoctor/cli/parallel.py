@@ -11,7 +11,8 @@ from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
 from oomdoctor.cli.options import (_alloc_config, _card_options, _detect_gpus, _die, _load_model,
                                    _make_budget, _num_gpus, _progress)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
-from oomdoctor.configs import MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES
+from oomdoctor.configs import (MODEL_PROTOCOL, NODE_STRATEGY_CHOICES, PRECISIONS,
+                               STRATEGY_CHOICES)
 
 # --- parallel, split, recommend, smoke (section owned by the multi-GPU modules' author) ---
 # Choices spelled out here so that --help never imports torch; tests/test_parallel.py checks
@@ -50,10 +51,6 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
     from oomdoctor import parallel as par
     from oomdoctor.loader import ModelFileError
     from oomdoctor.trace import TraceConfig
-    if "hsdp" in strategies:
-        raise click.UsageError("hsdp (hybrid sharding) spans several nodes: use `oomdoctor "
-                               "recommend MODEL --nodes N --strategy hsdp`, or --strategy zero3 "
-                               "on one node")
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     n = _num_gpus(num_gpus)
@@ -126,8 +123,9 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
               help="The effective batch you want (micro-batch x accumulation x GPUs).")
 @click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
               help="Allowed precisions (repeatable; default: all the card supports).")
-@click.option("--strategy", "strategies", multiple=True, type=click.Choice(STRATEGY_CHOICES),
-              help="Allowed strategies (repeatable; default: all).")
+@click.option("--strategy", "strategies", multiple=True,
+              type=click.Choice(NODE_STRATEGY_CHOICES),
+              help="Allowed strategies (repeatable; default: all; hsdp with --nodes).")
 @click.option("--link", type=click.Choice(LINK_CHOICES),
               help="GPU-to-GPU link (default: detected, else pcie-no-p2p for GeForce cards).")
 @click.option("--top", type=click.IntRange(1), default=8, show_default=True,
@@ -227,8 +225,8 @@ def _host_ram(text, local):
 
 @cli.command("smoke", epilog=MODEL_PROTOCOL)
 @click.argument("model_file", type=click.Path())
-@click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
-              show_default=True)
+@click.option("--strategy", type=click.Choice(NODE_STRATEGY_CHOICES), default="single",
+              show_default=True, help="hsdp (hybrid sharding) with --nodes.")
 @click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
               help="Micro-batch per GPU.")
 @click.option("--grad-accum", default=1, show_default=True, type=click.IntRange(1))
@@ -264,6 +262,9 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
     from oomdoctor.loader import ModelFileError
     from oomdoctor.parallel import parse_strategy
     strategy = parse_strategy(strategy)
+    if strategy == "hsdp" and nodes < 2:
+        raise click.UsageError("hsdp (hybrid sharding) spans several nodes: add --nodes N, or "
+                               "use --strategy zero3 on one node")
     if nodes > 1:
         _smoke_nodes(model_file, strategy, nodes, num_gpus or 1, batch_size, grad_accum,
                      precision, checkpointing, checkpoint_class, steps, optimizer, cpu_batch,
