@@ -140,8 +140,13 @@ def _offload(r: Recommendation) -> list[str]:
                      gib(o.host_bytes_per_node), host_ok,
                      _duration(o.pcie_seconds + o.cpu_optimizer_seconds),
                      "-" if o.slowdown is None else f"{o.slowdown:.1f}x"))
-    ram = (f"{r.host_ram_bytes / 2**30:.0f} GiB per node ({r.host_ram_source})"
-           if r.host_ram_bytes else "unknown: pass --host-ram SIZE")
+    if r.host_ram_bytes:
+        ram = f"{r.host_ram_bytes / 2**30:.0f} GiB per node ({r.host_ram_source})"
+    else:
+        from oomdoctor.recommend.offload import local_host_ram
+        here = local_host_ram()
+        ram = "unknown: pass --host-ram SIZE" + (
+            f"; this machine has {here / 2**30:.0f} GiB" if here else "")
     out = [f"CPU offload plans (DeepSpeed's estimators; host RAM {ram}):",
            tabulate(rows, headers=("plan", "states GiB/GPU", "total GiB/GPU", "fits GPU",
                                    "host GiB/node", "fits host", "+ per step", "slowdown"),
