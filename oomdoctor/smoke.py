@@ -242,6 +242,7 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
         for d in devices:
             torch.cuda.reset_peak_memory_stats(d)
     losses: list[float] = []
+    inspected: dict[str, Any] = {}       # inspect_last's answer at the last step
     times: list[float] = []
     error = None
     try:
@@ -263,7 +264,7 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
             else:
                 opt.step()
             if inspect_last is not None and len(losses) == cfg.steps - 1:
-                out_inspect = inspect_last(model, opt)   # gradients and state still alive
+                inspected["inspect"] = inspect_last(model, opt)   # grads and state alive
             opt.zero_grad(set_to_none=True)
             if cuda:
                 for d in devices:
@@ -280,9 +281,7 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
             memory.append((str(d), torch.cuda.max_memory_allocated(d),
                            torch.cuda.max_memory_reserved(d)))
     out: dict[str, Any] = {"rank": rank, "losses": losses, "times": times, "memory": memory,
-                           "batch": b, "oom": error}
-    if inspect_last is not None and len(losses) == cfg.steps:
-        out["inspect"] = out_inspect
+                           "batch": b, "oom": error, **inspected}
     if want_state:
         out["state"] = _full_state(model)
     return out
