@@ -18,6 +18,9 @@ ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")
 QUANTIZATIONS = ("nf4", "fp4")
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "token-cls", "seq2seq-lm")
 STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp")
+# recommend and smoke also take hsdp (hybrid sharding, oomdoctor.parallel.NODE_STRATEGIES), a
+# plan for several nodes (--nodes N).
+NODE_STRATEGY_CHOICES = STRATEGY_CHOICES + ("hsdp",)
 
 # The model-file protocol, as `--help` prints it (the errors of oomdoctor.loader point here).
 MODEL_PROTOCOL = """\b

@@ -71,6 +71,24 @@ def load_model(source: str, *, task: str | None = None, seq_len: int | None = No
     return dataclasses.replace(spec, adapters=adapters, origin=(source, task, seq_len))
 
 
+def for_process(spec: ModelSpec, start_method: str) -> ModelSpec | tuple:
+    """What a child process needs to have ``spec`` (see :func:`in_process`): a forked child
+    inherits the spec itself; a spawned one gets load_model's arguments, since the spec's
+    closures do not pickle."""
+    if start_method == "fork":
+        return spec
+    if spec.origin is None:
+        raise ModelFileError(f"{spec.name} was not loaded from a file or a Hugging Face id, so "
+                             "a spawned process cannot rebuild it; run it in one process")
+    return spec.origin, spec.adapters
+
+
+def in_process(source: ModelSpec | tuple) -> ModelSpec:
+    """The spec in a child process, from :func:`for_process`."""
+    return source if isinstance(source, ModelSpec) else load_model(*source[0],
+                                                                   adapters=source[1])
+
+
 def load_model_file(path: str) -> ModelSpec:
     """Import ``path`` as a fresh module and pick out the protocol's functions."""
     if not os.path.exists(path):

@@ -32,11 +32,11 @@ from typing import Any, Callable
 
 import torch
 
-from oomdoctor.loader import ModelSpec, build_checked_model, compute_loss, load_model
-from oomdoctor.parallel import STRATEGIES, StrategyEstimate, execution_blocks
+from oomdoctor.loader import ModelSpec, build_checked_model, compute_loss, for_process, in_process
+from oomdoctor.parallel import NODE_STRATEGIES, STRATEGIES, StrategyEstimate, execution_blocks
 
 TOLERANCE = 0.10          # measured peak vs prediction, relative
-DISTRIBUTED = ("ddp", "zero1", "zero2", "zero3")
+DISTRIBUTED = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 Progress = Callable[[str], None]
 
 
@@ -67,9 +67,10 @@ class SmokeConfig:
     main_device: int = 0              # pipeline2: where inputs and the loss live
     timeout_s: float = 600.0
     cpu_fp32_fallback: bool = True    # bf16 on a CPU without fast bf16 runs in fp32
+    nodes: int = 1                    # hsdp: replicas (num_gpus counts every rank)
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
+        if self.strategy not in STRATEGIES + NODE_STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; choose one of "
                              f"{', '.join(STRATEGIES)}")
         if self.steps < 1 or self.micro_batch < 1 or self.grad_accum < 1:
@@ -169,7 +170,8 @@ def _to(batch: Any, device: torch.device) -> Any:
 
 def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, world: int = 1,
                   want_state: bool = False,
-                  on_step: Callable[[int, float], None] | None = None) -> dict[str, Any]:
+                  on_step: Callable[[int, float], None] | None = None,
+                  inspect_last: Callable[[Any, Any], Any] | None = None) -> dict[str, Any]:
     """Build, wrap and train ``cfg.steps`` steps in this process; return losses, step times,
     per-GPU peaks (CUDA) and, if asked, the model's final state (rank 0's full parameters).
     ``on_step(step, seconds)`` is told as each step completes."""
@@ -191,14 +193,18 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
     if strategy in ("ddp", "zero1"):
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if cuda else None)
-    elif strategy in ("zero2", "zero3"):
+    elif strategy in ("zero2", "zero3", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         try:
             from torch.distributed.fsdp import fully_shard        # FSDP2, torch >= 2.6
         except ImportError:                                         # torch 2.4 / 2.5
             from torch.distributed._composable.fsdp import fully_shard
-        mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
-        reshard = strategy == "zero3"
+        # hsdp: a 2-D mesh, replicas across nodes and shards within one (FSDP2's HSDP).
+        hsdp = strategy == "hsdp"
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (cfg.nodes, world // cfg.nodes)
+                                if hsdp else (world,),
+                                mesh_dim_names=("replicate", "shard") if hsdp else None)
+        reshard = strategy != "zero2"
         for name in execution_blocks(model):
             if name:
                 fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
@@ -236,6 +242,7 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
         for d in devices:
             torch.cuda.reset_peak_memory_stats(d)
     losses: list[float] = []
+    inspected: dict[str, Any] = {}       # inspect_last's answer at the last step
     times: list[float] = []
     error = None
     try:
@@ -256,6 +263,8 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
                 scaler.update()
             else:
                 opt.step()
+            if inspect_last is not None and len(losses) == cfg.steps - 1:
+                inspected["inspect"] = inspect_last(model, opt)   # grads and state alive
             opt.zero_grad(set_to_none=True)
             if cuda:
                 for d in devices:
@@ -272,7 +281,7 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
             memory.append((str(d), torch.cuda.max_memory_allocated(d),
                            torch.cuda.max_memory_reserved(d)))
     out: dict[str, Any] = {"rank": rank, "losses": losses, "times": times, "memory": memory,
-                           "batch": b, "oom": error}
+                           "batch": b, "oom": error, **inspected}
     if want_state:
         out["state"] = _full_state(model)
     return out
@@ -336,9 +345,7 @@ def _rank_main(source: ModelSpec | tuple, cfg: SmokeConfig, cuda: bool, rank: in
         dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank,
                                 world_size=world)
         try:
-            # A forked rank inherits the spec; a spawned one rebuilds it (closures do not pickle).
-            spec = source if isinstance(source, ModelSpec) else load_model(*source[0],
-                                                                           adapters=source[1])
+            spec = in_process(source)
 
             def on_step(step: int, seconds: float) -> None:
                 results.put({"rank": rank, "step": step, "seconds": seconds})
@@ -378,10 +385,7 @@ def run_training(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, want_state: bool
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
-        if method != "fork" and spec.origin is None:
-            raise SmokeError(f"{spec.name} was not loaded from a file or a Hugging Face id, so "
-                             "spawned processes cannot rebuild it; smoke it single-process")
-        source = spec if method == "fork" else (spec.origin, spec.adapters)
+        source = for_process(spec, method)
         procs = [ctx.Process(target=_rank_main, args=(source, cfg, cuda, r, world, init,
                                                       results, want_state), daemon=True)
                  for r in range(world)]

@@ -11,12 +11,17 @@ from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
 from oomdoctor.cli.options import (_alloc_config, _card_options, _detect_gpus, _die, _load_model,
                                    _make_budget, _num_gpus, _progress)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
-from oomdoctor.configs import MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES
+from oomdoctor.configs import (MODEL_PROTOCOL, NODE_STRATEGY_CHOICES, PRECISIONS,
+                               STRATEGY_CHOICES)
 
 # --- parallel, split, recommend, smoke (section owned by the multi-GPU modules' author) ---
 # Choices spelled out here so that --help never imports torch; tests/test_parallel.py checks
 # them against oomdoctor.parallel.STRATEGIES and oomdoctor.recommend.LINKS.
 LINK_CHOICES = ("pcie-no-p2p", "pcie", "nvlink")
+INTER_NODE_CHOICES = ("ib", "ethernet")          # oomdoctor.recommend.INTER_NODE_GBPS
+_NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default=True,
+                      help="Machines, each with --num-gpus GPUs (plans and launch lines for "
+                           "several nodes).")
 
 
 @cli.command("parallel", epilog=MODEL_PROTOCOL)
@@ -118,8 +123,9 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
               help="The effective batch you want (micro-batch x accumulation x GPUs).")
 @click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
               help="Allowed precisions (repeatable; default: all the card supports).")
-@click.option("--strategy", "strategies", multiple=True, type=click.Choice(STRATEGY_CHOICES),
-              help="Allowed strategies (repeatable; default: all).")
+@click.option("--strategy", "strategies", multiple=True,
+              type=click.Choice(NODE_STRATEGY_CHOICES),
+              help="Allowed strategies (repeatable; default: all; hsdp with --nodes).")
 @click.option("--link", type=click.Choice(LINK_CHOICES),
               help="GPU-to-GPU link (default: detected, else pcie-no-p2p for GeForce cards).")
 @click.option("--top", type=click.IntRange(1), default=8, show_default=True,
@@ -130,15 +136,26 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
               help="Skip the per-strategy table when nothing can fit (no trace).")
 @click.option("--smoke", "run_smoke", is_flag=True,
               help="Then run a few real training steps of the recommended configuration.")
+@_NODES
+@click.option("--inter-node-link", "inter_node", type=click.Choice(INTER_NODE_CHOICES),
+              default="ethernet", show_default=True,
+              help="Link between nodes: ib (HDR, 25 GB/s) or ethernet (10 GbE, 1.25 GB/s).")
+@click.option("--inter-node-bandwidth", "inter_node_gbps", type=click.FloatRange(min=0.001),
+              metavar="GB/S", help="Per-direction GB/s between nodes, e.g. 3.125 for 25 GbE.")
+@click.option("--host-ram", metavar="SIZE",
+              help="RAM of each node for the CPU offload plans, e.g. 128GiB (default: this "
+                   "machine's when planning for its own GPUs).")
 @_card_options
 def recommend_command(model_file, target_batch, precisions, strategies, link, top, jobs, quick,
-                      run_smoke, gpu_name, memory, num_gpus, overhead, other_mem, margin,
-                      alloc_conf, checkpoint_class, optimizer, as_json, debug):
+                      run_smoke, nodes, inter_node, inter_node_gbps, host_ram, gpu_name, memory,
+                      num_gpus, overhead, other_mem, margin, alloc_conf, checkpoint_class,
+                      optimizer, as_json, debug):
     """Recommend precision, checkpointing, strategy, micro-batch and accumulation.
 
     \b
     oomdoctor recommend sample_models/gpt2_small.py --gpu rtx3090 --num-gpus 2 --target-batch 256
     oomdoctor recommend sample_models/llama7b.py --gpu rtx3090 --num-gpus 2 --target-batch 64
+    oomdoctor recommend sample_models/gpt2_small.py --nodes 2 --num-gpus 2 --inter-node-link ib
 
     Exit codes: 0 a configuration fits, 1 nothing fits (the output says what would), 2 usage
     error, 3 model file error.
@@ -154,15 +171,17 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     n = num_gpus or (detected[1] if detected else _num_gpus(None))
+    ram, ram_source = _host_ram(host_ram, detected is not None)
     try:
         hw = rec.hardware(budget.gpu, n, link or (detected[2] if detected else None),
-                          detected is not None)
+                          detected is not None, nodes, inter_node, inter_node_gbps)
         spec = _load_model(model_file)
         base = TraceConfig(1, "fp32", False, checkpoint_class, 1, optimizer)
         result = rec.recommend(spec, hw, target_batch, budget, list(precisions) or None,
                                list(dict.fromkeys(parse_strategy(s) for s in strategies))
                                or None, alloc, base, jobs=jobs or probe_mod.default_jobs(),
-                               top=top, detail=not quick, progress=_progress)
+                               top=top, detail=not quick, progress=_progress,
+                               host_ram=ram, host_ram_source=ram_source)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
@@ -180,16 +199,34 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
         click.echo(rec.render_text(result))
         if smoked is not None:
             from oomdoctor import smoke as smoke_mod
-            click.echo("\n" + smoke_mod.render_text(smoked))
+            from oomdoctor import smoke_nodes
+            click.echo("\n" + (smoke_nodes.render_text(smoked) if result.best.nodes > 1
+                               else smoke_mod.render_text(smoked)))
     if smoked is not None and not smoked.ok:
         sys.exit(EXIT_PROBLEM)
     sys.exit(EXIT_OK if result.best is not None else EXIT_PROBLEM)
 
 
+def _host_ram(text, local):
+    """Each node's RAM for the offload plans: --host-ram, else this machine's when the plan is
+    for its own GPUs, else unknown."""
+    from oomdoctor.gpus import parse_size
+    if text:
+        try:
+            return parse_size(text), "--host-ram"
+        except ValueError as e:
+            raise click.UsageError(f"--host-ram {text}: {e}") from None
+    if local:
+        from oomdoctor.recommend.offload import local_host_ram
+        ram = local_host_ram()
+        return ram, "this machine's MemTotal" if ram else ""
+    return None, ""
+
+
 @cli.command("smoke", epilog=MODEL_PROTOCOL)
 @click.argument("model_file", type=click.Path())
-@click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
-              show_default=True)
+@click.option("--strategy", type=click.Choice(NODE_STRATEGY_CHOICES), default="single",
+              show_default=True, help="hsdp (hybrid sharding) with --nodes.")
 @click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
               help="Micro-batch per GPU.")
 @click.option("--grad-accum", default=1, show_default=True, type=click.IntRange(1))
@@ -203,15 +240,18 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
 @click.option("--device-map", "device_map_path", type=click.Path(exists=True, dir_okay=False),
               help="pipeline2: the map `oomdoctor split --device-map` wrote (default: "
                    "computed now).")
+@_NODES
 @_card_options
 def smoke_command(model_file, strategy, batch_size, grad_accum, precision, checkpointing, steps,
-                  device, cpu_batch, device_map_path, gpu_name, memory, num_gpus, overhead,
-                  other_mem, margin, alloc_conf, checkpoint_class, optimizer, as_json, debug):
+                  device, cpu_batch, device_map_path, nodes, gpu_name, memory, num_gpus,
+                  overhead, other_mem, margin, alloc_conf, checkpoint_class, optimizer, as_json,
+                  debug):
     """Run a few real training steps; loss per step, step time, measured vs predicted peaks.
 
     \b
     oomdoctor smoke sample_models/tiny_mlp.py --strategy ddp --gpus 2 -b 16 --grad-accum 2
     oomdoctor smoke model.py --strategy pipeline2 --device-map map.json --precision bf16
+    oomdoctor smoke sample_models/tiny_mlp.py --strategy hsdp --nodes 2 --num-gpus 2
 
     Without CUDA it runs on the CPU (gloo processes, bf16 autocast, the split via accelerate)
     and says that GPU memory was not measured.
@@ -222,6 +262,13 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
     from oomdoctor.loader import ModelFileError
     from oomdoctor.parallel import parse_strategy
     strategy = parse_strategy(strategy)
+    if strategy == "hsdp" and nodes < 2:
+        raise click.UsageError("hsdp (hybrid sharding) spans several nodes: add --nodes N, or "
+                               "use --strategy zero3 on one node")
+    if nodes > 1:
+        _smoke_nodes(model_file, strategy, nodes, num_gpus or 1, batch_size, grad_accum,
+                     precision, checkpointing, checkpoint_class, steps, optimizer, cpu_batch,
+                     as_json, debug)
     n = 1 if strategy == "single" else _num_gpus(num_gpus)
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
@@ -247,4 +294,27 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
         _die(e, debug, EXIT_USAGE)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json
                else smoke_mod.render_text(result))
+    sys.exit(EXIT_OK if result.ok else EXIT_PROBLEM)
+
+
+def _smoke_nodes(model_file, strategy, nodes, per_node, batch_size, grad_accum, precision,
+                 checkpointing, checkpoint_class, steps, optimizer, cpu_batch, as_json, debug):
+    """smoke --nodes N: the plan's ranks as gloo processes on this machine (exits)."""
+    from oomdoctor import smoke as smoke_mod
+    from oomdoctor import smoke_nodes
+    from oomdoctor.loader import ModelFileError
+    try:
+        spec = _load_model(model_file)
+        cfg = smoke_mod.SmokeConfig(strategy, nodes * per_node, precision, checkpointing,
+                                    checkpoint_class, batch_size, grad_accum, steps, optimizer,
+                                    "cpu", cpu_batch, nodes=nodes)
+        result = smoke_nodes.run_nodes_smoke(spec, cfg, nodes, per_node, progress=_progress)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except smoke_mod.SmokeError as e:
+        _die(e, debug, EXIT_PROBLEM)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json
+               else smoke_nodes.render_text(result))
     sys.exit(EXIT_OK if result.ok else EXIT_PROBLEM)

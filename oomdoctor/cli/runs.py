@@ -10,7 +10,14 @@ def _smoke_best(spec, best, budget, alloc, checkpoint_class, optimizer, debug):
     from oomdoctor import smoke as smoke_mod
     cfg = smoke_mod.SmokeConfig(best.strategy, best.num_gpus, best.precision,
                                 best.checkpointing, checkpoint_class, best.micro_batch,
-                                best.grad_accum, optimizer=optimizer)
+                                best.grad_accum, optimizer=optimizer, nodes=best.nodes)
+    if best.nodes > 1:          # the nodes' ranks as gloo processes on this machine
+        from oomdoctor import smoke_nodes
+        try:
+            return smoke_nodes.run_nodes_smoke(spec, cfg, best.nodes,
+                                               best.num_gpus // best.nodes, _progress)
+        except (smoke_mod.SmokeError, ValueError) as e:
+            _die(e, debug, EXIT_PROBLEM)
     return _smoke_run(spec, cfg, budget, alloc, debug)
 
 

@@ -66,11 +66,12 @@ from oomdoctor.parallel.render import render_report, render_split
 from oomdoctor.parallel.report import (ParallelReport, Progress, SplitPlan, estimate_strategies,
                                       plan_split)
 from oomdoctor.parallel.results import BREAKDOWN_KEYS, GpuMemory, Partition, StrategyEstimate
-from oomdoctor.parallel.strategy import ALIASES, DESCRIPTIONS, STRATEGIES, Strategy, parse_strategy
+from oomdoctor.parallel.strategy import (ALIASES, DESCRIPTIONS, NODE_STRATEGIES, STRATEGIES,
+                                         Strategy, parse_strategy)
 from oomdoctor.parallel.timeline import Sizes
 
 __all__ = [
-    "STRATEGIES", "ALIASES", "DESCRIPTIONS", "parse_strategy", "Strategy",
+    "STRATEGIES", "NODE_STRATEGIES", "ALIASES", "DESCRIPTIONS", "parse_strategy", "Strategy",
     "MAIN", "BlockInput", "Layout", "execution_blocks", "model_layout",
     "Sizes",
     "BREAKDOWN_KEYS", "GpuMemory", "Partition", "StrategyEstimate",

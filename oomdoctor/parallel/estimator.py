@@ -81,6 +81,14 @@ def _build(trace: Trace, layout: Layout, strategy: Strategy, gpu: GpuProfile,
         gpus, notes = _dp(ctx, strategy)
     elif strategy.name in ("zero1", "zero2", "zero3"):
         gpus, notes = _zero(ctx, strategy, int(strategy.name[-1]))
+    elif strategy.name == "hsdp":
+        # Each node is one ZeRO-3 group; the cross-node all-reduce runs on the reduce-scattered
+        # shard in place (FSDP HYBRID_SHARD), so a GPU's memory is ZeRO-3's over its node.
+        gpus, notes = _zero(ctx, replace(strategy, name="zero3", num_gpus=strategy.per_node,
+                                         nodes=1), 3)
+        notes.append(f"hybrid sharding: model states sharded over the {strategy.per_node} GPUs "
+                     f"of each node and replicated on each of the {strategy.nodes} nodes; "
+                     "only gradients cross the inter-node link")
     else:
         pipe = _Pipeline(ctx)
         if pipe.nblocks < 2:
@@ -131,9 +139,9 @@ def estimate_strategy(trace: Trace, layout: Layout, strategy: Strategy, budget: 
     ds = None
     if strategy.name == "zero2":
         ds = deepspeed_zero2_gpu_bytes(layout.num_parameters, strategy.num_gpus)
-    elif strategy.name == "zero3":
+    elif strategy.name in ("zero3", "hsdp"):
         ds = deepspeed_zero3_gpu_bytes(layout.num_parameters, layout.largest_leaf_params,
-                                       strategy.num_gpus)
+                                       strategy.shard_group)
     d = strategy.data_parallel
     return StrategyEstimate(
         model=layout.model, strategy=strategy.name, num_gpus=strategy.num_gpus,

@@ -34,13 +34,13 @@ def model_state_floor(param_bytes: int, grad_bytes: int, optim_bytes: int, strat
                       ) -> int:
     """Parameters + gradients + optimizer state one GPU must hold under ``strategy`` - a lower
     bound of its peak (activations, temporaries and buffers come on top)."""
-    n = strategy.num_gpus
+    n = strategy.shard_group
     if strategy.name in ("single", "ddp", "dp"):
         return param_bytes + grad_bytes + optim_bytes
     if strategy.name == "zero1":
         return param_bytes + grad_bytes + optim_bytes // n
     if strategy.name == "zero2":
         return param_bytes + (grad_bytes + optim_bytes) // n
-    if strategy.name == "zero3":
+    if strategy.name in ("zero3", "hsdp"):         # hsdp: ZeRO-3 over one node's GPUs
         return (param_bytes + grad_bytes + optim_bytes) // n
     return (param_bytes + grad_bytes + optim_bytes) // 2      # pipeline2: at best half each

@@ -5,8 +5,12 @@ from dataclasses import dataclass
 
 
 STRATEGIES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2")
+# Strategies that only mean something across several nodes (recommend/smoke --nodes N): kept out
+# of STRATEGIES so that the one-node commands (parallel, probe) list what they always did.
+NODE_STRATEGIES = ("hsdp",)
 ALIASES = {"fsdp": "zero3", "dataparallel": "dp", "pipeline": "pipeline2", "split": "pipeline2",
-           "naive-pipeline": "pipeline2", "zero": "zero3"}
+           "naive-pipeline": "pipeline2", "zero": "zero3", "hybrid": "hsdp",
+           "hybridshard": "hsdp"}
 DESCRIPTIONS = {
     "single": "one GPU",
     "ddp": "DistributedDataParallel: full replica per GPU",
@@ -15,29 +19,39 @@ DESCRIPTIONS = {
     "zero2": "ZeRO-2: + gradients sharded",
     "zero3": "ZeRO-3 / FSDP FULL_SHARD: + parameters sharded",
     "pipeline2": "naive 2-GPU split: stages on cuda:0 and cuda:1",
+    "hsdp": "hybrid sharding: ZeRO-3 within each node, replicas across nodes (FSDP HYBRID_SHARD)",
 }
 
 
 def parse_strategy(name: str) -> str:
     key = name.lower().replace("_", "").replace(" ", "")
     key = ALIASES.get(key, key)
-    if key not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)} "
-                         f"(aliases: {', '.join(ALIASES)})")
+    if key not in STRATEGIES + NODE_STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of "
+                         f"{', '.join(STRATEGIES + NODE_STRATEGIES)} (aliases: "
+                         f"{', '.join(ALIASES)})")
     return key
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """One way to use ``num_gpus`` GPUs."""
+    """One way to use ``num_gpus`` GPUs (all of them, over ``nodes`` machines)."""
 
     name: str
     num_gpus: int = 1
     bucket_view: bool = False       # DDP/ZeRO-1 gradient_as_bucket_view=True
+    nodes: int = 1                  # machines; num_gpus is the total (the world size)
 
     def __post_init__(self) -> None:
-        if self.name not in STRATEGIES:
+        if self.name not in STRATEGIES + NODE_STRATEGIES:
             raise ValueError(f"unknown strategy {self.name!r}")
+        if self.nodes < 1 or self.num_gpus % self.nodes:
+            raise ValueError(f"{self.num_gpus} GPUs do not split evenly over {self.nodes} "
+                             "nodes; give --num-gpus per node")
+        if self.name == "hsdp" and self.nodes < 2:
+            raise ValueError("hsdp (hybrid sharding: shard within a node, replicate across "
+                             "nodes) needs several nodes; on one node it is zero3 - use "
+                             "`oomdoctor recommend --nodes N` or --strategy zero3")
         if self.name == "single" and self.num_gpus != 1:
             object.__setattr__(self, "num_gpus", 1)
         if self.name == "pipeline2" and self.num_gpus != 2:
@@ -52,6 +66,17 @@ class Strategy:
         return 1 if self.name in ("single", "pipeline2") else self.num_gpus
 
     @property
+    def per_node(self) -> int:
+        """GPUs on each node."""
+        return self.num_gpus // self.nodes
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks the sharded model states are split over: every GPU for ZeRO, the GPUs of one
+        node for hybrid sharding (each node holds a whole replica)."""
+        return self.per_node if self.name == "hsdp" else self.num_gpus
+
+    @property
     def processes(self) -> int:
         """Processes the launcher starts (DataParallel and the split run in one process)."""
-        return self.num_gpus if self.name in ("ddp", "zero1", "zero2", "zero3") else 1
+        return self.num_gpus if self.name in ("ddp", "zero1", "zero2", "zero3", "hsdp") else 1

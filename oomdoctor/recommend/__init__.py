@@ -26,27 +26,40 @@ The package, in dependency order:
 
 - :mod:`~oomdoctor.recommend.machine`: the GPUs, their count and link (:class:`Hardware`);
 - :mod:`~oomdoctor.recommend.cost`: the step-time model;
+- :mod:`~oomdoctor.recommend.internode`: the step time across nodes (ring collectives);
 - :mod:`~oomdoctor.recommend.facts`: model facts for the lower bound, the bound itself;
 - :mod:`~oomdoctor.recommend.records`: candidates, floors, the launch, the recommendation;
+- :mod:`~oomdoctor.recommend.node_launch`: per-node torchrun lines and a SLURM script;
 - :mod:`~oomdoctor.recommend.launch`: the launch line, code snippet and quality notes;
+- :mod:`~oomdoctor.recommend.offload`: CPU offload plans (GPU, host RAM, rough slowdown);
 - :mod:`~oomdoctor.recommend.render`: the text report;
 - :mod:`~oomdoctor.recommend.search`: the search and ranking (:func:`recommend`).
 """
 from oomdoctor.recommend.cost import (BACKWARD_SHARE, CHECKPOINT_RECOMPUTE, COMPUTE_EFFICIENCY,
                                       StepTime, step_time, throughput)
-from oomdoctor.recommend.facts import _Facts, floor_bytes, model_facts
+from oomdoctor.recommend.facts import _Facts, floor_bytes, model_facts, tensor_parallel_bytes
+from oomdoctor.recommend.internode import (node_step_time, ring_allreduce_bytes,
+                                           ring_allreduce_seconds)
 from oomdoctor.recommend.launch import _launch, quality_notes, snippet
-from oomdoctor.recommend.machine import (LINKS, Hardware, default_link, detect_hardware,
-                                         hardware, link_gbps)
-from oomdoctor.recommend.records import Candidate, Floor, Launch, Recommendation
+from oomdoctor.recommend.machine import (INTER_NODE_GBPS, LINKS, Hardware, default_link,
+                                         detect_hardware, hardware, link_gbps)
+from oomdoctor.recommend.node_launch import sbatch_script, torchrun_lines
+from oomdoctor.recommend.offload import (local_host_ram, offload_plans, zero2_offload_bytes,
+                                         zero3_offload_bytes)
+from oomdoctor.recommend.records import (Candidate, Floor, Launch, OffloadPlan, Recommendation,
+                                         TensorParallelPlan)
 from oomdoctor.recommend.render import render_text
 from oomdoctor.recommend.search import (NUMERICS, NUMERICS_PENALTY, SIMPLICITY, Progress,
                                         recommend)
 
 __all__ = [
-    "LINKS", "Hardware", "default_link", "link_gbps", "hardware", "detect_hardware",
+    "LINKS", "INTER_NODE_GBPS", "Hardware", "default_link", "link_gbps", "hardware",
+    "detect_hardware",
     "COMPUTE_EFFICIENCY", "CHECKPOINT_RECOMPUTE", "BACKWARD_SHARE", "StepTime", "throughput",
-    "step_time",
+    "step_time", "node_step_time", "ring_allreduce_bytes", "ring_allreduce_seconds",
+    "torchrun_lines", "sbatch_script",
+    "offload_plans", "zero2_offload_bytes", "zero3_offload_bytes", "local_host_ram",
+    "OffloadPlan", "TensorParallelPlan", "tensor_parallel_bytes",
     "model_facts", "floor_bytes",
     "Candidate", "Floor", "Launch", "Recommendation",
     "NUMERICS", "SIMPLICITY", "NUMERICS_PENALTY", "Progress", "recommend",

@@ -36,6 +36,9 @@ class _Facts:
     blocks_parent: str = ""        # the container of the repeated blocks, e.g. "layers"
     has_batchnorm: bool = False
     largest_leaf_params: int = 0   # DeepSpeed's "largest layer"
+    # Parameters tensor parallelism splits (nn.Linear / nn.Embedding weights, Megatron-style);
+    # biases and norms stay whole on every rank.
+    splittable_params: int = 0
 
 
 def model_facts(spec: ModelSpec) -> _Facts:
@@ -61,9 +64,11 @@ def model_facts(spec: ModelSpec) -> _Facts:
         bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
         leaf = max((sum(p.numel() for p in m.parameters(recurse=False))
                     for m in model.modules()), default=0)
+        split = {m.weight.untyped_storage()._cdata: m.weight.numel() for m in model.modules()
+                 if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
         return _Facts(sum(p.numel() for p in seen.values()),
                       sum(p.numel() for p in seen.values() if p.requires_grad),
-                      _state_slots(opt), bool(names), parent, bn, leaf)
+                      _state_slots(opt), bool(names), parent, bn, leaf, sum(split.values()))
 
 
 def floor_bytes(facts: _Facts, precision: str, strategy: Strategy,
@@ -72,3 +77,20 @@ def floor_bytes(facts: _Facts, precision: str, strategy: Strategy,
     slots = facts.state_slots if state_slots is None else state_slots
     return model_state_floor(facts.num_parameters * width, facts.num_trainable * width,
                              facts.num_trainable * width * slots, strategy)
+
+
+def tensor_parallel_bytes(facts: _Facts, precision: str, degree: int,
+                          state_slots: int | None = None) -> int:
+    """Model states per GPU under tensor parallelism of ``degree`` (Megatron-LM, Shoeybi et al.
+    2019, arXiv:1909.08053: each Linear's weight split by columns or rows, the embedding by
+    vocabulary; biases, norms and everything else replicated): the split weights / degree plus
+    the rest, each with its gradient and optimizer state. Data parallelism across the
+    remaining GPUs replicates this (DDP)."""
+    width = 2 if precision == "bf16-pure" else 4
+    slots = facts.state_slots if state_slots is None else state_slots
+    split = min(facts.splittable_params, facts.num_parameters)
+    whole = facts.num_parameters - split
+    per_gpu_params = -(-split // degree) + whole
+    trainable_share = facts.num_trainable / facts.num_parameters if facts.num_parameters else 0
+    trainable = round(per_gpu_params * trainable_share)
+    return per_gpu_params * width + trainable * width * (1 + slots)

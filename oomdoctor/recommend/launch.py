@@ -5,12 +5,15 @@ from oomdoctor.loader import ModelSpec
 from oomdoctor.parallel import Strategy
 from oomdoctor.recommend.facts import _Facts
 from oomdoctor.recommend.machine import Hardware
+from oomdoctor.recommend.node_launch import sbatch_script, torchrun_lines
 from oomdoctor.recommend.records import Candidate, Launch
 
 
 def _launch(c: Candidate, hw: Hardware, spec: ModelSpec, facts: _Facts) -> Launch:
-    st = Strategy(c.strategy, c.num_gpus) if c.strategy != "pipeline2" else Strategy(
-        "pipeline2", 2)
+    st = Strategy(c.strategy, c.num_gpus, nodes=c.nodes) if c.strategy != "pipeline2" else \
+        Strategy("pipeline2", 2)
+    if c.nodes > 1:
+        return _node_launch(c, st, hw, facts)
     procs = st.processes
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
            "OMP_NUM_THREADS": str(max(1, hw.cores // procs))}
@@ -31,9 +34,40 @@ def _launch(c: Candidate, hw: Hardware, spec: ModelSpec, facts: _Facts) -> Launc
                   quality_notes(c, facts), env_note)
 
 
+def _node_launch(c: Candidate, st: Strategy, hw: Hardware, facts: _Facts) -> Launch:
+    """Several nodes: the line for each node (node 0 first) and a SLURM script."""
+    g = st.per_node
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           "OMP_NUM_THREADS": str(max(1, hw.cores // g))}
+    args = f"train.py --batch-size {c.micro_batch} --grad-accum {c.grad_accum}"
+    lines = torchrun_lines(st.nodes, g, args)
+    note = (f"run line i on node i; HOST is node 0's address, reachable from every node "
+            f"(NCCL_SOCKET_IFNAME picks the interface if there are several); "
+            f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} is "
+            + ("this machine's" if hw.detected else "this machine's, not the nodes'")
+            + f" {hw.cores} cores / {g} processes")
+    return Launch(lines[0], env, snippet(c, facts.blocks_parent, facts.has_batchnorm),
+                  quality_notes(c, facts), note, lines, sbatch_script(st.nodes, g, args, env))
+
+
+def hsdp_lines(nodes: int, per_node: int, blocks: str) -> list[str]:
+    """FSDP2 hybrid sharding: a 2-D mesh, replicas across nodes (dim 0), shards within a node
+    (dim 1) - fully_shard with a 2-D mesh is HSDP (torch/distributed/fsdp/_fully_shard/
+    _fully_shard.py, the ``mesh`` argument); FSDP1 spells it ShardingStrategy.HYBRID_SHARD."""
+    return ["from torch.distributed.device_mesh import init_device_mesh",
+            "from torch.distributed.fsdp import fully_shard   # FSDP2, torch >= 2.6",
+            f"mesh = init_device_mesh('cuda', ({nodes}, {per_node}),   # (nodes, GPUs per node)",
+            "                        mesh_dim_names=('replicate', 'shard'))",
+            "model.to(device)",
+            f"for block in {blocks}:         # shard within the node, replicate across",
+            "    fully_shard(block, mesh=mesh)",
+            "fully_shard(model, mesh=mesh)",
+            "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
+
+
 def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: bool = False) -> str:
     """The training-loop changes for this configuration, as a short code sketch."""
-    distributed = c.strategy in ("ddp", "zero1", "zero2", "zero3")
+    distributed = c.strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp")
     lines = ["import os, torch"]
     if not distributed:
         lines.append("from torch.utils.data import DataLoader")
@@ -73,6 +107,8 @@ def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: boo
         lines += ["from torch.distributed.optim import ZeroRedundancyOptimizer", *ddp,
                   "opt = ZeroRedundancyOptimizer(model.parameters(),",
                   "                              optimizer_class=torch.optim.AdamW, lr=lr)"]
+    elif c.strategy == "hsdp":
+        lines += hsdp_lines(c.nodes, c.num_gpus // c.nodes, where)
     elif c.strategy in ("zero2", "zero3"):
         reshard = "True" if c.strategy == "zero3" else "False"
         lines += ["from torch.distributed.fsdp import fully_shard   # FSDP2, torch >= 2.6",
@@ -125,6 +161,8 @@ def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: boo
     sync = "model.no_sync() if not last else contextlib.nullcontext()" \
         if c.strategy in ("ddp", "zero1") else None
     indent = "        "
+    if c.strategy == "hsdp":
+        lines.append("        model.set_requires_all_reduce(last)  # across nodes: last only")
     if sync:
         lines.append(f"{indent}with {sync}:      # skip the all-reduce until the last")
         indent += "    "
@@ -149,7 +187,8 @@ def quality_notes(c: Candidate, facts: _Facts | None = None) -> tuple[str, ...]:
     """What the configuration changes in training quality, in the users' terms."""
     e = c.effective_batch
     notes = [f"effective batch {e} = micro-batch {c.micro_batch} x {c.grad_accum} accumulation "
-             f"x {Strategy(c.strategy, c.num_gpus).data_parallel} data-parallel GPU(s). If your "
+             f"x {Strategy(c.strategy, c.num_gpus, nodes=c.nodes).data_parallel} data-parallel "
+             "GPU(s). If your "
              f"learning rate was tuned at batch B, scale it with {e}/B: linearly for SGD (Goyal "
              "et al. 2017, with a few epochs of warm-up), about the square root for Adam/AdamW",
              "gradient accumulation: practically neutral - the summed gradient equals the large "
@@ -174,7 +213,7 @@ def quality_notes(c: Candidate, facts: _Facts | None = None) -> tuple[str, ...]:
                      "about +1/3 compute; dropout RNG state is restored)")
     notes.append("a smaller effective batch is not neutral: noisier gradients, retune the "
                  "learning rate - which is why the plan keeps the batch you asked for")
-    if c.strategy in ("ddp", "zero1", "zero2", "zero3"):
+    if c.strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp"):
         notes.append("data parallelism is neutral in theory: every rank sees a different shard "
                      "(DistributedSampler + set_epoch), gradients are averaged")
         if facts is not None and getattr(facts, "has_batchnorm", False) and c.num_gpus > 1:

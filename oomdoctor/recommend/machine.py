@@ -13,6 +13,12 @@ from oomdoctor.gpus import GpuProfile
 # 112.5 GB/s both directions (NVIDIA datasheets); data-centre NVLink comes from the profile.
 LINKS = ("pcie-no-p2p", "pcie", "nvlink")
 _BRIDGE_NVLINK_GBPS = {"rtx3090": 56.25, "a6000": 56.25}
+# Between nodes, per direction, one port per node, GB/s at line rate: InfiniBand HDR is
+# 200 Gb/s = 25 GB/s per port (NVIDIA ConnectX-6 VPI datasheet, "HDR 200Gb/s"); Ethernet is
+# what the NIC says - 10 GbE = 1.25 GB/s is the small-server default here, 25/100 GbE are
+# 3.125/12.5 GB/s (pass --inter-node-bandwidth). NCCL over TCP sockets usually reaches less
+# than line rate; over RDMA (IB, RoCE) close to it.
+INTER_NODE_GBPS = {"ib": 25.0, "ethernet": 1.25}
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,9 @@ class Hardware:
     link_gbps: float            # per direction, GB/s (10^9)
     cores: int                  # CPU cores for OMP_NUM_THREADS
     detected: bool = False
+    nodes: int = 1              # machines, each with num_gpus GPUs
+    inter_node: str = ""        # ib | ethernet (nodes > 1)
+    inter_node_gbps: float = 0.0  # per direction, GB/s (10^9), one port per node
 
 
 def _has_nvlink(gpu: GpuProfile) -> bool:
@@ -55,9 +64,25 @@ def link_gbps(gpu: GpuProfile, link: str) -> float:
 
 
 def hardware(gpu: GpuProfile, num_gpus: int, link: str | None = None,
-             detected: bool = False) -> Hardware:
+             detected: bool = False, nodes: int = 1, inter_node: str | None = None,
+             inter_node_gbps: float | None = None) -> Hardware:
+    """``num_gpus`` GPUs on each of ``nodes`` machines; between machines ``inter_node`` at
+    ``inter_node_gbps`` (default: the link's line rate, :data:`INTER_NODE_GBPS`)."""
     link = link or default_link(gpu)
-    return Hardware(gpu, num_gpus, link, link_gbps(gpu, link), os.cpu_count() or 1, detected)
+    if nodes < 1:
+        raise ValueError(f"--nodes must be >= 1, got {nodes}")
+    if nodes == 1:
+        return Hardware(gpu, num_gpus, link, link_gbps(gpu, link), os.cpu_count() or 1,
+                        detected)
+    inter = inter_node or "ethernet"
+    if inter not in INTER_NODE_GBPS:
+        raise ValueError(f"unknown inter-node link {inter!r}; choose one of "
+                         f"{', '.join(INTER_NODE_GBPS)}")
+    gbps = INTER_NODE_GBPS[inter] if inter_node_gbps is None else inter_node_gbps
+    if gbps <= 0:
+        raise ValueError(f"--inter-node-bandwidth must be > 0 GB/s, got {gbps:g}")
+    return Hardware(gpu, num_gpus, link, link_gbps(gpu, link), os.cpu_count() or 1, detected,
+                    nodes, inter, gbps)
 
 
 def detect_hardware() -> tuple[GpuProfile, int, str | None] | None:

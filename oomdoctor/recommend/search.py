@@ -12,11 +12,14 @@ from oomdoctor.estimate import Budget, trace_for
 from oomdoctor.loader import ModelSpec
 from oomdoctor.parallel import (STRATEGIES, Sizes, StrategyEstimate, Strategy,
                                 deepspeed_zero3_gpu_bytes, estimate_strategy, model_layout)
-from oomdoctor.recommend.cost import step_time
-from oomdoctor.recommend.facts import _Facts, floor_bytes, model_facts
+from oomdoctor.recommend.cost import step_time, throughput
+from oomdoctor.recommend.facts import (_Facts, floor_bytes, model_facts,
+                                       tensor_parallel_bytes)
+from oomdoctor.recommend.internode import node_step_time
 from oomdoctor.recommend.launch import _launch
 from oomdoctor.recommend.machine import Hardware
-from oomdoctor.recommend.records import Candidate, Floor, Recommendation
+from oomdoctor.recommend.offload import offload_plans
+from oomdoctor.recommend.records import Candidate, Floor, Recommendation, TensorParallelPlan
 from oomdoctor.recommend.render import _duration
 from oomdoctor.trace import Trace, TraceConfig
 
@@ -28,7 +31,9 @@ Progress = Callable[[str], None]
 # 1 stores weights and optimizer state in bf16 (small updates are lost to rounding).
 NUMERICS = {"fp32": 0, "fp16": 0, "bf16": 0, "bf16-pure": 1}
 # The order a user would rather run them in, all else being equal.
-SIMPLICITY = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline2", "dp")
+SIMPLICITY = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline2", "dp", "hsdp")
+# Several nodes: one process per GPU on every node (DataParallel and the split stay inside one).
+NODE_SEARCH = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp")
 NUMERICS_PENALTY = 1.25           # pure bf16's score (shown) carries this; it ranks after the rest
 
 
@@ -106,8 +111,11 @@ def _search_config(spec: ModelSpec, precision: str, checkpointing: bool, hw: Har
             continue
         b, e = hit
         k = target // (d * b)
-        t = step_time(layout, exact[2], st, hw, precision, checkpointing, b, k,
-                      e.partition.boundary_bytes if e.partition else 0)
+        if hw.nodes > 1:
+            t = node_step_time(layout, exact[2], st, hw, precision, checkpointing, b, k)
+        else:
+            t = step_time(layout, exact[2], st, hw, precision, checkpointing, b, k,
+                          e.partition.boundary_bytes if e.partition else 0)
         progress(f"{label}: {st.name} x{st.num_gpus}: micro-batch {b} x {k} accumulation, "
                  f"{e.peak_device_bytes / 2**30:.2f} GiB on the fullest GPU, "
                  f"~{_duration(t.seconds)} per step")
@@ -117,7 +125,7 @@ def _search_config(spec: ModelSpec, precision: str, checkpointing: bool, hw: Har
             t.compute_seconds, t.communication_seconds, target / t.seconds if t.seconds else 0,
             _numerics(precision),
             t.seconds * (NUMERICS_PENALTY if NUMERICS[precision] else 1.0),
-            extrapolated=b not in exact, traffic_bytes=t.traffic_bytes))
+            extrapolated=b not in exact, traffic_bytes=t.traffic_bytes, nodes=st.nodes))
     return out, []
 
 
@@ -136,9 +144,11 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
               precisions: list[str] | None = None, strategies: list[str] | None = None,
               alloc: AllocatorConfig = AllocatorConfig(), base: TraceConfig = TraceConfig(1),
               checkpointing: list[bool] | None = None, jobs: int = 1, top: int = 8,
-              detail: bool = True, progress: Progress = lambda _: None) -> Recommendation:
+              detail: bool = True, progress: Progress = lambda _: None,
+              host_ram: int | None = None, host_ram_source: str = "") -> Recommendation:
     """Search, rank, and explain. ``detail`` traces one configuration to show every strategy's
-    per-GPU memory even when the lower bound already rules everything out."""
+    per-GPU memory even when the lower bound already rules everything out. ``host_ram``: each
+    node's RAM, to check the CPU offload plans against (None: unknown)."""
     global _WORKER
     if target_batch < 1:
         raise ValueError(f"--target-batch must be >= 1, got {target_batch}")
@@ -150,13 +160,20 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         raise ValueError(f"{gpu.name} has no bf16 support (compute capability "
                          f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]} < 8.0); drop "
                          f"--precision {bad[0]}")
-    names = strategies or [s for s in STRATEGIES
-                           if hw.num_gpus > 1 or s == "single"]
+    world = hw.num_gpus * hw.nodes
+    if hw.nodes > 1:
+        names = [s for s in strategies or NODE_SEARCH if s in NODE_SEARCH]
+    else:
+        names = strategies or [s for s in STRATEGIES if hw.num_gpus > 1 or s == "single"]
+    if "hsdp" in names and hw.nodes == 1:
+        raise ValueError("hsdp (hybrid sharding) spans several nodes: give --nodes N, or use "
+                         "--strategy zero3 on one node")
     strats = []
     for s in names:
         if s == "pipeline2" and hw.num_gpus != 2:
             continue
-        strats.append(Strategy(s, 1 if s == "single" else hw.num_gpus))
+        strats.append(Strategy(s, 1, nodes=1) if s == "single"
+                      else Strategy(s, world, nodes=hw.nodes))
     progress(f"building {spec.name} on fake tensors")
     facts = model_facts(spec)
     floors = [Floor(st.name, p, floor_bytes(facts, p, st),
@@ -206,6 +223,7 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
     # lowest lower bound (to show how far each strategy is from fitting).
     by_strategy: tuple[StrategyEstimate, ...] = ()
     ref = ""
+    per_sample = None          # seconds of GPU compute per sample at the reference config
     if detail:
         if best is not None:
             p, ck, b = best.precision, best.checkpointing, best.micro_batch
@@ -215,13 +233,20 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         ref = f"{p}{' + checkpointing' if ck else ''}, micro-batch {b} per GPU"
         progress(f"per-GPU memory of every strategy at {ref}")
         try:
-            by_strategy = _every_strategy(spec, replace(base, batch_size=b, precision=p,
-                                                        checkpointing=ck), hw, budget, alloc,
-                                          strats)
+            by_strategy, flops = _every_strategy(spec, replace(base, batch_size=b, precision=p,
+                                                               checkpointing=ck), hw, budget,
+                                                 alloc, strats)
+            # A card known only by its memory (--memory) has no FLOP/s: no slowdown ratio.
+            if (gpu.tflops_fp32 if p == "fp32" else gpu.tflops_16) > 0:
+                per_sample = flops * (1 + ck / 3) / throughput(gpu, p)
         except ValueError as e:
             errors.append(str(e))
     alternatives = () if best is not None else _alternatives(facts, hw, budget, allowed,
                                                             by_strategy)
+    offload = ()
+    if best is None:
+        offload = offload_plans(facts, hw, budget, _zero3_extra(by_strategy), host_ram,
+                                per_sample * target_batch / world if per_sample else None)
     launch = _launch(best, hw, spec, facts) if best is not None else None
     speedup = None
     if best is not None and best.num_gpus > 1:
@@ -245,7 +270,9 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         spec.name, gpu.name, hw.num_gpus, hw.link, hw.link_gbps, target_batch, gpu.total_bytes,
         budget.limit_bytes, facts.num_parameters, tuple(candidates[:top]), best, launch,
         by_strategy, ref, tuple(floors), tuple(alternatives), tuple(notes), tuple(errors),
-        speedup)
+        speedup, hw.nodes, hw.inter_node, hw.inter_node_gbps,
+        _tensor_parallel(facts, hw, budget, allowed) if hw.nodes > 1 else (), offload,
+        host_ram, host_ram_source)
 
 
 def rank(candidates: list[Candidate]) -> list[Candidate]:
@@ -288,7 +315,7 @@ def _verified(spec: ModelSpec, candidates: list[Candidate], hw: Hardware, budget
         cfg = replace(base, batch_size=c.micro_batch, precision=c.precision,
                       checkpointing=c.checkpointing)
         e = estimate_strategy(trace_for(spec, cfg, hw.gpu), model_layout(spec, c.precision),
-                              Strategy(c.strategy, c.num_gpus), budget, alloc,
+                              Strategy(c.strategy, c.num_gpus, nodes=c.nodes), budget, alloc,
                               grad_accum=c.grad_accum)
         if e.fits:
             out.insert(0, replace(c, peak_device_bytes=e.peak_device_bytes,
@@ -302,7 +329,8 @@ def _verified(spec: ModelSpec, candidates: list[Candidate], hw: Hardware, budget
 
 def _every_strategy(spec: ModelSpec, cfg: TraceConfig, hw: Hardware, budget: Budget,
                     alloc: AllocatorConfig, strats: list[Strategy]
-                    ) -> tuple[StrategyEstimate, ...]:
+                    ) -> tuple[tuple[StrategyEstimate, ...], float]:
+    """Every strategy's estimate at one configuration, and the FLOPs of one sample's step."""
     trace = trace_for(spec, cfg, hw.gpu)
     layout = model_layout(spec, cfg.precision)
     out = []
@@ -312,6 +340,31 @@ def _every_strategy(spec: ModelSpec, cfg: TraceConfig, hw: Hardware, budget: Bud
                                          grad_accum=cfg.grad_accum))
         except ValueError:
             continue
+    return tuple(out), layout.flops_per_sample
+
+
+def _zero3_extra(by_strategy: tuple[StrategyEstimate, ...]) -> int | None:
+    """What the traced configuration holds besides model states (activations, temporaries,
+    allocator overhead) on ZeRO-3's fullest GPU; None when it was not traced."""
+    zero3 = [e for e in by_strategy if e.strategy == "zero3"]
+    if not zero3:
+        return None
+    g = max(zero3[0].gpus, key=lambda g: g.peak_reserved_bytes)
+    return g.peak_reserved_bytes - g.model_state_bytes
+
+
+def _tensor_parallel(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[str]
+                     ) -> tuple[TensorParallelPlan, ...]:
+    """Tensor parallelism of each degree that divides a node's GPUs, DDP across the rest: model
+    states per GPU in the leanest allowed precision."""
+    p = "bf16-pure" if "bf16-pure" in allowed else allowed[-1]
+    world = hw.num_gpus * hw.nodes
+    out = []
+    for t in range(2, hw.num_gpus + 1):
+        if hw.num_gpus % t:
+            continue
+        need = tensor_parallel_bytes(facts, p, t)
+        out.append(TensorParallelPlan(t, world // t, need, need <= budget.limit_bytes))
     return tuple(out)
 
 
@@ -323,12 +376,10 @@ def _alternatives(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[str
     p = "bf16-pure" if "bf16-pure" in allowed else allowed[-1]
     # What the traced configuration holds besides model states (activations, temporaries,
     # allocator overhead) on the leanest strategy: a realistic margin for the suggestions.
-    extra = 0
+    extra = _zero3_extra(by_strategy) or 0
     zero3 = [e for e in by_strategy if e.strategy == "zero3"]
-    if zero3:
-        g = max(zero3[0].gpus, key=lambda g: g.peak_reserved_bytes)
-        extra = g.peak_reserved_bytes - g.model_state_bytes
-    for n in range(hw.num_gpus + 1, 65):
+    world = hw.num_gpus * hw.nodes
+    for n in range(hw.num_gpus * hw.nodes + 1, 65):
         need = floor_bytes(facts, p, Strategy("zero3", n)) + extra
         if need <= lim:
             what = (f"model states / {n} + {extra / 2**30:.1f} GiB of activations and "
@@ -340,11 +391,11 @@ def _alternatives(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[str
             break
     for slots, name in ((0, "plain SGD (no momentum: no optimizer state)"),
                         (1, "SGD with momentum or Adafactor-like state (1 slot)")):
-        for st in (Strategy("zero3", hw.num_gpus),) + ((Strategy("pipeline2", 2),)
-                                                       if hw.num_gpus == 2 else ()):
+        for st in (Strategy("zero3", world),) + ((Strategy("pipeline2", 2),)
+                                                 if world == 2 else ()):
             need = floor_bytes(facts, p, st, slots) + extra
             if need <= lim:
-                out.append(f"a lighter optimizer: {name} with {st.name} on {hw.num_gpus} GPUs "
+                out.append(f"a lighter optimizer: {name} with {st.name} on {world} GPUs "
                            f"needs about {need / 2**30:.1f} GiB per GPU in {p}"
                            + ("" if zero3 else " before activations"))
                 break
@@ -356,16 +407,16 @@ def _alternatives(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[str
         out.append(f"a fused optimizer: torch.optim.AdamW(..., fused=True) steps without the "
                    f"foreach implementation's temporaries ({temps / 2**30:.1f} GiB per GPU at "
                    "ZeRO-3's peak here)")
-    ds = deepspeed_zero3_gpu_bytes(facts.num_parameters, facts.largest_leaf_params, hw.num_gpus,
+    ds = deepspeed_zero3_gpu_bytes(facts.num_parameters, facts.largest_leaf_params, world,
                                    offload_optimizer=True)
-    cpu = int(facts.num_parameters * 16 * 1.5)
-    out.append(f"CPU offload: DeepSpeed ZeRO-3 with offload_optimizer=cpu keeps about "
-               f"{ds / 2**30:.1f} GiB of model states per GPU (its estimator: 4L + 2P/N) but "
-               f"needs about {cpu / 2**30:.0f} GiB of host RAM (16P x 1.5) and runs the "
-               "optimizer on the CPU (slow)")
+    cpu = int(facts.num_parameters * 16 / hw.nodes * 1.5)
+    out.append(f"CPU offload (the plans above): DeepSpeed ZeRO-3 with offload_optimizer=cpu "
+               f"keeps about {ds / 2**30:.1f} GiB of model states per GPU (its estimator: "
+               f"4L + 2P/N) but needs about {cpu / 2**30:.0f} GiB of host RAM per node "
+               "(16P x 1.5) and runs the optimizer on the CPU (slow)")
     frozen = facts.num_parameters * 2
     out.append(f"train adapters instead (LoRA, see sample_models/lora_gpt.py): frozen bf16 "
                f"weights are {frozen / 2**30:.1f} GiB "
-               f"({frozen / hw.num_gpus / 2**30:.1f} GiB per GPU split over {hw.num_gpus}), "
+               f"({frozen / world / 2**30:.1f} GiB per GPU split over {world}), "
                "with gradients and optimizer state only for the adapters")
     return out
