@@ -399,7 +399,9 @@ def _repeated_containers(model: torch.nn.Module) -> list[str]:
     """The outermost instances of the repeated non-leaf class covering the most parameters."""
     by_class: dict[type, list[str]] = {}
     for name, mod in model.named_modules():
-        if name and not isinstance(mod, _CONTAINERS) and next(mod.children(), None) is not None:
+        # peft's adapter layers (get_base_layer) wrap one Linear: still a layer, not a block.
+        if name and not isinstance(mod, _CONTAINERS) and next(mod.children(), None) is not None \
+                and not callable(getattr(mod, "get_base_layer", None)):
             by_class.setdefault(type(mod), []).append(name)
     best, best_key = [], (0, 0)
     for names in by_class.values():

@@ -235,3 +235,14 @@ def test_smoke_processes_train_the_adapters():
     full, lora = losses(), losses("--lora", "4")
     assert full[0] == pytest.approx(lora[0])
     assert abs(lora[1] - lora[0]) < abs(full[1] - full[0]) / 10
+
+
+def test_checkpointing_wraps_the_layers_not_peft_adapters(llama_dir):
+    """peft's LoRA layers contain modules but wrap one Linear each: the blocks to checkpoint
+    stay the decoder layers, even with every linear layer adapted."""
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    spec = load_model(llama_dir, seq_len=64, adapters=Adapters(lora_rank=8, lora_targets=targets))
+    trace = trace_training(spec, TraceConfig(batch_size=1, precision="bf16", steps=1,
+                                             checkpointing=True))
+    assert len(trace.checkpointed) == LLAMA["num_hidden_layers"]
+    assert all(n.endswith(f"layers.{i}") for i, n in enumerate(trace.checkpointed))

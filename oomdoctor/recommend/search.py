@@ -15,6 +15,7 @@ from oomdoctor.parallel import (STRATEGIES, Sizes, StrategyEstimate, Strategy,
 from oomdoctor.recommend.cost import step_time, throughput
 from oomdoctor.recommend.facts import (_Facts, floor_bytes, model_facts,
                                        tensor_parallel_bytes)
+from oomdoctor.recommend.finetune import adapter_alternative
 from oomdoctor.recommend.internode import node_step_time
 from oomdoctor.recommend.launch import _launch
 from oomdoctor.recommend.machine import Hardware
@@ -241,8 +242,10 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
                 per_sample = flops * (1 + ck / 3) / throughput(gpu, p)
         except ValueError as e:
             errors.append(str(e))
-    alternatives = () if best is not None else _alternatives(facts, hw, budget, allowed,
+    alternatives = [] if best is not None else _alternatives(facts, hw, budget, allowed,
                                                             by_strategy)
+    if best is None and spec.adapters is None:
+        alternatives.append(adapter_alternative(spec, facts, hw, budget, base, alloc, progress))
     offload = ()
     if best is None:
         offload = offload_plans(facts, hw, budget, _zero3_extra(by_strategy), host_ram,
@@ -414,9 +417,4 @@ def _alternatives(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[str
                f"keeps about {ds / 2**30:.1f} GiB of model states per GPU (its estimator: "
                f"4L + 2P/N) but needs about {cpu / 2**30:.0f} GiB of host RAM per node "
                "(16P x 1.5) and runs the optimizer on the CPU (slow)")
-    frozen = facts.num_parameters * 2
-    out.append(f"train adapters instead (LoRA, see sample_models/lora_gpt.py): frozen bf16 "
-               f"weights are {frozen / 2**30:.1f} GiB "
-               f"({frozen / world / 2**30:.1f} GiB per GPU split over {world}), "
-               "with gradients and optimizer state only for the adapters")
     return out
