@@ -491,7 +491,7 @@ def paged_optimizers_on_meta(optimizer: torch.optim.Optimizer):
     ``cudaMallocManaged`` unified memory, outside PyTorch's caching allocator, which the CUDA
     driver migrates to host RAM when the GPU runs short (``bitsandbytes/optim/optimizer.py``
     ``get_state_buffer``). Here they are meta tensors marked ``is_paged`` (the trace keeps them
-    out of the allocator's bytes, see trace._host_state); filling and prefetching them, which
+    out of the allocator's bytes, see stepping.host_state); filling and prefetching them, which
     call into the CUDA library, do nothing to memory and are skipped."""
     import sys
     F = sys.modules.get("bitsandbytes.functional")

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from oomdoctor import adapters, emulate, values
+from oomdoctor.stepping import every_step, host_state, state_bytes, unique_storages
 from oomdoctor.eager import compile_as_eager, dynamo_left_unloaded
 from oomdoctor.loader import (DataDependentError, ModelFileError, ModelSpec, build_for_training,
                               compute_loss, make_configured_batch, make_configured_optimizer)
@@ -292,22 +293,6 @@ def _module_hooks(model: torch.nn.Module, rec: _Recorder) -> list:
     return handles
 
 
-def _storages(tensors) -> dict[int, torch.Tensor]:
-    seen: dict[int, torch.Tensor] = {}
-    for t in tensors:
-        seen.setdefault(t.untyped_storage()._cdata, t)
-    return seen
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer, keep: Callable[[str, torch.Tensor], bool]
-                 ) -> int:
-    """Bytes of the optimizer's state tensors that ``keep(key, tensor)`` selects, once per
-    storage: bitsandbytes shares its quantization maps across parameters."""
-    return sum(t.untyped_storage().nbytes() for t in _storages(
-        v for st in optimizer.state.values() for k, v in st.items()
-        if isinstance(v, torch.Tensor) and keep(k, v)).values())
-
-
 @contextlib.contextmanager
 def _phase(rec: _Recorder, marks: list[PhaseMark], phase: Phase, it: int, micro: int
            ) -> Iterator[None]:
@@ -320,30 +305,33 @@ def _phase(rec: _Recorder, marks: list[PhaseMark], phase: Phase, it: int, micro:
     yield
 
 
-def _optimizer_step(rec: _Recorder, cfg: TraceConfig, optimizer: torch.optim.Optimizer,
-                    scaler: emulate.GradScalerEmulation | None) -> None:
+def _label_gradients(rec: _Recorder, model: torch.nn.Module) -> int:
+    """Label the gradients the backward left and return their bytes (holding no reference:
+    one kept here would outlive zero_grad)."""
+    grads = unique_storages(p.grad for p in model.parameters() if p.grad is not None)
+    for g in grads.values():
+        rec.relabel(g, Category.GRADIENTS)
+    return sum(g.untyped_storage().nbytes() for g in grads.values())
+
+
+def _label_state(rec: _Recorder, cfg: TraceConfig, optimizer: torch.optim.Optimizer) -> None:
+    for st in optimizer.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                rec.relabel(v, Category.OPTIMIZER_STATE,
+                            host=host_state(cfg.emulate_cuda, optimizer, k, v))
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer,
+                    scaler: emulate.GradScalerEmulation | None) -> bool:
+    """The loop's step() (stepping.every_step gives it host counters and labels its state);
+    whether it found any gradient to apply."""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    # Factory calls without a device inside step() make host tensors on CUDA too (Adam's and
-    # Adagrad's `step` counters, read with .item()); on the meta device they would have no
-    # value to read. Per-parameter state follows the parameter's device (zeros_like).
-    with torch.device("cpu"), emulate.paged_optimizers_on_meta(optimizer):
+    found = any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+    with emulate.paged_optimizers_on_meta(optimizer):
         optimizer.step()
-    for state in optimizer.state.values():
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor):
-                rec.relabel(v, Category.OPTIMIZER_STATE, host=_host_state(cfg, optimizer, k, v))
-
-
-def _host_state(cfg: TraceConfig, optimizer: torch.optim.Optimizer, key: str,
-                v: torch.Tensor) -> bool:
-    # Adam's `step` counter stays on the host unless capturable/fused
-    # (torch/optim/adam.py _init_group), so it is no GPU memory. bitsandbytes' paged state is
-    # CUDA unified memory, outside the caching allocator (emulate.paged_optimizers_on_meta).
-    if getattr(v, "is_paged", False):
-        return True
-    return (cfg.emulate_cuda and key == "step" and v.dim() == 0
-            and not optimizer.defaults.get("fused") and not optimizer.defaults.get("capturable"))
+    return found
 
 
 class SpliceMismatch(Exception):
@@ -461,8 +449,9 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
         # Optimizers that create state in __init__ (Adagrad) make host-side counters there too.
         with torch.device("cpu"):
             optimizer = make_configured_optimizer(spec, model, cfg.optimizer)
-        if cfg.emulate_cuda:
-            notes += emulate.cuda_optimizer_defaults(optimizer)
+        defaults = emulate.cuda_optimizer_defaults(optimizer) if cfg.emulate_cuda else []
+        notes += defaults
+        loop_steps = False          # whether the loop's optimizer ever had a gradient to apply
         scaler = emulate.GradScalerEmulation() if cfg.precision == "fp16" else None
 
         rec = _Recorder()
@@ -470,11 +459,11 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
         if shadows:
             rec.shadows = values.Shadows()
         marks: list[PhaseMark] = []
-        params = _storages(model.parameters())
+        params = unique_storages(model.parameters())
         # bitsandbytes' quantization statistics are held like buffers (adapters.quant_states).
-        buffers = _storages(b for b in (*model.buffers(), *adapters.quant_states(model))
+        buffers = unique_storages(b for b in (*model.buffers(), *adapters.quant_states(model))
                             if b.untyped_storage()._cdata not in params)
-        trainable = _storages(p for p in model.parameters() if p.requires_grad)
+        trainable = unique_storages(p for p in model.parameters() if p.requires_grad)
         with _phase(rec, marks, Phase.SETUP, 0, 0):
             for t in params.values():
                 rec.add(t.untyped_storage(), Category.PARAMETERS, "parameter")
@@ -485,7 +474,7 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
         kernels = emulate.CudaKernels(cfg.compute_capability, notes) if cfg.emulate_cuda else None
         micro_batches = min(cfg.grad_accum, 2)   # micro-batches 2..K repeat micro-batch 2
         try:
-            with rec:
+            with rec, every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:
                 if scaler is not None:
                     scaler.setup()
                 for it in range(cfg.steps):
@@ -519,14 +508,12 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
                                     f"{spec.path}: loss.backward() failed: {e}; check that "
                                     "the loss depends on trainable parameters") from e
                             del loss, batch
-                            for p in model.parameters():
-                                if p.grad is not None:
-                                    rec.relabel(p.grad, Category.GRADIENTS)
+                            gradient_bytes = _label_gradients(rec, model)
                     with _phase(rec, marks, Phase.OPTIMIZER, it, 0):
                         if optimizer_from is not None:
                             _splice_optimizer(rec, optimizer_from, marks, virtual)
                         else:
-                            _optimizer_step(rec, cfg, optimizer, scaler)
+                            loop_steps |= _optimizer_step(optimizer, scaler)
                     with _phase(rec, marks, Phase.ZERO_GRAD, it, 0):
                         if cfg.zero_grad == "after-step":
                             optimizer.zero_grad(set_to_none=True)
@@ -537,10 +524,13 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
         finally:
             for h in hooks:
                 h.remove()
-        # Gradient and optimizer-state bytes as held after the last backward / step.
-        gradient_bytes = sum(t.numel() * t.element_size() for t in trainable.values())
-        state_bytes = (optimizer_from.optimizer_state_bytes if optimizer_from is not None else
-                       _state_bytes(optimizer, lambda k, v: not _host_state(cfg, optimizer, k, v)))
+        # Gradient bytes as held after the last backward (none for an optimizer stepped in
+        # backward: its hooks free each gradient at once); optimizer state after the last step.
+        # Optimizers stepped inside backward hooks (optimizer-in-backward) hold state too.
+        held = [optimizer] + [o for o in stepped if o is not optimizer]
+        state = (optimizer_from.optimizer_state_bytes if optimizer_from is not None else 0) + sum(
+            state_bytes(o, lambda k, v, o=o: not host_state(cfg.emulate_cuda, o, k, v))
+            for o in held if optimizer_from is None or o is not optimizer)
         rec.closed = True
         if compiled:
             # Compiled training usually saves less for backward: Inductor fuses elementwise
@@ -549,7 +539,12 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
             notes.append("the model file calls torch.compile: traced as eager PyTorch; "
                          "compiled training usually needs less activation memory (fused "
                          "kernels save fewer tensors), so read this as an upper bound")
-        paged = _state_bytes(optimizer, lambda k, v: getattr(v, "is_paged", False))
+        if not loop_steps and optimizer_from is None:
+            notes = [n for n in notes if n not in defaults]    # foreach: only if it steps
+        if len(held) > 1:
+            notes.append(f"{len(held) - 1} optimizers stepped inside backward (optimizer in "
+                         "backward): each gradient is freed as soon as its parameter steps")
+        paged = state_bytes(optimizer, lambda k, v: getattr(v, "is_paged", False))
         if paged:
             notes.append(f"{type(optimizer).__name__}: {paged / 2**20:.1f} MiB of optimizer "
                          "state is paged (CUDA unified memory, outside PyTorch's allocator): "
@@ -581,11 +576,11 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
     return Trace(
         config=cfg, events=events, storages=rec.storages, marks=tuple(marks),
         parameter_bytes=sum(t.untyped_storage().nbytes() for t in params.values()),
-        trainable_parameter_bytes=gradient_bytes,
+        trainable_parameter_bytes=sum(t.untyped_storage().nbytes() for t in trainable.values()),
         num_parameters=sum(adapters.logical_numel(p) for p in params.values()),
         num_trainable_parameters=sum(p.numel() for p in trainable.values()),
         buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
-        gradient_bytes=gradient_bytes, optimizer_state_bytes=state_bytes,
+        gradient_bytes=gradient_bytes, optimizer_state_bytes=state,
         checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),
         raw_events=tuple(rec.raw))
 

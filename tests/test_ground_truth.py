@@ -83,6 +83,7 @@ needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
 VIT_B = "vit_b16_cifar10.py"
 VIT_L = "vit_l16_cifar10.py"
 PT_1 = Setup("vit_l16_sum_loss.py", 1, gpu="a100-80")
+PT_2 = Setup("vit_l16_adam_in_backward.py", 1, gpu="a100-80")
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,3 +201,30 @@ def test_pt1_peak_is_the_foreach_adam_step():
     # the published reading, "~6GB", is one significant figure: 5.5 to 6.5 GB
     assert 5.5e9 <= e.peak_allocated_bytes <= 6.5e9, (
         f"PT-1: {e.peak_allocated_bytes / 1e9:.2f} GB vs published ~6 GB")
+
+
+# -- PT-2: the same run with Adam stepped inside backward -----------------------------------------
+
+def test_pt2_optimizer_in_backward_moves_the_peak_into_backward():
+    """The tutorial's second snapshot: with one Adam per parameter stepped from
+    ``register_post_accumulate_grad_hook``, no gradient outlives its parameter's step, so the
+    peak is in backward at "~4GB": 3.6 GB of parameters and Adam state "plus ~0.4 GB of
+    activations". Exactly, at that peak: the parameters and both Adam moments (3 x the
+    parameters' blocks), no gradient set, and the activations of one image."""
+    _, e = traced(PT_2)
+    with torch.device("meta"):
+        model = load_model_file(str(MODELS / PT_2.model)).build_model()
+    param_blocks = sum(round_size(p.numel() * p.element_size()) for p in model.parameters())
+    assert e.peak_phase == Phase.BACKWARD.value, f"peak in the {e.peak_phase}, not backward"
+    assert e.breakdown["parameters"] == pytest.approx(param_blocks, rel=1e-6)
+    assert e.breakdown["optimizer_state"] == pytest.approx(2 * param_blocks, rel=1e-6)
+    assert e.gradient_bytes == 0 and e.breakdown["gradients"] < param_blocks / 100
+    states = 3 * param_blocks
+    assert abs(states / 3.6e9 - 1) < 0.02, f"params + Adam state {states / 1e9:.2f} GB vs 3.6"
+    # "~4GB" and "~0.4 GB of activations": one significant figure each
+    assert 3.5e9 <= e.peak_allocated_bytes <= 4.5e9, (
+        f"PT-2: {e.peak_allocated_bytes / 1e9:.2f} GB vs published ~4 GB")
+    assert 0.25e9 <= e.peak_allocated_bytes - states <= 0.55e9
+    # PT-1 - PT-2 is the tutorial's point: about 2 GB saved (gradients and foreach temporaries)
+    saved = traced(PT_1)[1].peak_allocated_bytes - e.peak_allocated_bytes
+    assert 1.5e9 <= saved <= 2.5e9, f"PT-1 - PT-2 = {saved / 1e9:.2f} GB vs ~6 - ~4"

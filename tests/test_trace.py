@@ -423,3 +423,20 @@ def test_fake_trace_leaves_torch_dynamo_unloaded_and_changes_nothing(tmp_path):
     assert out["events"] == out["events_real"]
     assert out["left_behind_after_real_step"] == 0
     assert out["real_wrappers_before"] > 0 and out["real_wrappers_restored"] is True
+
+
+def test_optimizer_in_backward_matches_real_cpu_run():
+    """Adam stepped from register_post_accumulate_grad_hook: the trace follows the real run
+    (state created inside backward, each gradient freed right after its step) and counts that
+    state as optimizer state, with no gradients held after backward."""
+    name = str(Path(__file__).parent / "models" / "adam_in_backward_mlp.py")
+    real = real_cpu_peak(name, 64)
+    tr = trace_training(load_model_file(name), TraceConfig(64, emulate_cuda=False))
+    assert tr.peak_live_bytes == pytest.approx(real, rel=1e-5)
+    n = tr.num_trainable_parameters
+    assert tr.gradient_bytes == 0
+    assert tr.optimizer_state_bytes == 8 * n + 4 * 6    # exp_avg, exp_avg_sq; 6 CPU step counters
+    meta = trace_training(load_model_file(name), TraceConfig(64))
+    assert meta.optimizer_state_bytes == 8 * n          # on CUDA the step counters are host tensors
+    assert any("6 optimizers stepped inside backward" in note for note in meta.notes)
+    assert not any("foreach" in note for note in meta.notes)    # the loop's SGD never steps

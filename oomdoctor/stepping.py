@@ -1,0 +1,78 @@
+"""The optimizer steps of a traced training loop: the loop's own ``step()``, and steps taken
+anywhere else - inside backward, where an optimizer-in-backward setup steps each parameter from
+its ``register_post_accumulate_grad_hook`` and frees its gradient at once (pytorch/tutorials,
+``optimizer_step_in_backward_tutorial.py``).
+
+Every step, wherever it runs, gets what a step needs on a fake trace: factory calls without a
+device make host tensors (Adam's and Adagrad's ``step`` counters, read with ``.item()`` - host
+tensors on CUDA too; on the meta device they would have no value to read), and the state it
+creates is labelled optimizer state. Global optimizer step hooks
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``) find the steps; the model file need
+not say where they are.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+
+
+def unique_storages(tensors) -> dict[int, torch.Tensor]:
+    """One tensor per storage, keyed by the storage (tied weights, shared maps count once)."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        seen.setdefault(t.untyped_storage()._cdata, t)
+    return seen
+
+
+def state_bytes(optimizer: torch.optim.Optimizer, keep: Callable[[str, torch.Tensor], bool]
+                ) -> int:
+    """Bytes of the optimizer's state tensors that ``keep(key, tensor)`` selects, once per
+    storage: bitsandbytes shares its quantization maps across parameters."""
+    return sum(t.untyped_storage().nbytes() for t in unique_storages(
+        v for st in optimizer.state.values() for k, v in st.items()
+        if isinstance(v, torch.Tensor) and keep(k, v)).values())
+
+
+def host_state(emulate_cuda: bool, optimizer: torch.optim.Optimizer, key: str,
+               v: torch.Tensor) -> bool:
+    """Whether a state tensor lives outside the GPU allocator."""
+    # Adam's `step` counter stays on the host unless capturable/fused
+    # (torch/optim/adam.py _init_group), so it is no GPU memory. bitsandbytes' paged state is
+    # CUDA unified memory, outside the caching allocator (emulate.paged_optimizers_on_meta).
+    if getattr(v, "is_paged", False):
+        return True
+    return (emulate_cuda and key == "step" and v.dim() == 0
+            and not optimizer.defaults.get("fused") and not optimizer.defaults.get("capturable"))
+
+
+@contextlib.contextmanager
+def every_step(relabel: Callable[[torch.optim.Optimizer], None]
+               ) -> Iterator[list[torch.optim.Optimizer]]:
+    """Within the block, every ``optimizer.step()`` runs with host tensors as the default for
+    device-less factories, and ``relabel(optimizer)`` hears each finished step. Yields the
+    optimizers that stepped, in order of their first step."""
+    stepped: list[torch.optim.Optimizer] = []
+    open_steps: list[contextlib.ExitStack] = []
+
+    def pre(optimizer, _args, _kwargs):
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.device("cpu"))
+        open_steps.append(stack)
+
+    def post(optimizer, _args, _kwargs):
+        open_steps.pop().close()
+        if not any(o is optimizer for o in stepped):
+            stepped.append(optimizer)
+        relabel(optimizer)
+    hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    try:
+        yield stepped
+    finally:
+        for h in hooks:
+            h.remove()
+        while open_steps:                 # a step that raised: leave no device mode behind
+            open_steps.pop().close()
