@@ -419,6 +419,11 @@ def apply_checkpointing(model: torch.nn.Module, class_name: str | None = None, *
                         preserve_rng_state: bool = True) -> tuple[str, ...]:
     """Wrap each repeated block's forward in non-reentrant ``torch.utils.checkpoint``."""
     names = find_repeated_blocks(model, class_name)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # transformers turns the KV cache off under gradient checkpointing (a recomputed layer
+        # would append its keys to the cache a second time); do what its own switch does.
+        config.use_cache = False
     for name in names:
         _wrap(model.get_submodule(name), preserve_rng_state)
     return tuple(names)

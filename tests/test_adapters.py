@@ -26,6 +26,7 @@ from oomdoctor.adapters import Adapters  # noqa: E402
 from oomdoctor.cli import cli  # noqa: E402
 from oomdoctor.loader import load_model  # noqa: E402
 from oomdoctor.trace import TraceConfig, trace_training  # noqa: E402
+from published_peft import RUNS, command, write_config  # noqa: E402
 from reference import _profiled_peak, load  # noqa: E402
 
 HERE = os.path.dirname(__file__)
@@ -246,3 +247,17 @@ def test_checkpointing_wraps_the_layers_not_peft_adapters(llama_dir):
                                              checkpointing=True))
     assert len(trace.checkpointed) == LLAMA["num_hidden_layers"]
     assert all(n.endswith(f"layers.{i}") for i, n in enumerate(trace.checkpointed))
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if r.batch == 4], ids=lambda r: r.name)
+def test_published_lora_and_qlora_runs(run, tmp_path):
+    """fms-acceleration's A100 measurements of Mistral-7B LoRA / QLoRA at 4 x 4096 tokens
+    (tests/published_peft.py; batch 8 in benchmarks/published_peft.py): LoRA -4.2%, QLoRA
+    +1.7%. The runs used transformers 4.48 with flash-attention 2 and TRL, this trace the
+    installed transformers with SDPA's flash kernel."""
+    folder = write_config(str(tmp_path / "mistral-7b"))
+    r = CliRunner().invoke(cli, command(run, folder))
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)["peak_allocated_bytes"]
+    assert got == pytest.approx(run.published_bytes, rel=0.05), (
+        f"{run.name}: {got / 1e9:.2f} GB vs published {run.published_bytes / 1e9:.2f} GB")
