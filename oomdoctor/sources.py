@@ -86,6 +86,13 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None) ->
                      make_optimizer=None, label=f"{label} ({task}, {tokens} tokens)")
 
 
+def max_tokens(source: str) -> int:
+    """The longest sequence the model takes (``max_position_embeddings``; 1024 if unset)."""
+    import transformers
+    config = _config(transformers, source)
+    return getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
+
+
 def _config(transformers: Any, source: str) -> Any:
     if source.endswith(".json") and not os.path.isfile(source):
         raise ModelFileError(f"{source}: no such file")

@@ -31,6 +31,22 @@ def _remember(ctx: click.Context, param: click.Parameter, value):
     return value
 
 
+class _SeqLen(click.ParamType):
+    """A token count, or "max" (probe: search for the longest that fits)."""
+    name = "N|max"
+
+    def convert(self, value, param, ctx):
+        if value == "max" or isinstance(value, int):
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            n = 0
+        if n < 1:
+            self.fail(f"{value!r} is not a token count >= 1 or 'max'", param, ctx)
+        return n
+
+
 def _source_options(f):
     """--task and --seq-len (how to build a Hugging Face model given by id or config) and
     --lora/--quantize (how the model is fine-tuned). They are kept in the context (not passed
@@ -40,10 +56,11 @@ def _source_options(f):
                      expose_value=False, callback=_remember, is_eager=True,
                      help="For a Hugging Face id or config: the head to train (default: from "
                           "the config's architectures)."),
-        click.option("--seq-len", type=click.IntRange(1), expose_value=False,
+        click.option("--seq-len", type=_SeqLen(), expose_value=False,
                      callback=_remember, is_eager=True,
                      help="For a Hugging Face id or config: tokens per sequence (default 1024, "
-                          "at most the model's max_position_embeddings)."),
+                          "at most the model's max_position_embeddings); `probe --seq-len max` "
+                          "finds the longest that fits."),
         click.option("--lora", "lora_rank", type=click.IntRange(1), metavar="RANK",
                      expose_value=False, callback=_remember, is_eager=True,
                      help="Train LoRA adapters of this rank (peft) on the frozen model; under "
@@ -69,14 +86,24 @@ def _source_options(f):
     return f
 
 
-def _load_model(source: str):
+def _load_model(source: str, longest: bool = False):
     """The model a command was given: a model file, or a Hugging Face id / config folder /
     config.json with the --task and --seq-len of this command line."""
     from oomdoctor.loader import load_model
     ctx = click.get_current_context(silent=True)
     opts = (ctx.meta.get(_SOURCE, {}) if ctx is not None else {})
-    return load_model(source, task=opts.get("task"), seq_len=opts.get("seq_len"),
-                      adapters=_adapters(opts))
+    seq_len = opts.get("seq_len")
+    if seq_len == "max":
+        if not longest:
+            raise click.UsageError("--seq-len max is for `oomdoctor probe` (the longest "
+                                   "context that fits); give a token count here")
+        seq_len = None
+    return load_model(source, task=opts.get("task"), seq_len=seq_len, adapters=_adapters(opts))
+
+
+def _wants_longest_context() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return ctx is not None and ctx.meta.get(_SOURCE, {}).get("seq_len") == "max"
 
 
 def _adapters(opts: dict):

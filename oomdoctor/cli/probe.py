@@ -8,7 +8,8 @@ import click
 
 from oomdoctor.cli.group import EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _detect_gpus, _die, _load_model,
-                                   _make_budget, _progress, _slow_trace_progress)
+                                   _make_budget, _progress, _slow_trace_progress,
+                                   _wants_longest_context)
 from oomdoctor.cli.runs import _smoke_run
 from oomdoctor.configs import MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES
 
@@ -80,6 +81,9 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
               help="Probe only with / without checkpointing (default: both).")
 @click.option("--max-batch-size", type=click.IntRange(1), default=MAX_BATCH, show_default=True,
               help="Stop searching here.")
+@click.option("-b", "--batch-size", "context_batch", type=click.IntRange(1), default=None,
+              help="With --seq-len max: the batch size to find the longest sequence at "
+                   "(default 1).")
 @click.option("-j", "--jobs", type=click.IntRange(1), default=None,
               help="Worker processes (default: one per core).")
 @click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
@@ -101,7 +105,8 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
                    "by the simulator's prediction (usually about three trials per "
                    "configuration), measured peaks next to the predicted ones.")
 @_budget_options
-def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy, num_gpus,
+def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, jobs, strategy,
+          num_gpus,
           target_batch, run_smoke, device, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
@@ -111,6 +116,7 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
     oomdoctor probe sample_models/gpt2_small.py --gpu rtx3090
     oomdoctor probe sample_models/gpt2_small.py --gpu rtx3090 --num-gpus 2 --target-batch 256
     oomdoctor probe sample_models/llama7b.py --gpu a100-80 --precision bf16-pure --json
+    oomdoctor probe Qwen/Qwen2.5-0.5B --seq-len max -b 1 --gpu rtx3090
 
     Progress goes to stderr, the result to stdout.
     Exit codes: 0 something fits, 1 nothing fits, 2 usage error, 3 model file error,
@@ -129,6 +135,13 @@ def probe(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
             _die(e, debug, EXIT_USAGE)
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
+    if _wants_longest_context():
+        _longest_context(model_file, precisions, checkpointing, context_batch or 1, budget,
+                         alloc, checkpoint_class, grad_accum, optimizer, zero_grad,
+                         no_cuda_emulation, as_json, debug)
+    if context_batch is not None:
+        raise click.UsageError("-b/--batch-size goes with --seq-len max (probe searches the "
+                               "batch size otherwise)")
     try:
         configs = probe_mod.matrix(budget.gpu, precisions, checkpointing)
     except ValueError as e:
@@ -242,3 +255,30 @@ def _measure_probe(spec, base, predicted, device, max_batch, as_json, debug):
     agree = all(m.max_batch_size is not None and r.max_batch_size is not None
                 and 0 <= m.max_batch_size - r.max_batch_size <= 1 for r, m in runs)
     sys.exit(EXIT_OK if agree else EXIT_PROBLEM)
+
+
+def _longest_context(model_file, precisions, checkpointing, batch_size, budget, alloc,
+                     checkpoint_class, grad_accum, optimizer, zero_grad, no_cuda_emulation,
+                     as_json, debug):
+    """`probe --seq-len max`: the longest sequence per configuration at one batch size (by
+    default the card's AMP type, with and without checkpointing)."""
+    from oomdoctor import context
+    from oomdoctor.loader import ModelFileError
+    from oomdoctor.trace import TraceConfig
+    amp = "bf16" if budget.gpu.bf16 else "fp16"
+    try:
+        configs = [(p, ck) for p in (precisions or (amp,))
+                   for ck in ((checkpointing,) if checkpointing is not None else (False, True))]
+        if any(p.startswith("bf16") for p, _ in configs) and not budget.gpu.bf16:
+            raise ValueError(f"{budget.gpu.name} has no bf16 support")
+        spec = _load_model(model_file, longest=True)
+        base = TraceConfig(batch_size, "fp32", False, checkpoint_class, grad_accum, optimizer,
+                           not no_cuda_emulation, zero_grad=zero_grad)
+        result = context.longest_context(spec, base, budget, configs, alloc,
+                                         progress=lambda m: click.echo(m, err=True))
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else context.render_text(result))
+    sys.exit(EXIT_OK if any(r.max_seq_len for r in result.results) else EXIT_PROBLEM)
