@@ -23,7 +23,6 @@ import inspect
 import math
 import multiprocessing
 import os
-import queue
 import tempfile
 import time
 import traceback
@@ -33,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from oomdoctor.loader import ModelSpec, build_checked_model, compute_loss, for_process, in_process
+from oomdoctor.ranks import collect_ranks
 from oomdoctor.parallel import NODE_STRATEGIES, STRATEGIES, StrategyEstimate, execution_blocks
 
 TOLERANCE = 0.10          # measured peak vs prediction, relative
@@ -391,35 +391,18 @@ def run_training(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, want_state: bool
                  for r in range(world)]
         for p in procs:
             p.start()
-        out: list[dict[str, Any]] = []
         steps: list[float] = []         # rank 0's completed steps, seconds each
-        deadline = time.monotonic() + cfg.timeout_s
-        try:
-            while len(out) < world:
-                try:
-                    msg = results.get(timeout=max(1.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise SmokeError(_timeout_message(cfg, len(out), steps)) from None
-                if "step" in msg:
-                    steps.append(msg["seconds"])
-                    progress(_step_line(cfg, msg["step"], msg["seconds"]))
-                    continue
-                out.append(msg)
-                if "error" in out[-1]:
-                    break
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.terminate()
-    errors = [o for o in out if "error" in o]
-    if errors:
-        raise SmokeError(f"rank {errors[0]['rank']} failed: {errors[0]['error']}\n"
-                         f"{errors[0]['traceback']}")
+
+        def on_step(msg: dict[str, Any]) -> None:
+            steps.append(msg["seconds"])
+            progress(_step_line(cfg, msg["step"], msg["seconds"]))
+        out = collect_ranks(procs, results, world, cfg.timeout_s, on_step,
+                            lambda done: _timeout_message(cfg, done, steps), SmokeError)
     for o in out:
         if "state" in o:
             o["state"] = {k: torch.from_numpy(v) for k, v in o["state"].items()}
-    return sorted(out, key=lambda o: o["rank"])
+    return out
+
 
 
 def _timeout_message(cfg: SmokeConfig, done: int, steps: list[float]) -> str:

@@ -17,9 +17,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-import queue
 import socket
-import time
 import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -29,6 +27,7 @@ import torch
 from oomdoctor.loader import (ModelSpec, build_checked_model, for_process, in_process,
                               make_optimizer)
 from oomdoctor.parallel import Strategy, model_state_floor, zero_partition
+from oomdoctor.ranks import collect_ranks
 from oomdoctor.smoke import SmokeConfig, SmokeError, train_process
 
 STATE_TOLERANCE = 0.02     # measured model states vs the plan's formula (FSDP pads dim 0)
@@ -191,32 +190,12 @@ def run_ranks(spec: ModelSpec, cfg: SmokeConfig, nodes: int, per_node: int,
              for r in range(world)]
     for p in procs:
         p.start()
-    out: list[dict[str, Any]] = []
-    deadline = time.monotonic() + cfg.timeout_s
-    try:
-        while len(out) < world:
-            try:
-                msg = results.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise SmokeError(f"{cfg.strategy} over {nodes} nodes x {per_node} timed out "
-                                 f"after {cfg.timeout_s:.0f} s with {len(out)} of {world} "
-                                 "ranks done (gloo rendezvous or a hang in the model)") from None
-            if "step" in msg:
-                progress(f"step {msg['step']}/{cfg.steps}: {msg['seconds']:.2f} s")
-                continue
-            out.append(msg)
-            if "error" in msg:
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-    errors = [o for o in out if "error" in o]
-    if errors:
-        raise SmokeError(f"rank {errors[0]['rank']} failed: {errors[0]['error']}\n"
-                         f"{errors[0]['traceback']}")
-    return sorted(out, key=lambda o: o["rank"])
+    return collect_ranks(
+        procs, results, world, cfg.timeout_s,
+        lambda msg: progress(f"step {msg['step']}/{cfg.steps}: {msg['seconds']:.2f} s"),
+        lambda done: (f"{cfg.strategy} over {nodes} nodes x {per_node} timed out after "
+                      f"{cfg.timeout_s:.0f} s with {done} of {world} ranks done (gloo "
+                      "rendezvous or a hang in the model)"), SmokeError)
 
 
 def run_nodes_smoke(spec: ModelSpec, cfg: SmokeConfig, nodes: int, per_node: int,
