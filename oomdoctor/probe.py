@@ -560,7 +560,9 @@ def render_recommendation(r: ProbeResult) -> str:
     best = recommended(r)
     if best is None:
         return ("recommended: nothing fits one card, even at batch 1 - see "
-                "`oomdoctor recommend` for sharding (ZeRO/FSDP) or a two-GPU split")
+                "`oomdoctor recommend` for sharding (ZeRO/FSDP) or a two-GPU split"
+                + ("" if "LoRA r" in r.model else ", or train adapters: probe it again with "
+                   "--lora 16 (and --quantize nf4 for QLoRA)"))
     name = {"fp32": "fp32", "fp16": "fp16 AMP (autocast + GradScaler)", "bf16": "bf16 AMP "
             "(autocast)", "bf16-pure": "pure bf16 (model.to(torch.bfloat16))"}[best.precision]
     ckpt = " with activation checkpointing" if best.checkpointing else ""

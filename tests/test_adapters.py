@@ -261,3 +261,13 @@ def test_published_lora_and_qlora_runs(run, tmp_path):
     got = json.loads(r.stdout)["peak_allocated_bytes"]
     assert got == pytest.approx(run.published_bytes, rel=0.05), (
         f"{run.name}: {got / 1e9:.2f} GB vs published {run.published_bytes / 1e9:.2f} GB")
+
+
+def test_probe_offers_adapters_when_nothing_fits():
+    tiny = os.path.join(HERE, "..", "sample_models", "tiny_mlp.py")
+    args = ["probe", tiny, "--memory", "3MiB", "--overhead", "0", "--precision", "fp32",
+            "--no-checkpointing", "-j", "1"]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 1 and "probe it again with --lora 16" in r.stdout
+    r = CliRunner().invoke(cli, args + ["--lora", "4"])
+    assert r.exit_code == 1 and "--lora 16" not in r.stdout      # it already trains adapters
