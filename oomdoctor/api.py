@@ -17,7 +17,7 @@ import sys
 import types
 from typing import Any, Callable
 
-from oomdoctor.gpus import custom_profile, get_profile
+from oomdoctor.gpus import custom_profile, get_profile, parse_arch
 
 
 def callable_module(module_name: str, function_name: str) -> None:
@@ -69,11 +69,14 @@ def _base_spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable
 
 
 def _budget(gpu: str | None, memory: int | None, margin: float, overhead: int | None,
-            other: int):
+            other: int, arch: str | None = None):
     from oomdoctor.estimate import Budget
     if gpu and memory:
         raise ValueError("give gpu= or memory=, not both")
-    card = custom_profile(memory) if memory else get_profile(gpu or "rtx3090")
+    if arch and not memory:
+        raise ValueError("arch= goes with memory= (a gpu= profile has its own architecture)")
+    cc = parse_arch(arch) if arch else (8, 0)
+    card = custom_profile(memory, cc >= (8, 0), cc) if memory else get_profile(gpu or "rtx3090")
     return Budget(card, margin, overhead, other)
 
 
@@ -85,11 +88,12 @@ def estimate(model: Any, batch_size: int, *, batch: Callable[[int], Any] | None 
              other: int = 0, alloc_conf: str = "", task: str | None = None,
              seq_len: int | None = None, zero_grad: str = "after-step",
              lora: int | None = None, lora_targets: tuple[str, ...] | None = None,
-             quantize: str | None = None):
+             quantize: str | None = None, arch: str | None = None):
     """Peak GPU memory of one training configuration (``oomdoctor estimate``): an
     :class:`oomdoctor.estimate.Estimate`. ``gpu`` is a profile name (default rtx3090) or
     ``memory`` a card's capacity in bytes; ``overhead`` and ``other`` are bytes too.
-    ``lora=RANK`` (with ``lora_targets=`` names, ``quantize="nf4"``) trains LoRA/QLoRA."""
+    ``lora=RANK`` (with ``lora_targets=`` names, ``quantize="nf4"``) trains LoRA/QLoRA;
+    ``arch="sm89"`` gives a ``memory=`` card its architecture."""
     from oomdoctor import estimate as estimate_mod
     from oomdoctor.allocator import AllocatorConfig
     from oomdoctor.trace import TraceConfig
@@ -97,7 +101,8 @@ def estimate(model: Any, batch_size: int, *, batch: Callable[[int], Any] | None 
     cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                       optimizer, zero_grad=zero_grad)
     alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
-    return estimate_mod.estimate(spec, cfg, _budget(gpu, memory, margin, overhead, other), alloc)
+    budget = _budget(gpu, memory, margin, overhead, other, arch)
+    return estimate_mod.estimate(spec, cfg, budget, alloc)
 
 
 def probe(model: Any, batch: Callable[[int], Any] | None = None, *,
@@ -108,7 +113,8 @@ def probe(model: Any, batch: Callable[[int], Any] | None = None, *,
           other: int = 0, alloc_conf: str = "", task: str | None = None,
           seq_len: int | None = None, jobs: int = 1, max_batch_size: int | None = None,
           progress: Callable[[str], None] | None = None, lora: int | None = None,
-          lora_targets: tuple[str, ...] | None = None, quantize: str | None = None):
+          lora_targets: tuple[str, ...] | None = None, quantize: str | None = None,
+          arch: str | None = None):
     """The largest batch that fits per precision x checkpointing (``oomdoctor probe``): a
     :class:`oomdoctor.probe.ProbeResult`; ``oomdoctor.probe_mod.recommended(result)`` picks
     the configuration to train with. ``progress`` hears one line per step of the search;
@@ -118,7 +124,7 @@ def probe(model: Any, batch: Callable[[int], Any] | None = None, *,
     from oomdoctor.configs import MAX_BATCH
     from oomdoctor.trace import TraceConfig
     spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize)
-    budget = _budget(gpu, memory, margin, overhead, other)
+    budget = _budget(gpu, memory, margin, overhead, other, arch)
     configs = probe_mod.matrix(budget.gpu, precisions or (), checkpointing)
     base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer)
     alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()

@@ -112,3 +112,25 @@ def custom_profile(total_bytes: int, bf16: bool = True,
     """A card known only by its memory (``--memory``): Ampere-like, bf16 assumed unless told."""
     return GpuProfile("custom", f"custom GPU with {total_bytes / GiB:.2f} GiB",
                       total_bytes, compute_capability, bf16, 0.0, 0.0, 0.0, "unknown", 0.0)
+
+
+def parse_arch(text: str) -> tuple[int, int]:
+    """'sm89', 'sm_90', '8.6' -> a CUDA compute capability (``--arch``). It picks what memory
+    depends on: bf16 (sm80+), the attention kernel (flash from sm80) and the cuBLAS workspace
+    (Hopper's is larger). AMD's gfx targets are refused: HIP's BLAS workspaces and attention
+    kernels are not modelled yet."""
+    t = text.strip().lower().replace("_", "")
+    if t.startswith("gfx"):
+        raise ValueError(f"--arch {text}: ROCm GPUs are not modelled yet (hipBLASLt workspaces "
+                         "and HIP attention kernels differ from CUDA's); plan with a CUDA "
+                         "architecture of the same memory, e.g. --arch sm80, as an estimate")
+    m = re.fullmatch(r"(?:sm)?(\d{2,3})|(\d+)\.(\d)", t)
+    if not m:
+        raise ValueError(f"cannot read --arch {text!r}; write it like sm89 (an RTX 4090, L4, "
+                         "L40S), sm86 (RTX 3090, A10), sm80 (A100) or sm90 (H100)")
+    major, minor = ((int(m.group(1)) // 10, int(m.group(1)) % 10) if m.group(1)
+                    else (int(m.group(2)), int(m.group(3))))
+    if major < 5:
+        raise ValueError(f"--arch {text}: compute capability {major}.{minor} is older than any "
+                         "GPU PyTorch supports")
+    return major, minor

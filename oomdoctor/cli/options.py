@@ -7,7 +7,7 @@ import click
 
 from oomdoctor.allocator import AllocatorConfig
 from oomdoctor.configs import OPTIMIZERS, QUANTIZATIONS, TASKS, ZERO_GRAD_MODES
-from oomdoctor.gpus import PROFILES, custom_profile, get_profile, parse_size
+from oomdoctor.gpus import PROFILES, custom_profile, get_profile, parse_arch, parse_size
 
 
 def _die(e: BaseException, debug: bool, code: int) -> None:
@@ -134,6 +134,10 @@ def _budget_options(f):
                           "CUDA GPU, else rtx3090)."),
         click.option("--memory", metavar="SIZE",
                      help="Any card by its capacity, e.g. 24GiB (IEC units)."),
+        click.option("--arch", metavar="smXY", expose_value=False, callback=_remember_arch,
+                     help="With --memory: the card's architecture (sm75, sm86, sm89, sm90, ...), "
+                          "which decides bf16, the attention kernel and the cuBLAS workspace "
+                          "(default sm80)."),
         click.option("--overhead", metavar="SIZE",
                      help="CUDA context outside the allocator (default: the profile's, "
                           "about 400MiB)."),
@@ -197,13 +201,27 @@ def _card_options(f):
     return _source_options(f)
 
 
+_ARCH = "oomdoctor.arch"             # ctx.meta key: --arch, read by _make_budget
+
+
+def _remember_arch(ctx: click.Context, param: click.Parameter, value):
+    ctx.meta[_ARCH] = value
+    return value
+
+
 def _make_budget(gpu_name, memory, overhead, other_mem, margin):
     from oomdoctor.estimate import Budget
+    ctx = click.get_current_context(silent=True)
+    arch = ctx.meta.get(_ARCH) if ctx is not None else None
     try:
         if gpu_name and memory:
             raise ValueError("give --gpu or --memory, not both")
+        if arch and not memory:
+            raise ValueError("--arch goes with --memory (a --gpu profile, or the local GPU, "
+                             "has its own architecture)")
         if memory:
-            gpu = custom_profile(_card_size(memory))
+            cc = parse_arch(arch) if arch else (8, 0)
+            gpu = custom_profile(_card_size(memory), cc >= (8, 0), cc)
         elif gpu_name:
             gpu = get_profile(gpu_name)
         else:

@@ -1,0 +1,68 @@
+"""`--memory SIZE --arch smXY`: any card by capacity and architecture.
+
+The architecture decides bf16 (sm80+), the attention kernel (flash from sm80, for 16-bit
+inputs) and the cuBLAS workspace each thread's handle takes from the caching allocator:
+torch's default CUBLAS_WORKSPACE_CONFIG ":4096:2:16:8" (2 x 4096 KiB + 8 x 16 KiB) before
+Hopper, 32 MiB on sm90 (aten/src/ATen/cuda/CublasHandlePool.cpp); the forward and autograd's
+backward thread each have one.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from oomdoctor.cli import EXIT_OK, EXIT_USAGE, cli
+from oomdoctor.gpus import parse_arch
+
+SAMPLES = Path(__file__).parent.parent / "sample_models"
+
+
+def _estimate(*args):
+    r = CliRunner().invoke(cli, ["estimate", *args, "--json"])
+    assert r.exit_code == EXIT_OK, r.output
+    return json.loads(r.stdout)
+
+
+def test_hopper_takes_the_larger_cublas_workspaces():
+    tiny = str(SAMPLES / "tiny_mlp.py")
+    ampere = _estimate(tiny, "-b", "64", "--memory", "24GiB", "--arch", "sm86")
+    hopper = _estimate(tiny, "-b", "64", "--memory", "24GiB", "--arch", "sm90")
+    per_handle = 32 * 2**20 - (2 * 4096 + 8 * 16) * 2**10
+    assert hopper["peak_allocated_bytes"] - ampere["peak_allocated_bytes"] == 2 * per_handle
+
+
+def test_turing_has_no_bf16_and_no_flash_attention():
+    gpt2 = str(SAMPLES / "gpt2_small.py")
+    turing = _estimate(gpt2, "-b", "1", "--memory", "16GiB", "--arch", "sm75",
+                       "--precision", "fp16")
+    ampere = _estimate(gpt2, "-b", "1", "--memory", "16GiB", "--arch", "sm80",
+                       "--precision", "fp16")
+    assert any("efficient kernel (sm75" in n for n in turing["notes"])
+    assert any("flash kernel (sm80" in n for n in ampere["notes"])
+    r = CliRunner().invoke(cli, ["probe", gpt2, "--memory", "16GiB", "--arch", "sm75",
+                                 "--precision", "bf16"])
+    assert r.exit_code == EXIT_USAGE and "no bf16 support" in r.output
+
+
+def test_arch_forms_and_refusals():
+    assert parse_arch("sm89") == parse_arch("sm_89") == parse_arch("8.9") == (8, 9)
+    assert parse_arch("sm120") == (12, 0)
+    with pytest.raises(ValueError, match="ROCm"):
+        parse_arch("gfx90a")
+    tiny = str(SAMPLES / "tiny_mlp.py")
+    for args, text in ((["--memory", "64GiB", "--arch", "gfx942"], "ROCm GPUs are not modelled"),
+                       (["--gpu", "rtx3090", "--arch", "sm90"], "--arch goes with --memory"),
+                       (["--memory", "8GiB", "--arch", "ampere"], "cannot read --arch")):
+        r = CliRunner().invoke(cli, ["estimate", tiny, "-b", "1", *args])
+        assert r.exit_code == EXIT_USAGE and text in r.output, r.output
+
+
+def test_the_python_api_takes_arch():
+    import oomdoctor
+    tiny = str(SAMPLES / "tiny_mlp.py")
+    e = oomdoctor.estimate(tiny, 64, memory=24 * 2**30, arch="sm90")
+    assert e.peak_allocated_bytes == _estimate(tiny, "-b", "64", "--memory", "24GiB", "--arch",
+                                               "sm90")["peak_allocated_bytes"]
