@@ -75,6 +75,17 @@ PROFILES: dict[str, GpuProfile] = {p.name: p for p in [
                19.5, 156.0, 312.0, "NVLink 3.0 (600 GB/s total)", 300.0, 500 * MiB),
     GpuProfile("h100-80", "NVIDIA H100 80 GB (SXM5)", _gib(79.11), (9, 0), True,
                67.0, 494.0, 989.0, "NVLink 4.0 (900 GB/s total)", 450.0, 550 * MiB),
+    # Capacity from a published OOM message ("GPU has a total capacity of 44.42 GiB" on an
+    # 8 x L40S server, github.com/stepfun-ai/Step-Video-T2V/issues/8); rates from NVIDIA's L40S
+    # datasheet (FP32 91.6, TF32 183, BF16/FP16 362 TFLOPS dense); PCIe 4.0 x16, no NVLink.
+    GpuProfile("l40s", "NVIDIA L40S 48 GB", _gib(44.42), (8, 9), True,
+               91.6, 183.0, 362.0, "PCIe 4.0 x16, no NVLink", 25.0, 450 * MiB),
+    # Capacity from a published OOM message ("total capacity of 31.37 GiB" on a 5090,
+    # github.com/Wan-Video/Wan2.1/issues/465); rates from NVIDIA's Blackwell GeForce
+    # whitepaper (FP32 104.8, TF32 104.8, FP16 with FP32 accumulate 209.5 TFLOPS dense);
+    # GeForce: no NVLink, no P2P (the link is assumed as the 4090's).
+    GpuProfile("rtx5090", "GeForce RTX 5090 32 GB", _gib(31.37), (12, 0), True,
+               104.8, 104.8, 209.5, "PCIe 5.0 x16, no P2P, no NVLink", 25.0, 450 * MiB),
     GpuProfile("a6000", "NVIDIA RTX A6000 48 GB", _gib(47.54), (8, 6), True,
                38.7, 77.4, 154.8, "PCIe 4.0 x16 (optional 2-way NVLink bridge, 56 GB/s)",
                25.0, 400 * MiB),
@@ -98,7 +109,7 @@ def parse_size(text: str) -> int:
 
 def get_profile(name: str) -> GpuProfile:
     key = name.lower().replace("_", "-").replace(" ", "")
-    aliases = {"3090": "rtx3090", "4090": "rtx4090", "3060": "rtx3060-12", "rtx3060": "rtx3060-12",
+    aliases = {"3090": "rtx3090", "4090": "rtx4090", "5090": "rtx5090", "3060": "rtx3060-12", "rtx3060": "rtx3060-12",
                "v100": "v100-16", "a100": "a100-80", "h100": "h100-80"}
     key = aliases.get(key, key)
     if key not in PROFILES:

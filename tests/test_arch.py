@@ -66,3 +66,25 @@ def test_the_python_api_takes_arch():
     e = oomdoctor.estimate(tiny, 64, memory=24 * 2**30, arch="sm90")
     assert e.peak_allocated_bytes == _estimate(tiny, "-b", "64", "--memory", "24GiB", "--arch",
                                                "sm90")["peak_allocated_bytes"]
+
+
+@pytest.mark.parametrize("message,profile", [
+    # github.com/stepfun-ai/Step-Video-T2V/issues/8 (8 x L40S)
+    ("torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 216.00 MiB. GPU  has a "
+     "total capacity of 44.42 GiB of which 118.12 MiB is free. Including non-PyTorch memory, "
+     "this process has 44.29 GiB memory in use. Of the allocated memory 43.88 GiB is allocated "
+     "by PyTorch, and 582.00 KiB is reserved by PyTorch but unallocated.", "l40s"),
+    # github.com/Wan-Video/Wan2.1/issues/465 (RTX 5090)
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 100.00 MiB. GPU 0 has a "
+     "total capacity of 31.37 GiB of which 15.88 MiB is free. Including non-PyTorch memory, "
+     "this process has 31.34 GiB memory in use. Of the allocated memory 30.74 GiB is allocated "
+     "by PyTorch, and 19.41 MiB is reserved by PyTorch but unallocated.", "rtx5090"),
+])
+def test_profiles_match_the_capacity_real_cards_report(message, profile, tmp_path):
+    """`explain --model` picks the card from the log's capacity: these published OOM messages
+    name the capacity the driver reported, which the profiles must equal."""
+    log = tmp_path / "oom.log"
+    log.write_text(message + "\n")
+    r = CliRunner().invoke(cli, ["explain", str(log), "--model", str(SAMPLES / "tiny_mlp.py"),
+                                 "--batch-size", "1", "--json"])
+    assert f"simulating on {profile}" in r.stderr, r.output

@@ -129,9 +129,9 @@ def _budget_options(f):
     """Options shared by estimate and probe: the card, the model's configuration, output."""
     opts = [
         click.option("--gpu", "gpu_name", metavar="NAME",
-                     help="GPU profile: rtx3060-12, rtx3090, rtx4090, a10, l4, t4, v100-16, "
-                          "v100-32, a100-40, a100-80, h100-80, a6000 (default: the local "
-                          "CUDA GPU, else rtx3090)."),
+                     help="GPU profile: rtx3060-12, rtx3090, rtx4090, rtx5090, a10, l4, l40s, "
+                          "t4, v100-16, v100-32, a100-40, a100-80, h100-80, a6000 (default: "
+                          "the local CUDA GPU, else rtx3090)."),
         click.option("--memory", metavar="SIZE",
                      help="Any card by its capacity, e.g. 24GiB (IEC units)."),
         click.option("--arch", metavar="smXY", expose_value=False, callback=_remember_arch,
