@@ -36,10 +36,11 @@ def callable_module(module_name: str, function_name: str) -> None:
 
 def _spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable | None,
           task: str | None, seq_len: int | None, lora: int | None,
-          lora_targets: tuple[str, ...] | None, quantize: str | None):
+          lora_targets: tuple[str, ...] | None, quantize: str | None,
+          image_size: int | None = None, num_classes: int | None = None):
     """The ModelSpec, trained with LoRA (QLoRA with ``quantize``) when ``lora`` is a rank."""
     import dataclasses
-    spec = _base_spec(model, batch, loss_fn, task, seq_len)
+    spec = _base_spec(model, batch, loss_fn, task, seq_len, image_size, num_classes)
     if lora is None:
         if quantize or lora_targets:
             raise ValueError("quantize= and lora_targets= need lora=RANK")
@@ -50,12 +51,14 @@ def _spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable | No
 
 
 def _base_spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable | None,
-               task: str | None, seq_len: int | None):
+               task: str | None, seq_len: int | None, image_size: int | None,
+               num_classes: int | None):
     from oomdoctor.loader import ModelSpec, load_model
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, str):
-        return load_model(model, task=task, seq_len=seq_len)
+        return load_model(model, task=task, seq_len=seq_len, image_size=image_size,
+                          num_classes=num_classes)
     if callable(model):
         if batch is None:
             raise ValueError("a model factory needs batch=, a function of the batch size that "
@@ -88,16 +91,19 @@ def estimate(model: Any, batch_size: int, *, batch: Callable[[int], Any] | None 
              other: int = 0, alloc_conf: str = "", task: str | None = None,
              seq_len: int | None = None, zero_grad: str = "after-step",
              lora: int | None = None, lora_targets: tuple[str, ...] | None = None,
-             quantize: str | None = None, arch: str | None = None):
+             quantize: str | None = None, arch: str | None = None,
+             image_size: int | None = None, num_classes: int | None = None):
     """Peak GPU memory of one training configuration (``oomdoctor estimate``): an
     :class:`oomdoctor.estimate.Estimate`. ``gpu`` is a profile name (default rtx3090) or
     ``memory`` a card's capacity in bytes; ``overhead`` and ``other`` are bytes too.
     ``lora=RANK`` (with ``lora_targets=`` names, ``quantize="nf4"``) trains LoRA/QLoRA;
-    ``arch="sm89"`` gives a ``memory=`` card its architecture."""
+    ``arch="sm89"`` gives a ``memory=`` card its architecture; ``image_size`` and
+    ``num_classes`` shape a ``"timm:NAME"`` / ``"torchvision:NAME"`` model's batch and head."""
     from oomdoctor import estimate as estimate_mod
     from oomdoctor.allocator import AllocatorConfig
     from oomdoctor.trace import TraceConfig
-    spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize)
+    spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize,
+                 image_size, num_classes)
     cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                       optimizer, zero_grad=zero_grad)
     alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
@@ -114,16 +120,19 @@ def probe(model: Any, batch: Callable[[int], Any] | None = None, *,
           seq_len: int | None = None, jobs: int = 1, max_batch_size: int | None = None,
           progress: Callable[[str], None] | None = None, lora: int | None = None,
           lora_targets: tuple[str, ...] | None = None, quantize: str | None = None,
-          arch: str | None = None):
+          arch: str | None = None, image_size: int | None = None,
+          num_classes: int | None = None):
     """The largest batch that fits per precision x checkpointing (``oomdoctor probe``): a
     :class:`oomdoctor.probe.ProbeResult`; ``oomdoctor.probe_mod.recommended(result)`` picks
     the configuration to train with. ``progress`` hears one line per step of the search;
-    ``lora=RANK`` (``lora_targets=``, ``quantize=``) as in :func:`estimate`."""
+    ``lora=RANK`` (``lora_targets=``, ``quantize=``), ``image_size`` and ``num_classes`` as
+    in :func:`estimate`."""
     from oomdoctor import probe as probe_mod
     from oomdoctor.allocator import AllocatorConfig
     from oomdoctor.configs import MAX_BATCH
     from oomdoctor.trace import TraceConfig
-    spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize)
+    spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize,
+                 image_size, num_classes)
     budget = _budget(gpu, memory, margin, overhead, other, arch)
     configs = probe_mod.matrix(budget.gpu, precisions or (), checkpointing)
     base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer)

@@ -77,13 +77,16 @@ class Case:
     lora: int | None = None          # LoRA rank (oomdoctor.adapters) ...
     lora_targets: str | None = None  # ... its module names, comma-separated ...
     quantize: str | None = None      # ... and 4-bit frozen weights (QLoRA)
+    image_size: int | None = None    # timm:NAME / torchvision:NAME: input side ...
+    num_classes: int | None = None   # ... and head width
 
     def config(self) -> dict[str, Any]:
         """What defines the numbers: a change here makes the baseline stale. (task, seq_len and
         the LoRA keys only where set: baselines recorded before they existed stay valid.)"""
         d = asdict(self)
         del d["name"], d["tolerance"]
-        for key in ("task", "seq_len", "lora", "lora_targets", "quantize"):
+        for key in ("task", "seq_len", "lora", "lora_targets", "quantize", "image_size",
+                    "num_classes"):
             if d[key] is None:
                 del d[key]
         return d
@@ -191,7 +194,7 @@ def load_config(path: str | None = None) -> CheckConfig:
         where = f"{path} [{section}]"
         known = {"model", "batch_size", "precision", "checkpointing", "grad_accum", "optimizer",
                  "strategy", "gpu", "budget", "margin", "tolerance", "task", "seq_len",
-                 "lora", "lora_targets", "quantize"}
+                 "lora", "lora_targets", "quantize", "image_size", "num_classes"}
         unknown = set(s) - known
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: "
@@ -204,6 +207,8 @@ def load_config(path: str | None = None) -> CheckConfig:
             checkpointing = s.getboolean("checkpointing", fallback=False)
             seq_len = int(s["seq_len"]) if "seq_len" in s else None
             lora = int(s["lora"]) if "lora" in s else None
+            image_size, num_classes = (int(s[k]) if k in s else None
+                                       for k in ("image_size", "num_classes"))
         except ValueError as e:
             raise ConfigError(f"{where}: {e}") from e
         precision = s.get("precision", "fp32")
@@ -225,7 +230,7 @@ def load_config(path: str | None = None) -> CheckConfig:
                           _fraction(s.get("margin", "5%"), "margin"),
                           _fraction(s["tolerance"], "tolerance") if "tolerance" in s
                           else tolerance, s.get("task"), seq_len, lora,
-                          s.get("lora_targets"), s.get("quantize")))
+                          s.get("lora_targets"), s.get("quantize"), image_size, num_classes))
         if lora is None and (s.get("quantize") or s.get("lora_targets")):
             raise ConfigError(f"{where}: quantize and lora_targets need lora = RANK")
         try:
@@ -246,7 +251,8 @@ def measure_case(case: Case, root: str) -> Measured:
         # a path relative to the config's folder, else a Hugging Face id as written
         local = os.path.join(root, case.model)
         spec = load_model(local if os.path.exists(local) else case.model, task=case.task,
-                          seq_len=case.seq_len, adapters=case.adapters())
+                          seq_len=case.seq_len, adapters=case.adapters(),
+                          image_size=case.image_size, num_classes=case.num_classes)
         gpu = get_profile(case.gpu)
         cfg = TraceConfig(case.batch_size, case.precision, case.checkpointing, None,
                           case.grad_accum, case.optimizer)

@@ -24,8 +24,9 @@ NODE_STRATEGY_CHOICES = STRATEGY_CHOICES + ("hsdp",)
 
 # The model-file protocol, as `--help` prints it (the errors of oomdoctor.loader point here).
 MODEL_PROTOCOL = """\b
-MODEL is a Python model file, or a Hugging Face id / config folder / config.json
-(--task, --seq-len). A model file defines:
+MODEL is a Python model file, a Hugging Face id / config folder / config.json
+(--task, --seq-len), or timm:NAME / torchvision:NAME (--image-size, --num-classes).
+A model file defines:
   build_model() -> nn.Module       no weights from the network, no .cuda()
   make_batch(batch_size)           a tensor, tuple or dict of tensors (default device)
   loss_fn(model, batch) -> loss    optional; else model(*batch) / model(**batch) /

@@ -64,11 +64,11 @@ def longest_context(spec: ModelSpec, base: TraceConfig, budget: Budget,
                     progress: Callable[[str], None] = lambda _: None) -> ContextProbe:
     """The longest sequence that fits at ``base.batch_size``, per (precision, checkpointing).
     ``spec`` must come from a Hugging Face id or config (its length is rebuilt per trial)."""
-    if spec.origin is None or spec.origin[0].endswith(".py"):
+    from oomdoctor import sources
+    if spec.origin is None or spec.origin[0].endswith(".py") or sources.is_vision(spec.origin[0]):
         raise ModelFileError(f"{spec.name}: --seq-len max needs a Hugging Face id or config; "
                              "a model file makes its own batch (probe it at its length)")
-    source, task, _ = spec.origin
-    from oomdoctor import sources
+    source, task = spec.origin[:2]
     cap = sources.max_tokens(source)
     results = []
     for precision, ckpt in configs:

@@ -396,23 +396,35 @@ _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
 def _repeated_containers(model: torch.nn.Module) -> list[str]:
-    """The outermost instances of the repeated non-leaf class covering the most parameters."""
+    """The outermost instances of the repeated non-leaf class covering the most parameters;
+    where those are stages made of several blocks of one class (timm's ConvNeXt and Swin
+    stages) the blocks, as the libraries' own switches checkpoint them (timm's
+    ``set_grad_checkpointing``): recomputing a whole stage in backward would hold all of its
+    activations at once."""
     by_class: dict[type, list[str]] = {}
     for name, mod in model.named_modules():
         # peft's adapter layers (get_base_layer) wrap one Linear: still a layer, not a block.
         if name and not isinstance(mod, _CONTAINERS) and next(mod.children(), None) is not None \
                 and not callable(getattr(mod, "get_base_layer", None)):
             by_class.setdefault(type(mod), []).append(name)
-    best, best_key = [], (0, 0)
+
+    def params(names: list[str]) -> int:
+        return sum(p.numel() for n in names for p in model.get_submodule(n).parameters())
+    candidates = []
     for names in by_class.values():
         outer = [n for n in names if not any(n.startswith(o + ".") for o in names)]
-        if len(outer) < 2:
-            continue
-        covered = sum(p.numel() for n in outer for p in model.get_submodule(n).parameters())
-        key = (covered, -len(outer))
-        if covered > 0 and key > best_key:
-            best, best_key = outer, key
-    return best
+        if len(outer) >= 2 and params(outer) > 0:
+            candidates.append((params(outer), -len(outer), outer))
+    if not candidates:
+        return []
+    covered, _, best = max(candidates)
+    while True:
+        # blocks inside the chosen blocks, several to an instance, holding nearly all of them
+        inner = [c for c in candidates if len(c[2]) > len(best) and c[0] >= 0.9 * covered
+                 and all(any(n.startswith(b + ".") for b in best) for n in c[2])]
+        if not inner:
+            return best
+        covered, _, best = max(inner)
 
 
 def apply_checkpointing(model: torch.nn.Module, class_name: str | None = None, *,

@@ -56,19 +56,33 @@ class ModelSpec:
 
 
 def load_model(source: str, *, task: str | None = None, seq_len: int | None = None,
-               adapters: Any = None) -> ModelSpec:
-    """A model file (``.py``), or a Hugging Face id / config folder / ``config.json``
-    (:mod:`oomdoctor.sources`; ``task`` and ``seq_len`` apply to those only). ``adapters``
+               adapters: Any = None, image_size: int | None = None,
+               num_classes: int | None = None) -> ModelSpec:
+    """A model file (``.py``), a Hugging Face id / config folder / ``config.json`` (``task``
+    and ``seq_len`` apply to those), or ``timm:NAME`` / ``torchvision:NAME`` (``image_size``,
+    ``num_classes``); see :mod:`oomdoctor.sources`. ``adapters``
     (:class:`oomdoctor.adapters.Adapters`): train it with LoRA / on 4-bit weights."""
-    if source.endswith(".py") or (os.path.isfile(source) and not source.endswith(".json")):
+    from oomdoctor import sources
+    vision = sources.is_vision(source)
+    if (task or seq_len) and vision:
+        raise ModelFileError(f"{source}: --task and --seq-len apply to Hugging Face models; "
+                             "an image model takes --image-size and --num-classes")
+    if (image_size or num_classes) and not vision:
+        raise ModelFileError(f"{source}: --image-size and --num-classes apply to timm: and "
+                             "torchvision: models" + ("; a model file makes its own batch in "
+                                                      "make_batch(batch_size)"
+                                                      if source.endswith(".py") else ""))
+    if vision:
+        spec = sources.load_vision(source, image_size, num_classes)
+    elif source.endswith(".py") or (os.path.isfile(source) and not source.endswith(".json")):
         if task or seq_len:
             raise ModelFileError(f"{source}: --task and --seq-len apply to Hugging Face models; "
                                  "a model file makes its own batch in make_batch(batch_size)")
         spec = load_model_file(source)
     else:
-        from oomdoctor import sources
         spec = sources.load_hf(source, task, seq_len)
-    return dataclasses.replace(spec, adapters=adapters, origin=(source, task, seq_len))
+    return dataclasses.replace(spec, adapters=adapters,
+                               origin=(source, task, seq_len, image_size, num_classes))
 
 
 def for_process(spec: ModelSpec, start_method: str) -> ModelSpec | tuple:
@@ -85,8 +99,11 @@ def for_process(spec: ModelSpec, start_method: str) -> ModelSpec | tuple:
 
 def in_process(source: ModelSpec | tuple) -> ModelSpec:
     """The spec in a child process, from :func:`for_process`."""
-    return source if isinstance(source, ModelSpec) else load_model(*source[0],
-                                                                   adapters=source[1])
+    if isinstance(source, ModelSpec):
+        return source
+    (path, task, seq_len, image_size, num_classes), adapters = source
+    return load_model(path, task=task, seq_len=seq_len, adapters=adapters,
+                      image_size=image_size, num_classes=num_classes)
 
 
 def load_model_file(path: str) -> ModelSpec:

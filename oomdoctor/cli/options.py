@@ -48,7 +48,8 @@ class _SeqLen(click.ParamType):
 
 
 def _source_options(f):
-    """--task and --seq-len (how to build a Hugging Face model given by id or config) and
+    """--task and --seq-len (how to build a Hugging Face model given by id or config),
+    --image-size and --num-classes (a timm/torchvision model by name) and
     --lora/--quantize (how the model is fine-tuned). They are kept in the context (not passed
     to every command function) and read by _load_model."""
     for opt in reversed([
@@ -61,6 +62,14 @@ def _source_options(f):
                      help="For a Hugging Face id or config: tokens per sequence (default 1024, "
                           "at most the model's max_position_embeddings); `probe --seq-len max` "
                           "finds the longest that fits."),
+        click.option("--image-size", type=click.IntRange(1), metavar="PIXELS",
+                     expose_value=False, callback=_remember, is_eager=True,
+                     help="For timm:NAME / torchvision:NAME: image height and width (default: "
+                          "the model's own, usually 224)."),
+        click.option("--num-classes", type=click.IntRange(1), metavar="N",
+                     expose_value=False, callback=_remember, is_eager=True,
+                     help="For timm:NAME / torchvision:NAME: classes of the head to train "
+                          "(default: the model's, 1000 for ImageNet)."),
         click.option("--lora", "lora_rank", type=click.IntRange(1), metavar="RANK",
                      expose_value=False, callback=_remember, is_eager=True,
                      help="Train LoRA adapters of this rank (peft) on the frozen model; under "
@@ -88,7 +97,8 @@ def _source_options(f):
 
 def _load_model(source: str, longest: bool = False):
     """The model a command was given: a model file, or a Hugging Face id / config folder /
-    config.json with the --task and --seq-len of this command line."""
+    config.json with the --task and --seq-len of this command line, or timm:/torchvision:NAME
+    with its --image-size and --num-classes."""
     from oomdoctor.loader import load_model
     ctx = click.get_current_context(silent=True)
     opts = (ctx.meta.get(_SOURCE, {}) if ctx is not None else {})
@@ -98,7 +108,8 @@ def _load_model(source: str, longest: bool = False):
             raise click.UsageError("--seq-len max is for `oomdoctor probe` (the longest "
                                    "context that fits); give a token count here")
         seq_len = None
-    return load_model(source, task=opts.get("task"), seq_len=seq_len, adapters=_adapters(opts))
+    return load_model(source, task=opts.get("task"), seq_len=seq_len, adapters=_adapters(opts),
+                      image_size=opts.get("image_size"), num_classes=opts.get("num_classes"))
 
 
 def _wants_longest_context() -> bool:

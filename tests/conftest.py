@@ -1,0 +1,11 @@
+"""pytest setup shared by every test file."""
+import os
+import sys
+
+# tests/_site/sitecustomize.py: torchvision's models importable next to a CPU-only torch (see
+# its docstring); on sys.path for this process, on PYTHONPATH for the processes it starts.
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PYTHONPATH"))
+                                           if p)
+sys.path.insert(0, _SITE)
+import sitecustomize  # noqa: E402,F401  (the venv has none of its own)
