@@ -179,3 +179,32 @@ def test_api_and_check_cases_take_the_vision_options(tmp_path):
     assert measured.peak_reserved_bytes == by_api.peak_reserved_bytes
     assert oomdoctor.estimate("timm:resnet18", batch_size=2).peak_reserved_bytes \
         > by_api.peak_reserved_bytes
+
+
+def test_checkpointing_wraps_the_blocks_timm_itself_would(tmp_path):
+    """ConvNeXt's repeated classes are its 4 stages and the blocks inside them; timm's own
+    ``set_grad_checkpointing()`` checkpoints each block. oomdoctor's --checkpointing picks the
+    same blocks, and its trace matches a real CPU run that uses timm's switch."""
+    f = tmp_path / "convnext_timm_ckpt.py"
+    f.write_text(textwrap.dedent("""\
+        import torch, torch.nn.functional as F, timm
+
+        def build_model():
+            model = timm.create_model("convnext_atto", num_classes=10)
+            model.set_grad_checkpointing(True)
+            return model
+
+        def make_batch(batch_size):
+            return torch.randn(batch_size, 3, 64, 64), torch.randint(0, 10, (batch_size,))
+
+        def loss_fn(model, batch):
+            images, labels = batch
+            return F.cross_entropy(model(images), labels)
+        """))
+    spec = load_model("timm:convnext_atto", image_size=64, num_classes=10)
+    tr = trace_training(spec, TraceConfig(8, checkpointing=True, emulate_cuda=False),
+                        backend="meta")
+    assert len(tr.checkpointed) == 2 + 2 + 6 + 2          # convnext_atto's depths
+    assert all(".blocks." in name for name in tr.checkpointed)
+    real = real_cpu_peak(str(f), 8, opaque=("aten::convolution_backward",))
+    assert abs(tr.peak_live_bytes / real - 1) <= 0.001, (tr.peak_live_bytes, real)
