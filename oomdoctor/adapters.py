@@ -7,7 +7,9 @@ a Hugging Face architecture, every ``nn.Linear`` of a model file, or ``--lora-ta
 ``--quantize nf4|fp4`` first swaps the linear layers for bitsandbytes ``Linear4bit`` and
 quantizes their weights on the meta device - the library's own code lays out the packed 4-bit
 weight and its block-wise absmax (and, with ``--double-quant``, the 8-bit absmax and its fp32
-second-level statistics), so the sizes are the library's, not a formula's.
+second-level statistics), so the sizes are the library's, not a formula's. ``--quantize int8``
+swaps them for ``Linear8bitLt`` as ``load_in_8bit=True`` does (LLM.int8, arXiv:2208.07339: int8
+weights with one fp32 scale per output row, outlier threshold 6.0).
 
 What the recipes do, and what this module follows:
 
@@ -27,11 +29,14 @@ What the recipes do, and what this module follows:
 On the GPU a 4-bit matmul over many tokens dequantizes the whole weight to the compute dtype
 and runs a dense matmul (bitsandbytes ``backends/cuda/ops.py``, ``_dequant_linear_fallback``):
 those temporaries are what :func:`gemm_4bit_as_cuda` puts back into a meta trace, where the
-library's fake kernel would only return the output.
+library's fake kernel would only return the output. An int8 matmul quantizes its input row-wise,
+multiplies into int32 and dequantizes to fp16 (:func:`int8_as_cuda`); its backward dequantizes
+the whole weight to the input's dtype.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from dataclasses import dataclass
 
@@ -41,6 +46,7 @@ from oomdoctor.configs import QUANTIZATIONS
 from oomdoctor.loader import ModelFileError, to_dtype
 
 _BLOCKSIZE_4BIT = 64          # bitsandbytes Linear4bit / Params4bit default blocksize
+_INT8_THRESHOLD = 6.0         # transformers BitsAndBytesConfig(llm_int8_threshold=6.0)
 
 
 class AdapterError(ModelFileError):
@@ -54,7 +60,7 @@ class Adapters:
     lora_rank: int
     lora_targets: tuple[str, ...] | None = None    # module names (suffixes); None: defaults
     lora_dropout: float = 0.0                      # peft's default
-    quantize: str | None = None                    # nf4 | fp4
+    quantize: str | None = None                    # nf4 | fp4 | int8
     double_quant: bool = False                     # transformers' BitsAndBytesConfig default
 
     def __post_init__(self) -> None:
@@ -63,6 +69,8 @@ class Adapters:
         if self.quantize is not None and self.quantize not in QUANTIZATIONS:
             raise ValueError(f"unknown --quantize {self.quantize!r}; choose one of "
                              f"{', '.join(QUANTIZATIONS)}")
+        if self.double_quant and self.quantize == "int8":
+            raise ValueError("--double-quant applies to 4-bit weights (nf4, fp4), not int8")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}")
 
@@ -71,6 +79,8 @@ class Adapters:
         """' + QLoRA r16 (nf4)': what the model's name gets, so outputs say what was estimated."""
         if not self.quantize:
             return f" + LoRA r{self.lora_rank}"
+        if self.quantize == "int8":
+            return f" + LoRA r{self.lora_rank} (int8 base)"
         return f" + QLoRA r{self.lora_rank} ({self.quantize}{'+dq' if self.double_quant else ''})"
 
 
@@ -86,18 +96,24 @@ def adapt(model: torch.nn.Module, adapters: Adapters, precision: str
         from torch._subclasses.fake_tensor import is_fake
         if any(is_fake(p) for p in model.parameters()):
             # bitsandbytes' Params4bit cannot wrap a FakeTensor (Tensor._make_subclass refuses).
-            raise AdapterError("4-bit weights trace on the meta device only (the CUDA "
+            raise AdapterError("quantized weights trace on the meta device only (the CUDA "
                                "emulation), not on fake CPU tensors")
         n, skipped = _quantize_linears(model, adapters, compute)
-        notes.append(f"{n} linear layers stored as bitsandbytes {adapters.quantize}"
-                     f"{' with double quantization' if adapters.double_quant else ''} "
-                     f"(blocks of {_BLOCKSIZE_4BIT}), computing in "
-                     f"{str(compute).removeprefix('torch.')}"
+        int8 = adapters.quantize == "int8"
+        if int8:
+            # MatMul8bitLt logs a warning at every call whose input is not fp16 (all of them
+            # under bf16 or fp32): the same line hundreds of times per trace, and about speed.
+            logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+        how = (f"(LLM.int8: a scale per row, outlier threshold {_INT8_THRESHOLD}; outlier "
+               "columns assumed few, their fp16 copies not counted)" if int8 else
+               f"{'with double quantization ' if adapters.double_quant else ''}(blocks of "
+               f"{_BLOCKSIZE_4BIT}), computing in {str(compute).removeprefix('torch.')}")
+        notes.append(f"{n} linear layers stored as bitsandbytes {adapters.quantize} {how}"
                      + (f"; kept unquantized: {', '.join(skipped)}" if skipped else ""))
         if precision != "bf16-pure":
             peft = _import("peft", "QLoRA")
-            # QLoRA's recipe: freeze, and upcast what is not 4-bit to fp32.
-            model.is_loaded_in_4bit = True
+            # QLoRA's recipe: freeze, and upcast what is not quantized to fp32.
+            setattr(model, "is_loaded_in_8bit" if int8 else "is_loaded_in_4bit", True)
             with warnings.catch_warnings():        # deprecation chatter between the libraries
                 warnings.simplefilter("ignore", FutureWarning)
                 peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -129,6 +145,9 @@ def quant_states(model: torch.nn.Module) -> list[torch.Tensor]:
     long as the weights do."""
     out: list[torch.Tensor] = []
     for p in model.parameters():
+        scb = getattr(p, "SCB", None)      # Int8Params: one fp32 scale per output row
+        if isinstance(scb, torch.Tensor):
+            out.append(scb)
         state = getattr(p, "quant_state", None)
         while state is not None:
             out += [t for t in (state.absmax, state.code, getattr(state, "offset", None))
@@ -164,6 +183,48 @@ def gemm_4bit_as_cuda(func, args, kwargs):
     weight = torch.empty(tuple(bound["shapeB"]), dtype=a.dtype, device=a.device)
     out = torch.nn.functional.linear(a, weight, bound.get("bias"))
     del scales, weight
+    return out
+
+
+INT8_OPS = ("int8_vectorwise_quant", "int8_mixed_scaled_mm", "int8_scaled_mm")
+
+
+def int8_as_cuda(name: str, args: tuple, kwargs: dict):
+    """bitsandbytes' LLM.int8 ops as its CUDA backend allocates (``backends/cuda/ops.py`` and
+    the composite ``backends/default/ops.py``), for a meta trace.
+
+    - ``int8_vectorwise_quant(A, threshold)``: the row stats (fp32) and the int8 copy of A; with
+      a threshold, ``A.abs() >= threshold`` (an fp16 then a bool temporary of A's size) finds
+      the outlier columns. Which columns hold outliers depends on the values; LLM.int8 found
+      them in a handful of feature dimensions (arXiv:2208.07339, section 4), so the trace takes
+      none: their fp16 slice, saved for backward, is tokens x a few columns.
+    - ``int8_mixed_scaled_mm`` with no outlier columns is ``int8_scaled_mm``: an int32 product,
+      dequantized to fp16 (the kernel only writes fp16), then cast to the input's dtype.
+    The library's fake kernels would return the outputs alone, with data-dependent sizes."""
+    name = name.removesuffix(".default")
+    if name == "int8_vectorwise_quant":
+        a = args[0]
+        threshold = args[1] if len(args) > 1 else kwargs.get("threshold", 0.0)
+        row_stats = a.new_empty(a.numel() // a.shape[-1], dtype=torch.float32)
+        out_row = torch.empty_like(a, dtype=torch.int8)
+        cols = None
+        if threshold > 0.0:
+            outliers = a.abs() >= threshold       # noqa: F841  (alive until the return)
+            cols = a.new_empty(0, dtype=torch.int64)
+        return out_row, row_stats, cols
+    names = ("A", "CA", "CB", "SCA", "SCB", "outlier_cols", "bias") \
+        if name == "int8_mixed_scaled_mm" else ("CA", "CB", "SCA", "SCB", "bias", "dtype")
+    b = dict(zip(names, args), **kwargs)
+    ca, cb, bias = b["CA"], b["CB"], b.get("bias")
+    dtype = b["A"].dtype if "A" in b else (b.get("dtype") or torch.float16)
+    product = ca.new_empty((*ca.shape[:-1], cb.shape[0]), dtype=torch.int32)
+    out = torch.empty_like(product, dtype=torch.float16)
+    del product
+    if bias is not None and bias.dtype != torch.float16:
+        out.add_(bias)
+    out = out.to(dtype)
+    if name == "int8_mixed_scaled_mm":
+        return out, b["A"].new_empty(0)
     return out
 
 
@@ -221,7 +282,7 @@ def _bnb_linear_types() -> tuple[type, ...]:
         import bitsandbytes as bnb
     except ImportError:
         return ()
-    return (bnb.nn.Linear4bit,)
+    return (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
 
 
 def _targets(model: torch.nn.Module, adapters: Adapters):
@@ -267,7 +328,7 @@ def _skipped_modules(model: torch.nn.Module) -> set[str]:
 def _quantize_linears(model: torch.nn.Module, adapters: Adapters, compute: torch.dtype
                       ) -> tuple[int, list[str]]:
     _import("bitsandbytes", "--quantize")
-    from bitsandbytes.nn import Linear4bit, Params4bit
+    from bitsandbytes.nn import Int8Params, Linear4bit, Linear8bitLt, Params4bit
     import bitsandbytes.functional as bnb_f
     from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
     skip = _skipped_modules(model)
@@ -287,19 +348,31 @@ def _quantize_linears(model: torch.nn.Module, adapters: Adapters, compute: torch
     bnb_f.name2qmap["dynamic"] = shared          # values only matter to real runs
     try:
         for name, module in list(model.named_modules()):
-            if not isinstance(module, torch.nn.Linear) or isinstance(module, Linear4bit):
+            if not isinstance(module, torch.nn.Linear) or isinstance(module, (Linear4bit,
+                                                                              Linear8bitLt)):
                 continue
             if name in skip:
                 kept.append(name)
                 continue
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            q = Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
-                           compute_dtype=compute, compress_statistics=adapters.double_quant,
-                           quant_type=adapters.quantize, device="meta")
-            weight = Params4bit(module.weight.detach().to(compute), requires_grad=False,
-                                blocksize=_BLOCKSIZE_4BIT, compress_statistics=adapters.double_quant,
-                                quant_type=adapters.quantize)
+            if adapters.quantize == "int8":
+                # transformers' load_in_8bit: has_fp16_weights=False, llm_int8_threshold 6.0;
+                # the fp16 checkpoint weight is quantized row-wise as it moves to the GPU.
+                q = Linear8bitLt(module.in_features, module.out_features,
+                                 bias=module.bias is not None, has_fp16_weights=False,
+                                 threshold=_INT8_THRESHOLD, device="meta")
+                weight = Int8Params(module.weight.detach().to(torch.float16),
+                                    requires_grad=False, has_fp16_weights=False)
+            else:
+                q = Linear4bit(module.in_features, module.out_features,
+                               bias=module.bias is not None, compute_dtype=compute,
+                               compress_statistics=adapters.double_quant,
+                               quant_type=adapters.quantize, device="meta")
+                weight = Params4bit(module.weight.detach().to(compute), requires_grad=False,
+                                    blocksize=_BLOCKSIZE_4BIT,
+                                    compress_statistics=adapters.double_quant,
+                                    quant_type=adapters.quantize)
             q.weight = weight._quantize(device)          # the library's packing on this device
             if module.bias is not None:
                 q.bias = torch.nn.Parameter(module.bias.detach(), requires_grad=False)

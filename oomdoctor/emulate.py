@@ -314,6 +314,9 @@ class CudaKernels(_OurMode):
             return self._dropout(func, args, kwargs)
         if name == "gemm_4bit.default":              # bitsandbytes' 4-bit matmul
             return adapters.gemm_4bit_as_cuda(func, args, kwargs)
+        if name.removesuffix(".default") in adapters.INT8_OPS and "bitsandbytes" in (
+                getattr(func, "namespace", None), getattr(func, "_qualified_op_name", "")[:12]):
+            return adapters.int8_as_cuda(name, args, kwargs)
         return self._passthrough(func, args, kwargs)
 
     def _sdpa(self, func, args, kwargs):

@@ -271,3 +271,55 @@ def test_probe_offers_adapters_when_nothing_fits():
     assert r.exit_code == 1 and "probe it again with --lora 16" in r.stdout
     r = CliRunner().invoke(cli, args + ["--lora", "4"])
     assert r.exit_code == 1 and "--lora 16" not in r.stdout      # it already trains adapters
+
+
+def test_int8_storage_is_bitsandbytes_layout(llama_dir):
+    """load_in_8bit: one int8 byte per weight and one fp32 scale (SCB) per output row; what is
+    not quantized is upcast to fp32 by prepare_model_for_kbit_training under AMP."""
+    spec = load_model(llama_dir, seq_len=64, adapters=Adapters(lora_rank=8, quantize="int8"))
+    trace = trace_training(spec, TraceConfig(batch_size=1, precision="bf16", steps=1))
+    linears, rest = _linear_numels()
+    h, i, layers = (LLAMA[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers"))
+    lora = layers * 2 * (h * 8 + 8 * h)
+    assert trace.parameter_bytes == sum(linears) + 4 * rest + 4 * lora
+    rows = layers * (4 * h + 2 * i + h)            # q, k, v, o and down: h rows; gate, up: i
+    base = trace_training(load_model(llama_dir, seq_len=64),
+                          TraceConfig(batch_size=1, precision="bf16", steps=1))
+    assert trace.buffer_bytes - base.buffer_bytes == 4 * rows
+    assert trace.num_trainable_parameters == lora
+    assert trace.gradient_bytes == 4 * lora
+
+
+def test_int8_ops_give_what_the_library_kernels_give():
+    """The emulated CUDA int8 ops return what bitsandbytes' own kernels return on real CPU
+    tensors (shapes and dtypes; outlier columns: none when no |x| reaches the threshold)."""
+    from oomdoctor.adapters import int8_as_cuda
+    torch.manual_seed(0)
+    a = (torch.rand(48, 64) - 0.5).to(torch.float16)       # |x| < 6: no outliers
+    cb, scb, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(torch.randn(32, 64).half())
+    real_q = torch.ops.bitsandbytes.int8_vectorwise_quant(a, 6.0)
+    real_mm = torch.ops.bitsandbytes.int8_mixed_scaled_mm(a.float(), real_q[0], cb, real_q[1],
+                                                           scb, real_q[2], None)
+    meta = {k: v.to("meta") for k, v in dict(a=a, cb=cb, scb=scb).items()}
+    emu_q = int8_as_cuda("int8_vectorwise_quant.default", (meta["a"], 6.0), {})
+    emu_mm = int8_as_cuda("int8_mixed_scaled_mm", (meta["a"].float(), emu_q[0], meta["cb"],
+                                                   emu_q[1], meta["scb"], emu_q[2], None), {})
+    for real, emu in zip((*real_q, *real_mm), (*emu_q, *emu_mm)):
+        assert (real.shape, real.dtype) == (emu.shape, emu.dtype)
+
+
+def test_int8_backward_dequantizes_each_weight(llama_dir):
+    """MatMul8bitLt's backward rebuilds the weight in the input's dtype (CB.to(dtype_A) *
+    SCB / 127) before the grad-input matmul: one weight-sized temporary per quantized layer."""
+    spec = load_model(llama_dir, seq_len=64, adapters=Adapters(lora_rank=8, quantize="int8"))
+    t = trace_training(spec, TraceConfig(batch_size=3, precision="bf16", steps=1))
+    h, i, layers = (LLAMA[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers"))
+    copies = [s for s in t.storages.values() if s.phase.name == "BACKWARD"
+              and s.nbytes in (4 * h * i, 2 * h * i) and s.op == "_to_copy.default"]
+    assert len(copies) == 3 * layers                # gate, up, down in every layer
+
+
+def test_int8_options():
+    with pytest.raises(ValueError, match="--double-quant applies to 4-bit"):
+        Adapters(lora_rank=8, quantize="int8", double_quant=True)
+    assert Adapters(lora_rank=8, quantize="int8").label == " + LoRA r8 (int8 base)"

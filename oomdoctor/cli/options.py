@@ -84,8 +84,9 @@ def _source_options(f):
                      help="LoRA dropout (peft's default 0; recipes often use 0.05)."),
         click.option("--quantize", type=click.Choice(QUANTIZATIONS), expose_value=False,
                      callback=_remember, is_eager=True,
-                     help="Store the frozen linear layers 4-bit with bitsandbytes (QLoRA with "
-                          "--lora); they compute in the AMP dtype."),
+                     help="Store the frozen linear layers 4-bit (nf4, fp4: QLoRA with --lora; "
+                          "they compute in the AMP dtype) or 8-bit (int8: LLM.int8, "
+                          "load_in_8bit) with bitsandbytes."),
         click.option("--double-quant", is_flag=True, expose_value=False, callback=_remember,
                      is_eager=True,
                      help="With --quantize: quantize the 4-bit weights' scales too "
@@ -125,8 +126,8 @@ def _adapters(opts: dict):
                                    "--lora RANK or --quantize")
         return None
     if not opts.get("lora_rank"):
-        raise click.UsageError("--quantize alone leaves nothing to train (4-bit weights are "
-                               "frozen); add --lora RANK for QLoRA")
+        raise click.UsageError("--quantize alone leaves nothing to train (quantized weights "
+                               "are frozen); add --lora RANK for QLoRA")
     from oomdoctor.adapters import Adapters
     targets = opts.get("lora_targets")
     return Adapters(lora_rank=opts["lora_rank"],
