@@ -2,7 +2,8 @@
 from them before any command decides whether it needs torch)."""
 
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "rmsprop", "adagrad", "adafactor")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "rmsprop", "adagrad", "adafactor",
+              "torchao-adamw8bit", "torchao-adamw4bit")
 MAX_BATCH = 1 << 16   # the probe stops searching here; a model this light fits "at least" this
 # When the training loop drops its gradients:
 # after-step: step(); zero_grad(set_to_none=True) - the torch >= 2.0 default loop;

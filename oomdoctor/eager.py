@@ -6,10 +6,11 @@ and restore everything they patch when it ends.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 import weakref
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
@@ -28,16 +29,36 @@ def _identity_disable(fn=None, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def compile_as_eager(calls: list) -> Iterator[None]:
+def compile_as_eager(calls: list, fused: Callable[[], ContextManager] | None = None
+                     ) -> Iterator[None]:
     """``torch.compile`` (and ``nn.Module.compile``, which calls it) returns what it was given:
     the trace follows eager kernels, and compiling would run dynamo on fake tensors for every
-    trial. ``calls`` collects one entry per call, for the note that says so."""
+    trial. ``calls`` collects one ``(where, mode)`` per call for the notes; ``where`` is "step"
+    for a call made inside an optimizer step (torchao's low-bit optimizers compile their
+    per-parameter update there), else "model".
+
+    A compiled step function runs inside ``fused()``: its update is a chain of elementwise ops
+    and per-block reductions, which Inductor fuses into a few kernels, so most of what the
+    eager run allocates and frees inside it is not memory the compiled step uses (the recorder
+    keeps only what Inductor materializes; see oomdoctor.trace)."""
+    from oomdoctor import stepping
     real = torch.compile
 
     def eager(model=None, **kwargs):
-        calls.append(kwargs.get("mode") or "default")
-        return (lambda m: m) if model is None else model
+        where = "step" if stepping.in_step() else "model"
+        calls.append((where, kwargs.get("mode") or "default"))
 
+        def wrap(fn):
+            if fused is None or where != "step" or isinstance(fn, torch.nn.Module) \
+                    or not callable(fn):
+                return fn
+
+            @functools.wraps(fn)
+            def compiled(*args, **kw):
+                with fused():
+                    return fn(*args, **kw)
+            return compiled
+        return wrap if model is None else wrap(model)
     torch.compile = eager
     try:
         yield

@@ -555,6 +555,16 @@ def build_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
         # Factored second moments (a row and a column vector per matrix), no first moment:
         # torch/optim/_adafactor.py. Its scalar reads are answered in the trace (trace.py).
         return torch.optim.Adafactor(params, lr=1e-2)
+    if name.startswith("torchao-"):
+        # HF Trainer's optim="adamw_torch_8bit" / "adamw_torch_4bit": block-quantized state
+        # (uint8 codes, or two 4-bit codes per byte, and an fp32 scale per block).
+        try:
+            from torchao import optim as ao
+        except ImportError:
+            raise ValueError(f"--optimizer {name} needs torchao: pip install 'oomdoctor[ao]'"
+                             ) from None
+        return {"torchao-adamw8bit": ao.AdamW8bit, "torchao-adamw4bit": ao.AdamW4bit}[name](
+            params, lr=1e-4)
     raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 

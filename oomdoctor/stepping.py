@@ -16,6 +16,7 @@ import contextlib
 from typing import Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
@@ -28,13 +29,29 @@ def unique_storages(tensors) -> dict[int, torch.Tensor]:
     return seen
 
 
+def state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor) for every tensor of the optimizer's state. A tensor subclass that wraps
+    others (torchao's low-bit ``OptimState8bit``: uint8 codes, block scales, a code map) is
+    given as the tensors that hold its memory; the wrapper itself holds none."""
+    for st in optimizer.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                yield from ((k, t) for t in _leaves(v))
+
+
+def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [leaf for name in names for leaf in _leaves(getattr(t, name))]
+
+
 def state_bytes(optimizer: torch.optim.Optimizer, keep: Callable[[str, torch.Tensor], bool]
                 ) -> int:
     """Bytes of the optimizer's state tensors that ``keep(key, tensor)`` selects, once per
     storage: bitsandbytes shares its quantization maps across parameters."""
     return sum(t.untyped_storage().nbytes() for t in unique_storages(
-        v for st in optimizer.state.values() for k, v in st.items()
-        if isinstance(v, torch.Tensor) and keep(k, v)).values())
+        v for k, v in state_tensors(optimizer) if keep(k, v)).values())
 
 
 def host_state(emulate_cuda: bool, optimizer: torch.optim.Optimizer, key: str,
@@ -49,6 +66,14 @@ def host_state(emulate_cuda: bool, optimizer: torch.optim.Optimizer, key: str,
             and not optimizer.defaults.get("fused") and not optimizer.defaults.get("capturable"))
 
 
+_OPEN_STEPS: list[contextlib.ExitStack] = []      # the steps running now (every_step)
+
+
+def in_step() -> bool:
+    """Whether an optimizer step is running (inside :func:`every_step`)."""
+    return bool(_OPEN_STEPS)
+
+
 @contextlib.contextmanager
 def every_step(relabel: Callable[[torch.optim.Optimizer], None]
                ) -> Iterator[list[torch.optim.Optimizer]]:
@@ -56,7 +81,7 @@ def every_step(relabel: Callable[[torch.optim.Optimizer], None]
     device-less factories, and ``relabel(optimizer)`` hears each finished step. Yields the
     optimizers that stepped, in order of their first step."""
     stepped: list[torch.optim.Optimizer] = []
-    open_steps: list[contextlib.ExitStack] = []
+    open_steps = _OPEN_STEPS
 
     def pre(optimizer, _args, _kwargs):
         stack = contextlib.ExitStack()
@@ -76,3 +101,39 @@ def every_step(relabel: Callable[[torch.optim.Optimizer], None]
             h.remove()
         while open_steps:                 # a step that raised: leave no device mode behind
             open_steps.pop().close()
+
+
+def step_notes(optimizer: torch.optim.Optimizer, held: list[torch.optim.Optimizer]) -> list[str]:
+    """What the output should say about how the optimizers stepped (``held``: the loop's
+    optimizer first, then any stepped inside backward)."""
+    notes = []
+    if len(held) > 1:
+        notes.append(f"{len(held) - 1} optimizers stepped inside backward (optimizer in "
+                     "backward): each gradient is freed as soon as its parameter steps")
+    paged = state_bytes(optimizer, lambda k, v: getattr(v, "is_paged", False))
+    if paged:
+        notes.append(f"{type(optimizer).__name__}: {paged / 2**20:.1f} MiB of optimizer "
+                     "state is paged (CUDA unified memory, outside PyTorch's allocator): "
+                     "not counted in the peak; it takes GPU memory while resident and "
+                     "moves to host RAM when the GPU runs short, at the cost of slower "
+                     "steps")
+    return notes
+
+
+def compile_notes(optimizer: torch.optim.Optimizer, compiled: list[tuple[str, str]]
+                  ) -> list[str]:
+    """Notes on the torch.compile calls of a trace (oomdoctor.eager.compile_as_eager)."""
+    notes = []
+    if any(where == "step" for where, _ in compiled):
+        notes.append(f"{type(optimizer).__name__} compiles its step: Inductor fuses the "
+                     "update, keeping a full-precision copy of each state tensor while it is "
+                     "re-quantized; the eager step's other temporaries are not counted "
+                     "(measured with Inductor on the CPU)")
+    if any(where == "model" for where, _ in compiled):
+        # Compiled training usually saves less for backward: Inductor fuses elementwise
+        # chains (their intermediates are never saved) and AOTAutograd's min-cut
+        # partitioner recomputes cheap ops in backward instead of keeping their outputs.
+        notes.append("the model file calls torch.compile: traced as eager PyTorch; "
+                     "compiled training usually needs less activation memory (fused "
+                     "kernels save fewer tensors), so read this as an upper bound")
+    return notes

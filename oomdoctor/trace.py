@@ -36,7 +36,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from oomdoctor import adapters, emulate, values
-from oomdoctor.stepping import every_step, host_state, state_bytes, unique_storages
+from oomdoctor.fusion import Fusion
+from oomdoctor.stepping import (compile_notes, every_step, host_state, state_bytes,
+                                state_tensors, step_notes, unique_storages)
 from oomdoctor.eager import compile_as_eager, dynamo_left_unloaded
 from oomdoctor.loader import (DataDependentError, ModelFileError, ModelSpec, build_for_training,
                               compute_loss, make_configured_batch, make_configured_optimizer)
@@ -188,6 +190,10 @@ class _Recorder(TorchDispatchMode):
         self.placeholders = 0                  # scalar reads in step() answered with 1
         self.progress: Callable[[str], None] | None = None   # told each phase (trace_training)
         self.steps = 0
+        self.fusion = Fusion()                 # compiled step functions (oomdoctor.fusion)
+
+    def fused(self):
+        return self.fusion.region(lambda: len(self.raw))
 
     # -- bookkeeping -------------------------------------------------------------------------
     def add(self, storage: torch.UntypedStorage, category: Category | None, op: str) -> int:
@@ -255,6 +261,8 @@ class _Recorder(TorchDispatchMode):
             return value
         if self.shadows is not None:
             self.shadows.mirror(func, args, kwargs or {}, out)
+        if self.fusion.depth:
+            self.fusion.note(func, args, kwargs or {}, len(self.raw), self.handle_of)
         fresh = self._fresh_outputs(func)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for i, o in enumerate(outs):
@@ -315,11 +323,8 @@ def _label_gradients(rec: _Recorder, model: torch.nn.Module) -> int:
 
 
 def _label_state(rec: _Recorder, cfg: TraceConfig, optimizer: torch.optim.Optimizer) -> None:
-    for st in optimizer.state.values():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                rec.relabel(v, Category.OPTIMIZER_STATE,
-                            host=host_state(cfg.emulate_cuda, optimizer, k, v))
+    for k, v in state_tensors(optimizer):
+        rec.relabel(v, Category.OPTIMIZER_STATE, host=host_state(cfg.emulate_cuda, optimizer, k, v))
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer,
@@ -436,10 +441,14 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
     gc.collect()
     torch.manual_seed(0)
     on_meta = isinstance(fake_mode, torch.device)
-    compiled: list[str] = []
+    compiled: list[tuple[str, str]] = []
+    recorders: list[_Recorder] = []         # compiled step functions report to the recorder
+
+    def fused():
+        return recorders[0].fused() if recorders else contextlib.nullcontext()
     with fake_mode, (dynamo_left_unloaded() if fake else contextlib.nullcontext()), \
             (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()), \
-            (compile_as_eager(compiled) if fake else contextlib.nullcontext()):
+            (compile_as_eager(compiled, fused) if fake else contextlib.nullcontext()):
         model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
                                                  cfg.checkpoint_class, preserve_rng_state=not fake,
                                                  notes=notes)
@@ -455,6 +464,7 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
         scaler = emulate.GradScalerEmulation() if cfg.precision == "fp16" else None
 
         rec = _Recorder()
+        recorders.append(rec)
         rec.progress, rec.steps = progress, cfg.steps
         if shadows:
             rec.shadows = values.Shadows()
@@ -532,25 +542,10 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
             state_bytes(o, lambda k, v, o=o: not host_state(cfg.emulate_cuda, o, k, v))
             for o in held if optimizer_from is None or o is not optimizer)
         rec.closed = True
-        if compiled:
-            # Compiled training usually saves less for backward: Inductor fuses elementwise
-            # chains (their intermediates are never saved) and AOTAutograd's min-cut
-            # partitioner recomputes cheap ops in backward instead of keeping their outputs.
-            notes.append("the model file calls torch.compile: traced as eager PyTorch; "
-                         "compiled training usually needs less activation memory (fused "
-                         "kernels save fewer tensors), so read this as an upper bound")
+        notes += compile_notes(optimizer, compiled)
         if not loop_steps and optimizer_from is None:
             notes = [n for n in notes if n not in defaults]    # foreach: only if it steps
-        if len(held) > 1:
-            notes.append(f"{len(held) - 1} optimizers stepped inside backward (optimizer in "
-                         "backward): each gradient is freed as soon as its parameter steps")
-        paged = state_bytes(optimizer, lambda k, v: getattr(v, "is_paged", False))
-        if paged:
-            notes.append(f"{type(optimizer).__name__}: {paged / 2**20:.1f} MiB of optimizer "
-                         "state is paged (CUDA unified memory, outside PyTorch's allocator): "
-                         "not counted in the peak; it takes GPU memory while resident and "
-                         "moves to host RAM when the GPU runs short, at the cost of slower "
-                         "steps")
+        notes += step_notes(optimizer, held)
         if rec.placeholders:
             notes.append(f"{type(optimizer).__name__}: {rec.placeholders} scalar reads of "
                          "tensor values in step() (such as update norms) taken as 1; they "
@@ -571,6 +566,8 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
     # Host-side storages stay in the event list with 0 bytes (the allocator ignores 0-byte
     # requests, as PyTorch never calls it for them), so event indices, t_alloc/t_free and the
     # phase marks all index the same list.
+    for h in rec.fusion.fused_away(rec.storages, rec.raw):
+        rec.storages[h].host = True            # in a fused kernel's registers: no memory
     host = {h for h, s in rec.storages.items() if s.host}
     events = tuple((a, h, 0) if h in host else (a, h, n) for a, h, n in rec.raw)
     return Trace(
