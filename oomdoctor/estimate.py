@@ -16,7 +16,8 @@ from typing import Any
 from oomdoctor.allocator import AllocatorConfig, ReplayResult, replay
 from oomdoctor.gpus import GpuProfile
 from oomdoctor.loader import ModelSpec
-from oomdoctor.trace import Category, Phase, Trace, TraceConfig, trace_training
+from oomdoctor.trace import Category, Trace, TraceConfig, trace_training
+from oomdoctor.workspaces import workspace_marks
 
 # The JSON contract's breakdown keys, in display order.
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
@@ -111,16 +112,15 @@ class DeviceEvents:
 
 
 def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None) -> DeviceEvents:
-    """Insert one cuBLAS workspace before the first forward and one before the first backward
-    (each thread's handle gets its own, kept for the process's life). ``sizes`` replaces the
-    trace's event sizes (the probe's extrapolation)."""
+    """Insert one BLAS workspace before the first forward and one before the first backward
+    that run a matmul (each thread's handle gets its own, kept for the process's life; see
+    :mod:`oomdoctor.workspaces`). ``sizes`` replaces the trace's event sizes (the probe's
+    extrapolation)."""
     insert_at = {}
     next_handle = max((h for _, h, _ in trace.events), default=-1) + 1
-    for mark in trace.marks:
-        if mark.iteration == 0 and mark.micro == 0 and mark.phase in (Phase.FORWARD,
-                                                                      Phase.BACKWARD):
-            insert_at[mark.start] = next_handle
-            next_handle += 1
+    for mark in workspace_marks(trace):
+        insert_at[mark.start] = next_handle
+        next_handle += 1
     ws = gpu.cublas_workspace_bytes
     events: list[tuple[bool, int, int]] = []
     index: list[int] = []
@@ -191,7 +191,8 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
 def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
               optimizer_from: Trace | None = None, progress=None) -> Trace:
     """Trace with the SDPA kernel choice of the target card."""
-    return trace_training(spec, replace(cfg, compute_capability=gpu.compute_capability),
+    return trace_training(spec, replace(cfg, compute_capability=gpu.compute_capability,
+                                        gpu_arch=gpu.arch),
                           optimizer_from=optimizer_from, progress=progress)
 
 
