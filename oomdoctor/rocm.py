@@ -19,9 +19,11 @@ they live here (no torch import: the CLI reads this before it decides to load to
   MI200/MI300 training thread holds 76 MiB where an Ampere card holds 8.1 MiB.
 - **Attention.** ``scaled_dot_product_attention`` has no cuDNN backend on ROCm; flash and
   memory-efficient attention both run AOTriton kernels, compiled for MI200 (gfx90a) and MI300
-  (gfx942) - Navi (gfx11xx/gfx12xx) only with TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1
+  (gfx942) - Navi 3x only with TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1
   (``check_flash_attention_hardware_support`` in aten/src/ATen/native/transformers/cuda/
-  sdp_utils.cpp). Flash: fp16/bf16, no explicit mask, equal head dims up to 512 (AOTriton >= 0.9;
+  sdp_utils.cpp). A torch 2.2 ROCm nightly had neither ("Torch was not compiled with flash
+  attention", github.com/pytorch/pytorch/issues/112997); the 2.4 release had both
+  (github.com/ROCm/pytorch/pull/1818 patches its efficient backend). Flash: fp16/bf16, no explicit mask, equal head dims up to 512 (AOTriton >= 0.9;
   256 before). Memory-efficient: fp32/fp16/bf16, a bool mask or one of the inputs' dtype, head
   dims a multiple of 8 (16-bit) or 4 (fp32) up to 256, no grouped-query heads. The memory
   differs from CUDA's: AOTriton's backward keeps no fp32 dq accumulator (mha_bwd_aot in
@@ -50,10 +52,11 @@ HIPBLASLT_WORKSPACE = 76 * MiB
 # parseChosenWorkspaceSize: "/* 32MiB default, 128MiB for gfx942/gfx950/gfx1250 */"
 HIPBLAS_WORKSPACE, HIPBLAS_WORKSPACE_GFX94_95 = 32 * MiB, 128 * MiB
 # aotriton::v2::flash::check_gpu: the targets AOTriton ships kernels for without the
-# experimental switch ("Accelerated SDPA only supports MI200/MI300X/Navi31 GPUs" in
-# mha_all_aot.hip; Navi needs TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1 since AOTriton 0.9).
-# gfx950 (MI350) is left out until a source says AOTriton ships it: math is the safe side.
-AOTRITON_TARGETS = ("gfx90a", "gfx942")
+# experimental switch. MI200/MI300 from the start ("Accelerated SDPA only supports
+# MI200/MI300X/Navi31 GPUs" in mha_all_aot.hip); gfx950 (MI350) and gfx1201 officially from
+# AOTriton 0.10b (github.com/pytorch/pytorch/pull/156499). Navi 3x (gfx1100, ...) needs
+# TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1, so the default plan is math there.
+AOTRITON_TARGETS = ("gfx90a", "gfx942", "gfx950", "gfx1201")
 AOTRITON_FLASH_MAX_HEAD_DIM = 512       # aotriton_max_hdim(), AOTriton >= 0.9
 AOTRITON_EFFICIENT_MAX_HEAD_DIM = 256   # check_head_dim_size_flash_nested<caller_is_meff>
 
