@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from oomdoctor import rocm
 from oomdoctor.allocator import AllocatorConfig, ReplayResult, replay
 from oomdoctor.gpus import GpuProfile
 from oomdoctor.loader import ModelSpec
@@ -168,6 +169,13 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
     mark = trace.phase_at(dev.trace_index[at]) if dev.trace_index else trace.marks[0]
     cfg = trace.config
     notes = list(trace.notes)
+    gpu = budget.gpu
+    if gpu.is_rocm and dev.workspace_handles:
+        lib = "hipBLASLt" if rocm.prefers_hipblaslt(gpu.arch) else "hipBLAS"
+        notes.append(f"ROCm ({gpu.arch}): {len(dev.workspace_handles)} x "
+                     f"{gpu.cublas_workspace_bytes // 2**20} MiB {lib} workspace from the caching "
+                     "allocator, one per thread that runs a matmul (PyTorch's default BLAS "
+                     "library on this target)")
     if not fits and limited.oom is not None:
         notes.append(f"out of memory in the {trace.phase_at(dev.trace_index[limited.oom_index]).phase.value}"
                      f" of step {trace.phase_at(dev.trace_index[limited.oom_index]).iteration + 1}")
@@ -201,9 +209,10 @@ def estimate(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
     """Trace ``cfg`` and estimate its peak on ``budget.gpu``. ``progress(message)`` is told
     which step and phase the trace has reached (see trace.trace_training)."""
     if cfg.precision in ("bf16", "bf16-pure") and not budget.gpu.bf16:
-        raise ValueError(f"{budget.gpu.name} has no bf16 support (compute capability "
-                         f"{budget.gpu.compute_capability[0]}.{budget.gpu.compute_capability[1]}"
-                         " < 8.0); use --precision fp16")
+        why = (f"{budget.gpu.arch} has no bf16 matrix instructions" if budget.gpu.is_rocm else
+               f"compute capability {budget.gpu.compute_capability[0]}."
+               f"{budget.gpu.compute_capability[1]} < 8.0")
+        raise ValueError(f"{budget.gpu.name} has no bf16 support ({why}); use --precision fp16")
     return estimate_trace(trace_for(spec, cfg, budget.gpu, progress=progress), budget, alloc,
                           spec.name)
 

@@ -76,6 +76,9 @@ def test_rocm_blas_workspace_per_thread(arch, per_thread):
     assert per_thread == {"gfx90a": 76, "gfx942": 76, "gfx1100": 32}[arch] * MiB
     assert amd["peak_allocated_bytes"] - ampere["peak_allocated_bytes"] == \
         2 * (per_thread - CUDA_AMPERE_WS)
+    lib = "hipBLASLt" if arch != "gfx1100" else "hipBLAS"
+    assert any(f"ROCm ({arch}): 2 x {per_thread // MiB} MiB {lib} workspace" in n
+               for n in amd["notes"]), amd["notes"]
 
 
 def test_a_step_without_gemm_takes_no_blas_workspace():
