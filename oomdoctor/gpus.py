@@ -118,11 +118,11 @@ PROFILES: dict[str, GpuProfile] = {p.name: p for p in [
     # (github.com/boson-ai/higgs-audio/issues/48). 4352 cores x 2.535 GHz x 2 = 22.1 TFLOPS.
     GpuProfile("rtx4060ti-16", "GeForce RTX 4060 Ti 16 GB", _gib(15.55), (8, 9), True,
                22.1, 22.1, 44.1, "PCIe 4.0 x8, no P2P, no NVLink", 12.0, 450 * MiB),
-    # No published OOM message or total_memory reading for a 4070 Ti SUPER was found; 16 GiB
-    # of GDDR6X as Linux drivers report the other 16 GB Ada cards' would be ~15.6-15.7 GiB, so
-    # this uses the 4060 Ti 16 GB's 15.55 GiB (the smaller reading: planning stays on the safe
-    # side). 8448 cores x 2.61 GHz x 2 = 44.1 TFLOPS.
-    GpuProfile("rtx4070ti-super", "GeForce RTX 4070 Ti SUPER 16 GB", _gib(15.55), (8, 9), True,
+    # No published OOM message for a 4070 Ti SUPER was found. A public fine-tuning report (found
+    # through code search; the index gave no address) prints "NVIDIA RTX 4070 Ti SUPER (15.56 GB
+    # total)": total_memory / 2**30 by its size (in 10^9 bytes a 16 GiB card has 17.2), the same
+    # as the 4060 Ti 16 GB's 15.55 GiB to 10 MiB. 8448 cores x 2.61 GHz x 2 = 44.1 TFLOPS.
+    GpuProfile("rtx4070ti-super", "GeForce RTX 4070 Ti SUPER 16 GB", _gib(15.56), (8, 9), True,
                44.1, 44.1, 88.2, "PCIe 4.0 x16, no P2P, no NVLink", 25.0, 450 * MiB),
     # Capacity: "(GPU 0; 15.99 GiB total capacity; ...)" on an RTX 4080
     # (github.com/aigc-apps/sd-webui-EasyPhoto/issues/281, a WebUI user: most likely Windows,

@@ -92,8 +92,8 @@ def test_profiles_match_the_capacity_real_cards_report(message, profile, tmp_pat
 
 
 @pytest.mark.parametrize("message,profiles", [
-    # github.com/boson-ai/higgs-audio/issues/48 (RTX 4060 Ti 16 GB). The 4070 Ti SUPER has no
-    # published reading and borrows this capacity (gpus.py), so the log fits either card.
+    # github.com/boson-ai/higgs-audio/issues/48 (RTX 4060 Ti 16 GB). The 4070 Ti SUPER reports
+    # 15.56 GiB (gpus.py), within 10 MiB: a capacity cannot tell the two apart.
     ("OutOfMemoryError: CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total "
      "capacity of 15.55 GiB of which 43.25 MiB is free. Including non-PyTorch memory, this "
      "process has 15.38 GiB memory in use. Of the allocated memory 14.87 GiB is allocated by "

@@ -110,3 +110,40 @@ def test_rocm_sdpa_rules_from_sdp_utils():
     assert k("gfx90a", "bfloat16", False, None, 320, True) == "flash"   # flash: up to 512
     assert k("gfx90a", "float32", False, None, 320, True) == "math"
     assert k("gfx90a", "float16", True, "bool", 64, False) == "math"
+
+
+def _attention_backward_bytes(kernel: str, rocm_kernels: bool, b=2, h=4, t=300, d=64) -> int:
+    """Bytes the emulated fused attention allocates in its backward (meta tensors)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from oomdoctor import emulate
+
+    class Allocations(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.split(".")[0] in ("empty", "new_empty", "empty_like"):
+                Allocations.total += out.untyped_storage().nbytes()
+            return out
+
+    q, k, v = (torch.empty(b, h, t, d, dtype=torch.bfloat16, device="meta", requires_grad=True)
+               for _ in range(3))
+    out = emulate._FusedAttention.apply(q, k, v, None, kernel, rocm_kernels)
+    grad = torch.empty_like(out)
+    with Allocations():
+        torch.autograd.backward(out, grad)
+    return Allocations.total
+
+
+def test_aotriton_backward_keeps_no_fp32_dq_accumulator():
+    """mha_bwd_aot (aten/src/ATen/native/transformers/hip/flash_attn/aot/mha_all_aot.hip)
+    allocates dq, dk, dv and two (B, H, T) fp32 vectors (softmax_d, delta); CUDA's
+    flash-attention-2 backward adds a (B, H, T rounded up to 128, D) fp32 dq accumulator and a
+    (B, H, T128) softmax_d."""
+    b, h, t, d = 2, 4, 300, 64
+    grads = 3 * b * h * t * d * 2                       # dq, dk, dv in bf16
+    t128 = 384
+    assert _attention_backward_bytes("flash", True) == grads + 2 * b * h * t * 4
+    assert _attention_backward_bytes("flash", False) == grads + b * h * t128 * (d + 1) * 4
