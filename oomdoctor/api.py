@@ -17,7 +17,7 @@ import sys
 import types
 from typing import Any, Callable
 
-from oomdoctor.gpus import custom_profile, get_profile, parse_arch
+from oomdoctor.gpus import card_for_arch, get_profile
 
 
 def callable_module(module_name: str, function_name: str) -> None:
@@ -78,8 +78,7 @@ def _budget(gpu: str | None, memory: int | None, margin: float, overhead: int | 
         raise ValueError("give gpu= or memory=, not both")
     if arch and not memory:
         raise ValueError("arch= goes with memory= (a gpu= profile has its own architecture)")
-    cc = parse_arch(arch) if arch else (8, 0)
-    card = custom_profile(memory, cc >= (8, 0), cc) if memory else get_profile(gpu or "rtx3090")
+    card = card_for_arch(memory, arch) if memory else get_profile(gpu or "rtx3090")
     return Budget(card, margin, overhead, other)
 
 

@@ -28,7 +28,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from oomdoctor import adapters
+from oomdoctor import adapters, rocm
 from oomdoctor.configs import OPTIMIZERS
 
 # CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
@@ -238,12 +238,20 @@ def _flat(args: Any) -> list:
 
 
 def sdpa_kernel(q: torch.Tensor, attn_mask: Any, dropout_p: float,
-                compute_capability: tuple[int, int]) -> str:
+                compute_capability: tuple[int, int], arch: str = "",
+                k: torch.Tensor | None = None) -> str:
     """The kernel CUDA's ``select_sdp_backend`` (sdp_utils.cpp) would pick: flash, efficient
     or math. Flash needs sm80+, fp16/bf16, no explicit mask, head dim <= 256; memory-efficient
     works from sm50 in fp32/fp16 (bf16 from sm80) with masks; head dims not a multiple of 8 are
-    padded by SDPA since 2.1, so they do not force the math path."""
+    padded by SDPA since 2.1, so they do not force the math path. An AMD ``arch`` (gfx90a)
+    asks ROCm's AOTriton rules instead (:func:`oomdoctor.rocm.sdpa_kernel`)."""
     head_dim = q.shape[-1]
+    if arch:
+        mask_dtype = (str(attn_mask.dtype).removeprefix("torch.")
+                      if isinstance(attn_mask, torch.Tensor) else None)
+        same_heads = k is None or k.shape[-3:-2] == q.shape[-3:-2]
+        return rocm.sdpa_kernel(arch, str(q.dtype).removeprefix("torch."),
+                                attn_mask is not None, mask_dtype, head_dim, same_heads)
     sm = compute_capability
     # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89: no flash backward for
     # head dims above 192 on consumer Ampere/Ada.
@@ -264,10 +272,12 @@ class _FusedAttention(torch.autograd.Function):
     is (B, H, T), memory-efficient pads T to a multiple of 32). Backward allocates dq, dk, dv and
     the fp32 scratch the kernels use: flash-attention-2 keeps a dq accumulator (B, H, T128, D)
     and softmax_d (B, H, T128) with T rounded up to 128; memory-efficient keeps delta (B, H, T).
+    On ROCm (``rocm``) both are AOTriton kernels: lse (B, H, T) unpadded, and backward scratch
+    softmax_d and delta, two (B, H, T) fp32 vectors, with no dq accumulator (mha_bwd_aot).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, kernel):
+    def forward(ctx, q, k, v, mask, kernel, rocm_kernels=False):
         if q.dim() == 4:
             # The kernels allocate (B, T, H, D) and return it transposed to (B, H, T, D), so the
             # model's usual `y.transpose(1, 2).contiguous()` is free (attention.cu).
@@ -276,9 +286,10 @@ class _FusedAttention(torch.autograd.Function):
         else:
             out = q.new_empty(q.shape[:-1] + v.shape[-1:])
         t = q.shape[-2]
-        lse_t = t if kernel == "flash" else math.ceil(t / 32) * 32
+        lse_t = t if kernel == "flash" or rocm_kernels else math.ceil(t / 32) * 32
         lse = q.new_empty(q.shape[:-2] + (lse_t,), dtype=torch.float32)
         ctx.kernel = kernel
+        ctx.rocm_kernels = rocm_kernels
         ctx.save_for_backward(q, k, v, out, lse, mask if isinstance(mask, torch.Tensor) else None)
         return out
 
@@ -286,7 +297,9 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, mask = ctx.saved_tensors
         t = q.shape[-2]
-        if ctx.kernel == "flash":
+        if ctx.rocm_kernels:
+            scratch = [q.new_empty(q.shape[:-2] + (t,), dtype=torch.float32) for _ in range(2)]
+        elif ctx.kernel == "flash":
             t128 = math.ceil(t / 128) * 128
             scratch = [q.new_empty(q.shape[:-2] + (t128, q.shape[-1]), dtype=torch.float32),
                        q.new_empty(q.shape[:-2] + (t128,), dtype=torch.float32)]
@@ -294,15 +307,17 @@ class _FusedAttention(torch.autograd.Function):
             scratch = [q.new_empty(q.shape[:-2] + (t,), dtype=torch.float32)]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del scratch
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 class CudaKernels(_OurMode):
     """Pick CUDA's kernels where their memory differs from the CPU's: fused SDPA, fused dropout."""
 
-    def __init__(self, compute_capability: tuple[int, int], notes: list[str] | None = None):
+    def __init__(self, compute_capability: tuple[int, int], notes: list[str] | None = None,
+                 arch: str = ""):
         super().__init__()
         self.cc = compute_capability
+        self.arch = arch            # an AMD target: ROCm's kernels (oomdoctor.rocm)
         self.notes = notes if notes is not None else []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -325,12 +340,17 @@ class CudaKernels(_OurMode):
         bound = dict(zip(names, args), **kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
-        kernel = sdpa_kernel(q, mask, bound.get("dropout_p", 0.0), self.cc)
-        self.notes.append(f"scaled_dot_product_attention: CUDA would use the {kernel} kernel "
-                          f"(sm{self.cc[0]}{self.cc[1]}, {str(q.dtype).removeprefix('torch.')})")
+        kernel = sdpa_kernel(q, mask, bound.get("dropout_p", 0.0), self.cc, self.arch, k)
+        dtype = str(q.dtype).removeprefix("torch.")
+        if self.arch:
+            self.notes.append(f"scaled_dot_product_attention: ROCm would use the {kernel} kernel "
+                              f"({self.arch}, AOTriton, {dtype})")
+        else:
+            self.notes.append(f"scaled_dot_product_attention: CUDA would use the {kernel} kernel "
+                              f"(sm{self.cc[0]}{self.cc[1]}, {dtype})")
         if kernel == "math" or k.shape[-3:-2] != q.shape[-3:-2]:
             return func(*args, **kwargs)
-        return _FusedAttention.apply(q, k, v, mask, kernel)
+        return _FusedAttention.apply(q, k, v, mask, kernel, bool(self.arch))
 
     def _dropout(self, func, args, kwargs):
         names = ("input", "p", "training", "inplace")

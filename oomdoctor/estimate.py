@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from oomdoctor import rocm
 from oomdoctor.allocator import AllocatorConfig, ReplayResult, replay
 from oomdoctor.gpus import GpuProfile
 from oomdoctor.loader import ModelSpec
-from oomdoctor.trace import Category, Phase, Trace, TraceConfig, trace_training
+from oomdoctor.trace import Category, Trace, TraceConfig, trace_training
+from oomdoctor.workspaces import workspace_marks
 
 # The JSON contract's breakdown keys, in display order.
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
@@ -111,16 +113,15 @@ class DeviceEvents:
 
 
 def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None) -> DeviceEvents:
-    """Insert one cuBLAS workspace before the first forward and one before the first backward
-    (each thread's handle gets its own, kept for the process's life). ``sizes`` replaces the
-    trace's event sizes (the probe's extrapolation)."""
+    """Insert one BLAS workspace before the first forward and one before the first backward
+    that run a matmul (each thread's handle gets its own, kept for the process's life; see
+    :mod:`oomdoctor.workspaces`). ``sizes`` replaces the trace's event sizes (the probe's
+    extrapolation)."""
     insert_at = {}
     next_handle = max((h for _, h, _ in trace.events), default=-1) + 1
-    for mark in trace.marks:
-        if mark.iteration == 0 and mark.micro == 0 and mark.phase in (Phase.FORWARD,
-                                                                      Phase.BACKWARD):
-            insert_at[mark.start] = next_handle
-            next_handle += 1
+    for mark in workspace_marks(trace):
+        insert_at[mark.start] = next_handle
+        next_handle += 1
     ws = gpu.cublas_workspace_bytes
     events: list[tuple[bool, int, int]] = []
     index: list[int] = []
@@ -168,6 +169,13 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
     mark = trace.phase_at(dev.trace_index[at]) if dev.trace_index else trace.marks[0]
     cfg = trace.config
     notes = list(trace.notes)
+    gpu = budget.gpu
+    if gpu.is_rocm and dev.workspace_handles:
+        lib = "hipBLASLt" if rocm.prefers_hipblaslt(gpu.arch) else "hipBLAS"
+        notes.append(f"ROCm ({gpu.arch}): {len(dev.workspace_handles)} x "
+                     f"{gpu.cublas_workspace_bytes // 2**20} MiB {lib} workspace from the caching "
+                     "allocator, one per thread that runs a matmul (PyTorch's default BLAS "
+                     "library on this target)")
     if not fits and limited.oom is not None:
         notes.append(f"out of memory in the {trace.phase_at(dev.trace_index[limited.oom_index]).phase.value}"
                      f" of step {trace.phase_at(dev.trace_index[limited.oom_index]).iteration + 1}")
@@ -191,7 +199,8 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
 def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
               optimizer_from: Trace | None = None, progress=None) -> Trace:
     """Trace with the SDPA kernel choice of the target card."""
-    return trace_training(spec, replace(cfg, compute_capability=gpu.compute_capability),
+    return trace_training(spec, replace(cfg, compute_capability=gpu.compute_capability,
+                                        gpu_arch=gpu.arch),
                           optimizer_from=optimizer_from, progress=progress)
 
 
@@ -200,9 +209,10 @@ def estimate(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
     """Trace ``cfg`` and estimate its peak on ``budget.gpu``. ``progress(message)`` is told
     which step and phase the trace has reached (see trace.trace_training)."""
     if cfg.precision in ("bf16", "bf16-pure") and not budget.gpu.bf16:
-        raise ValueError(f"{budget.gpu.name} has no bf16 support (compute capability "
-                         f"{budget.gpu.compute_capability[0]}.{budget.gpu.compute_capability[1]}"
-                         " < 8.0); use --precision fp16")
+        why = (f"{budget.gpu.arch} has no bf16 matrix instructions" if budget.gpu.is_rocm else
+               f"compute capability {budget.gpu.compute_capability[0]}."
+               f"{budget.gpu.compute_capability[1]} < 8.0")
+        raise ValueError(f"{budget.gpu.name} has no bf16 support ({why}); use --precision fp16")
     return estimate_trace(trace_for(spec, cfg, budget.gpu, progress=progress), budget, alloc,
                           spec.name)
 

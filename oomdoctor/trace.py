@@ -79,6 +79,7 @@ class TraceConfig:
     optimizer: str | None = None       # override the file's optimizer: adamw, adam, sgd, ...
     emulate_cuda: bool = True          # apply what CUDA does differently (see emulate.py)
     compute_capability: tuple[int, int] = (8, 6)  # picks the SDPA kernel CUDA would use
+    gpu_arch: str = ""                 # an AMD target (gfx90a): ROCm's kernels instead of CUDA's
     steps: int = 2                     # optimizer steps traced (>= 2: the second has state)
     zero_grad: str = "after-step"      # when gradients go: see ZERO_GRAD_MODES
 
@@ -481,7 +482,8 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
                 rec.add(t.untyped_storage(), Category.BUFFERS, "buffer")
         hooks = _module_hooks(model, rec)
         amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
-        kernels = emulate.CudaKernels(cfg.compute_capability, notes) if cfg.emulate_cuda else None
+        kernels = (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch)
+                   if cfg.emulate_cuda else None)
         micro_batches = min(cfg.grad_accum, 2)   # micro-batches 2..K repeat micro-batch 2
         try:
             with rec, every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:

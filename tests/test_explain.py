@@ -188,6 +188,18 @@ EXPECTED = {
         details=dict(alloc_conf_env="PYTORCH_HIP_ALLOC_CONF"),
         numbers=dict(requested=sz("6.64 GiB"), capacity=sz("19.98 GiB"), free=sz("6.22 GiB"),
                      allocated=sz("5.34 GiB"), reserved_unallocated=sz("7.10 GiB"))),
+    # ROCm formats (hipified c10/cuda/CUDACachingAllocator.cpp): torch <= 2.0 on one MI250 GCD,
+    # and the >= 2.2 sentence with a memory fraction ("allowed") on an MI300X.
+    "hip_mi250_torch20.log": dict(
+        kind=Kind.HIP_OOM, phase=Phase.BACKWARD, cause="fragmentation",
+        details=dict(format="torch 1.5-2.0"),
+        numbers=dict(requested=sz("2.00 GiB"), capacity=sz("63.98 GiB"), free=sz("1.51 GiB"),
+                     allocated=sz("60.12 GiB"), reserved=sz("61.90 GiB"))),
+    "hip_mi300x_fraction.log": dict(
+        kind=Kind.HIP_OOM, cause="memory_fraction_limit", first_fix="raise_memory_fraction",
+        details=dict(alloc_conf_env="PYTORCH_HIP_ALLOC_CONF"),
+        numbers=dict(requested=sz("3.25 GiB"), capacity=sz("191.98 GiB"), limit=sz("95.99 GiB"),
+                     allocated=sz("93.20 GiB"), reserved_unallocated=sz("1.37 GiB"))),
     "issue_thread_repeated.log": dict(
         kind=Kind.HIP_OOM, occurrences=3, cause="free_but_unusable", not_causes={"fragmentation"},
         numbers=dict(requested=sz("432.00 MiB"), capacity=sz("15.92 GiB"), free=sz("7.12 GiB"),

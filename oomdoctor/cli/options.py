@@ -7,7 +7,7 @@ import click
 
 from oomdoctor.allocator import AllocatorConfig
 from oomdoctor.configs import OPTIMIZERS, QUANTIZATIONS, TASKS, ZERO_GRAD_MODES
-from oomdoctor.gpus import PROFILES, custom_profile, get_profile, parse_arch, parse_size
+from oomdoctor.gpus import PROFILES, card_for_arch, custom_profile, get_profile, parse_size
 
 
 def _die(e: BaseException, debug: bool, code: int) -> None:
@@ -141,15 +141,15 @@ def _budget_options(f):
     """Options shared by estimate and probe: the card, the model's configuration, output."""
     opts = [
         click.option("--gpu", "gpu_name", metavar="NAME",
-                     help="GPU profile: rtx3060-12, rtx3090, rtx4090, rtx5090, a10, l4, l40s, "
-                          "t4, v100-16, v100-32, a100-40, a100-80, h100-80, a6000 (default: "
-                          "the local CUDA GPU, else rtx3090)."),
+                     help=f"GPU profile: {', '.join(PROFILES)} (default: the local CUDA or "
+                          "ROCm GPU, else rtx3090)."),
         click.option("--memory", metavar="SIZE",
                      help="Any card by its capacity, e.g. 24GiB (IEC units)."),
-        click.option("--arch", metavar="smXY", expose_value=False, callback=_remember_arch,
-                     help="With --memory: the card's architecture (sm75, sm86, sm89, sm90, ...), "
-                          "which decides bf16, the attention kernel and the cuBLAS workspace "
-                          "(default sm80)."),
+        click.option("--arch", metavar="smXY|gfxNNN", expose_value=False,
+                     callback=_remember_arch,
+                     help="With --memory: the card's architecture (sm75, sm86, sm89, sm90, ...; "
+                          "AMD: gfx90a, gfx942, ...), which decides bf16, the attention kernel "
+                          "and the BLAS workspace (default sm80)."),
         click.option("--overhead", metavar="SIZE",
                      help="CUDA context outside the allocator (default: the profile's, "
                           "about 400MiB)."),
@@ -232,8 +232,7 @@ def _make_budget(gpu_name, memory, overhead, other_mem, margin):
             raise ValueError("--arch goes with --memory (a --gpu profile, or the local GPU, "
                              "has its own architecture)")
         if memory:
-            cc = parse_arch(arch) if arch else (8, 0)
-            gpu = custom_profile(_card_size(memory), cc >= (8, 0), cc)
+            gpu = card_for_arch(_card_size(memory), arch)
         elif gpu_name:
             gpu = get_profile(gpu_name)
         else:
@@ -307,10 +306,17 @@ def _local_gpu():
     import torch
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
+        # ROCm builds name the target (gcnArchName "gfx90a:sramecc+:xnack-"); CUDA builds do not.
+        gfx = (getattr(props, "gcnArchName", "") or "").split(":")[0] if torch.version.hip else ""
         for p in PROFILES.values():
-            if abs(p.total_bytes - props.total_memory) < 2**30 and \
+            if abs(p.total_bytes - props.total_memory) < 2**30 and p.arch == gfx and \
                     p.compute_capability == (props.major, props.minor):
                 return p
+        if gfx:
+            try:
+                return card_for_arch(props.total_memory, gfx)
+            except ValueError:
+                pass            # a target oomdoctor does not know: plan as a CUDA card
         return custom_profile(props.total_memory, props.major >= 8, (props.major, props.minor))
     click.echo("no CUDA GPU here: planning for an rtx3090 (24 GiB); pass --gpu NAME or "
                "--memory SIZE for another card", err=True)

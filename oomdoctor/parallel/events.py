@@ -8,6 +8,7 @@ from oomdoctor.parallel.layout import Layout
 from oomdoctor.parallel.results import _CATEGORY_KEY
 from oomdoctor.parallel.timeline import _Timing
 from oomdoctor.trace import Category, Phase, Trace
+from oomdoctor.workspaces import workspace_marks
 
 
 class _Gpu:
@@ -64,14 +65,12 @@ class _Context:
         return _CATEGORY_KEY[self.trace.storages[h].category]
 
     def workspaces(self, g: _Gpu) -> None:
-        # One cuBLAS workspace per thread's handle: the forward thread's and autograd's
+        # One BLAS workspace per thread's handle: the forward thread's and autograd's
         # (see estimate.device_events), allocated before the first forward / backward matmul.
         if not self.with_workspaces:
             return
-        for mark in self.trace.marks:
-            if mark.iteration == 0 and mark.micro == 0 and mark.phase in (Phase.FORWARD,
-                                                                          Phase.BACKWARD):
-                g.add("temporaries", self.gpu.cublas_workspace_bytes, mark.start - 0.5, None)
+        for mark in workspace_marks(self.trace):
+            g.add("temporaries", self.gpu.cublas_workspace_bytes, mark.start - 0.5, None)
 
     def param_bytes(self, owner: int | None = None) -> int:
         total = 0

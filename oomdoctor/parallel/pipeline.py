@@ -5,6 +5,7 @@ from oomdoctor.parallel.events import _Context, _Gpu
 from oomdoctor.parallel.layout import MAIN
 from oomdoctor.parallel.results import Partition
 from oomdoctor.trace import Phase
+from oomdoctor.workspaces import workspace_marks
 
 
 class _Pipeline:
@@ -62,10 +63,8 @@ class _Pipeline:
         self.rows = rows
         self.handle_end = handle
         self.ws = []
-        for mark in ctx.trace.marks if ctx.with_workspaces else ():
-            if mark.iteration == 0 and mark.micro == 0 and mark.phase in (Phase.FORWARD,
-                                                                          Phase.BACKWARD):
-                self.ws.append(mark.start - 0.5)
+        for mark in workspace_marks(ctx.trace) if ctx.with_workspaces else ():
+            self.ws.append(mark.start - 0.5)
 
     def stages(self, cut: int) -> list[int]:
         """Stage of each block (index nblocks: MAIN) for a cut before execution index ``cut``;
