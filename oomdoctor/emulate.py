@@ -29,7 +29,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from oomdoctor import adapters, rocm
-from oomdoctor.configs import OPTIMIZERS
 
 # CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
 # torch.nn.functional.*). Source: the KERNEL_CUDA(..., lower_precision_fp / fp32 /
@@ -553,39 +552,6 @@ def paged_optimizers_on_meta(optimizer: torch.optim.Optimizer):
     finally:
         for name, fn in saved.items():
             setattr(F, name, fn)
-
-
-def build_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The ``--optimizer`` override."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    name = name.lower()
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-4)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-2)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
-    if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=1e-4)
-    if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=1e-2)
-    if name == "adafactor":
-        # Factored second moments (a row and a column vector per matrix), no first moment:
-        # torch/optim/_adafactor.py. Its scalar reads are answered in the trace (trace.py).
-        return torch.optim.Adafactor(params, lr=1e-2)
-    if name.startswith("torchao-"):
-        # HF Trainer's optim="adamw_torch_8bit" / "adamw_torch_4bit": block-quantized state
-        # (uint8 codes, or two 4-bit codes per byte, and an fp32 scale per block).
-        try:
-            from torchao import optim as ao
-        except ImportError:
-            raise ValueError(f"--optimizer {name} needs torchao: pip install 'oomdoctor[ao]'"
-                             ) from None
-        return {"torchao-adamw8bit": ao.AdamW8bit, "torchao-adamw4bit": ao.AdamW4bit}[name](
-            params, lr=1e-4)
-    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
 class GradScalerEmulation:

@@ -243,8 +243,8 @@ def make_configured_optimizer(spec: ModelSpec, model: torch.nn.Module,
                               override: str | None = None) -> torch.optim.Optimizer:
     """The ``--optimizer`` override if given, else the file's optimizer (or AdamW)."""
     if override:
-        from oomdoctor import emulate          # emulate does not import the loader
-        return emulate.build_optimizer(override, model)
+        from oomdoctor import optimizers
+        return optimizers.build_optimizer(override, model)
     return make_optimizer(spec, model)
 
 
