@@ -18,16 +18,16 @@ from oomdoctor.cli import cli  # noqa: E402
 
 
 def main() -> None:
-    folder = write_config(os.path.join(tempfile.mkdtemp(), "mistral-7b"))
-    print(f"{'run':<22} {'predicted GB':>13} {'published GB':>13} {'error':>8}")
+    root = tempfile.mkdtemp()
+    print(f"{'run':<24} {'predicted GB':>13} {'published GB':>13} {'error':>8}")
     for run in RUNS:
-        r = CliRunner().invoke(cli, command(run, folder))
+        r = CliRunner().invoke(cli, command(run, write_config(root, run)))
         if r.exit_code not in (0, 1):
-            print(f"{run.name:<22} failed: {r.output.strip()}")
+            print(f"{run.name:<24} failed: {r.output.strip()}")
             continue
         got = json.loads(r.stdout)["peak_allocated_bytes"]
         err = got / run.published_bytes - 1
-        print(f"{run.name:<22} {got / 1e9:>13.2f} {run.published_bytes / 1e9:>13.2f} {err:>+8.1%}")
+        print(f"{run.name:<24} {got / 1e9:>13.2f} {run.published_bytes / 1e9:>13.2f} {err:>+8.1%}")
 
 
 if __name__ == "__main__":

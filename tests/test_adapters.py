@@ -249,13 +249,14 @@ def test_checkpointing_wraps_the_layers_not_peft_adapters(llama_dir):
     assert all(n.endswith(f"layers.{i}") for i, n in enumerate(trace.checkpointed))
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if r.batch == 4], ids=lambda r: r.name)
+@pytest.mark.parametrize("run", [r for r in RUNS if r.batch in (1, 4)], ids=lambda r: r.name)
 def test_published_lora_and_qlora_runs(run, tmp_path):
     """fms-acceleration's A100 measurements of Mistral-7B LoRA / QLoRA at 4 x 4096 tokens
     (tests/published_peft.py; batch 8 in benchmarks/published_peft.py): LoRA -4.2%, QLoRA
     +1.7%. The runs used transformers 4.48 with flash-attention 2 and TRL, this trace the
-    installed transformers with SDPA's flash kernel."""
-    folder = write_config(str(tmp_path / "mistral-7b"))
+    installed transformers with SDPA's flash kernel. lit-gpt's Llama-2-7B LoRA at 1 x 1304
+    tokens: +0.03% (micro-batch 2, in the benchmark: -0.4%)."""
+    folder = write_config(str(tmp_path), run)
     r = CliRunner().invoke(cli, command(run, folder))
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout)["peak_allocated_bytes"]
