@@ -336,6 +336,11 @@ EXPECTED = {
     "torch22_cut_at_gpu.log": dict(
         kind=Kind.CUDA_OOM, phase=Phase.BACKWARD, numbers=dict(requested=sz("20.00 MiB")),
         details=dict(format="unknown (cut after 'GPU')")),
+    # the device index unprintable but the message not cut: every number is there
+    "torch_unprintable_gpu_index.log": dict(
+        kind=Kind.CUDA_OOM, cause="model_or_batch_too_big",
+        numbers=dict(requested=sz("2.00 GiB"), capacity=sz("23.68 GiB"), free=sz("1.02 GiB"),
+                     allocated=sz("21.90 GiB"))),
     "comfyui_async_cut.log": dict(
         kind=Kind.CUDA_ASYNC_OOM, occurrences=1, numbers={},
         details=dict(format="unknown (cut after 'Allocation on device')")),

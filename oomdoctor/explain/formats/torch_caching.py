@@ -64,7 +64,9 @@ def _x_torch(span: str, pre: str, m: re.Match) -> _Draft:
     hip = head == "HIP" or "PYTORCH_HIP_ALLOC_CONF" in span.upper() or "HIPGraphs" in span
     d = _Draft(Kind.HIP_OOM if hip else Kind.CUDA_OOM)
     n = d.numbers
-    sentence = _F_GPU_NEW.search(span) is not None or "isallocatedbyPyTorch" in span
+    # "GPU  has a total capacity": the index byte was unprintable but the text went on
+    sentence = (_F_GPU_NEW.search(span) is not None or "isallocatedbyPyTorch" in span
+                or "hasatotalcapac" in span)
     fields = [("requested", _F_REQUESTED), ("private_pools", _F_POOLS), ("this_process", _F_THIS)]
     if sentence:
         fields += [("capacity", _F_CAP_NEW), ("free", _F_FREE_NEW), ("allocated", _F_ALLOC_NEW),
@@ -83,7 +85,7 @@ def _x_torch(span: str, pre: str, m: re.Match) -> _Draft:
         if len(d.processes) < 64:
             d.processes.append(ProcessUse(int(pm.group(1)), _to_bytes(pm.group(2), pm.group(3))))
     d.details["format"] = _torch_format(span, sentence)
-    if not sentence and re.match(r"(?:CUDA|HIP)outofmemory\.Triedtoallocate" + _SZ + r"\.GPU(?!\d+has)",
+    if not sentence and re.match(r"(?:CUDA|HIP)outofmemory\.Triedtoallocate" + _SZ + r"\.GPU(?!\d*has)",
                                  span, re.I):
         d.details["format"] = _CUT_AT_GPU
     hint = _F_HINT_ENV.search(span)
