@@ -105,7 +105,10 @@ def adapt(model: torch.nn.Module, adapters: Adapters, precision: str
             # under bf16 or fp32): the same line hundreds of times per trace, and about speed.
             logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
         how = (f"(LLM.int8: a scale per row, outlier threshold {_INT8_THRESHOLD}; outlier "
-               "columns assumed few, their fp16 copies not counted)" if int8 else
+               "columns assumed few, their fp16 copies not counted; its matmul keeps its input "
+               "on ctx, outside autograd's saved tensors, so under a non-reentrant checkpoint - "
+               "oomdoctor's, TRL's default - every layer's stays until the backward ends)"
+               if int8 else
                f"{'with double quantization ' if adapters.double_quant else ''}(blocks of "
                f"{_BLOCKSIZE_4BIT}), computing in {str(compute).removeprefix('torch.')}")
         notes.append(f"{n} linear layers stored as bitsandbytes {adapters.quantize} {how}"
