@@ -15,6 +15,8 @@ on fake CPU tensors and this module makes the CPU behave, memory-wise, like CUDA
   (``_fused_adam(w)_``, ``_fused_sgd_``) on the meta device, where torch's device check refuses.
 - :class:`GradScalerEmulation` does what ``torch.amp.GradScaler`` does to memory without its
   ``found_inf.item()`` sync, which a fake tensor cannot answer.
+- :class:`CudaKernels` also runs ``torch.lstm``/``gru``/``rnn_*`` as cuDNN's fused call
+  (:mod:`oomdoctor.rnn`).
 - :func:`apply_checkpointing` wraps repeated blocks in ``torch.utils.checkpoint``.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from oomdoctor import adapters
+from oomdoctor import adapters, rnn
 from oomdoctor.configs import OPTIMIZERS
 
 # CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
@@ -314,7 +316,26 @@ class CudaKernels(_OurMode):
             return self._dropout(func, args, kwargs)
         if name == "gemm_4bit.default":              # bitsandbytes' 4-bit matmul
             return adapters.gemm_4bit_as_cuda(func, args, kwargs)
+        if name in ("lstm", "gru", "rnn_tanh", "rnn_relu"):
+            return self._rnn(func, name, args, kwargs)
         return self._passthrough(func, args, kwargs)
+
+    def _rnn(self, func, name, args, kwargs):
+        # nn.LSTM/GRU/RNN as cuDNN's one fused call instead of the CPU's per-step loop
+        # (oomdoctor/rnn.py). Under CUDA autocast the call runs in 16 bit
+        # (_cudnn_rnn's autocast wrapper casts input, states and a flat weight copy).
+        amp = next((m for m in reversed(_ACTIVE) if isinstance(m, CudaAutocast)), None)
+        try:
+            done = rnn.rnn_as_cudnn(name, args, kwargs, amp._to_lower if amp else None)
+        except NotImplementedError as e:
+            self.notes.append(f"{name}: traced as the CPU's per-step loop, not cuDNN's kernel "
+                              f"({e}): slower, and its memory is the loop's")
+            return func(*args, **kwargs)
+        if done is None:               # eval mode: no reserve; the loop's memory is close
+            return func(*args, **kwargs)
+        out, note = done
+        self.notes.append(note)
+        return out
 
     def _sdpa(self, func, args, kwargs):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",

@@ -1,0 +1,141 @@
+"""Tests for oomdoctor.rnn: nn.LSTM / nn.GRU / nn.RNN traced as cuDNN's fused call.
+
+Checked against things independent of the emulation:
+- shapes and dtypes of output, h_n, c_n and every gradient: a real CPU run of the same module
+  (PyTorch's own CPU kernels), for LSTM/GRU/RNN, batch_first, bidirectional, proj_size, packed;
+- parameter, gradient and AdamW-state bytes of a training step: a real CPU run (the CPU and
+  CUDA hold the same model state; on CUDA it sits in one flat buffer of the same size);
+- cuDNN's flat weight size: the sum of PyTorch's own parameter shapes (bias=True), which is
+  what cudnnGetRNNWeightSpaceSize returns for PyTorch's layout (RNN.cpp get_parameters checks
+  every offset against it);
+- the reserve-size model's LSTM/GRU ratio against the one published pair of cuDNN reserve sizes
+  (pytorch/pytorch#2895, P100: 736,000,000 B LSTM, 864,000,000 B GRU, same script).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+from oomdoctor import emulate, rnn
+from oomdoctor.loader import load_model_file
+from oomdoctor.trace import TraceConfig, trace_training
+
+CASES = [
+    ("LSTM", dict(num_layers=2, batch_first=True)),
+    ("LSTM", dict(num_layers=2, bidirectional=True)),
+    ("LSTM", dict(num_layers=2, proj_size=5)),
+    ("GRU", dict(num_layers=3, batch_first=True, bidirectional=True)),
+    ("RNN", dict(num_layers=2, nonlinearity="relu")),
+    ("RNN", dict(num_layers=1, bias=False)),
+]
+
+
+def _run(module, x, *, on_meta):
+    """Forward + backward; the outputs and the parameters' gradients."""
+    if on_meta:
+        module = module.to("meta")
+        x = x.to("meta")
+        with torch.device("meta"), emulate.CudaKernels((8, 6)):
+            rnn.flatten_parameters(module)
+            out, hidden = module(x)
+    else:
+        out, hidden = module(x)
+    hidden = hidden if isinstance(hidden, tuple) else (hidden,)
+    out = out.data if hasattr(out, "batch_sizes") else out
+    (out.sum() + sum(h.sum() for h in hidden)).backward()
+    return out, hidden, [p.grad for p in module.parameters()]
+
+
+@pytest.mark.parametrize("kind,kw", CASES)
+def test_shapes_match_a_real_cpu_run(kind, kw):
+    torch.manual_seed(0)
+    real = getattr(nn, kind)(7, 12, **kw)
+    fake = getattr(nn, kind)(7, 12, **kw)
+    x = torch.randn(4, 9, 7) if kw.get("batch_first") else torch.randn(9, 4, 7)
+    r_out, r_hid, r_grads = _run(real, x, on_meta=False)
+    f_out, f_hid, f_grads = _run(fake, x, on_meta=True)
+    assert f_out.shape == r_out.shape and f_out.dtype == r_out.dtype
+    assert [h.shape for h in f_hid] == [h.shape for h in r_hid]
+    assert [g.shape for g in f_grads] == [g.shape for g in r_grads]
+
+
+def test_packed_sequence_shapes_match_a_real_cpu_run():
+    lengths = torch.tensor([9, 6, 3, 2])
+    x = torch.randn(9, 4, 7)
+    outs = []
+    for on_meta in (False, True):
+        torch.manual_seed(0)
+        m = nn.LSTM(7, 12, num_layers=2)
+        packed = pack_padded_sequence(x, lengths)
+        if on_meta:
+            # batch_sizes stays a real CPU tensor, as pack_padded_sequence makes it
+            packed = packed._replace(data=packed.data.to("meta"))
+        outs.append(_run(m, packed, on_meta=on_meta))
+    (r_out, r_hid, r_grads), (f_out, f_hid, f_grads) = outs
+    assert f_out.shape == r_out.shape == (int(lengths.sum()), 12)
+    assert [h.shape for h in f_hid] == [h.shape for h in r_hid]
+    assert [g.shape for g in f_grads] == [g.shape for g in r_grads]
+
+
+@pytest.mark.parametrize("kind,kw", [c for c in CASES if c[1].get("bias", True)])
+def test_flat_buffer_size_is_the_sum_of_pytorchs_parameters(kind, kw):
+    m = getattr(nn, kind)(7, 12, **kw)
+    mode = m.mode
+    n = rnn.num_weights(mode, 7, 12, kw.get("proj_size", 0), kw["num_layers"],
+                        2 if kw.get("bidirectional") else 1)
+    assert n == sum(p.numel() for p in m.parameters())
+
+
+def test_weights_and_gradients_share_one_buffer_like_cudnn():
+    m = nn.LSTM(7, 12, num_layers=2).to("meta")
+    assert rnn.flatten_parameters(m) == 1
+    assert len({p.untyped_storage()._cdata for p in m.parameters()}) == 1
+    with torch.device("meta"), emulate.CudaKernels((8, 6)):
+        out, _ = m(torch.empty(5, 3, 7))
+    out.sum().backward()
+    grads = {p.grad.untyped_storage()._cdata for p in m.parameters()}
+    assert len(grads) == 1        # views into dw, as _cudnn_rnn_backward_weight returns them
+    assert m.weight_ih_l0.grad.untyped_storage().nbytes() == \
+        4 * sum(p.numel() for p in m.parameters())
+
+
+def test_reserve_model_against_the_published_lstm_gru_ratio():
+    # pytorch/pytorch#2895: the same script as LSTM and GRU; the reserve is linear in the
+    # shapes the two share, so only the per-row units differ.
+    lstm = rnn.reserve_bytes("LSTM", 320, 0, 4, 1, 1000, 4)
+    gru = rnn.reserve_bytes("GRU", 320, 0, 4, 1, 1000, 4)
+    assert gru / lstm == pytest.approx(864_000_000 / 736_000_000, rel=0.01)
+
+
+def test_model_state_matches_a_real_cpu_step_and_the_reserve_is_saved():
+    """Parameters, gradients and AdamW state of the emulated trace equal a real CPU step's;
+    the modelled reserve is alive from the forward to the backward."""
+    path = "tests/models/lstm_speech.py"
+    spec = load_model_file(path)
+    tr = trace_training(spec, TraceConfig(1, steps=1))
+    model = spec.build_model()
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = spec.make_batch(1)
+    x = x[:, :8]                 # a short sequence: model state does not depend on it
+    y = y[:, :8]
+    spec.loss_fn(model, (x, y)).backward()
+    opt.step()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert tr.parameter_bytes == param_bytes
+    assert tr.gradient_bytes == sum(p.grad.numel() * 4 for p in model.parameters())
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                if v.dim() > 0)
+    assert tr.optimizer_state_bytes == state
+    assert tr.num_parameters == sum(p.numel() for p in model.parameters())
+    # 3 layers x 400 steps x batch 1 x 6*512 fp32 elements (the model in rnn.RESERVE_UNITS)
+    reserve = [s for s in tr.storages.values() if s.nbytes == 3 * 400 * 6 * 512 * 4]
+    assert len(reserve) == 1 and reserve[0].category.value == "activations"
+
+
+def test_eval_mode_and_cpu_trace_keep_the_loop():
+    m = nn.GRU(7, 12).eval().to("meta")
+    with torch.device("meta"), emulate.CudaKernels((8, 6)) as k:
+        out, _ = m(torch.empty(5, 3, 7))
+    assert out.shape == (5, 3, 12) and not any("cuDNN" in n for n in k.notes)
