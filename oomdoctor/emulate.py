@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from oomdoctor import adapters, rnn
+from oomdoctor import adapters, rnn, values
 from oomdoctor.configs import OPTIMIZERS
 
 # CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
@@ -318,7 +318,32 @@ class CudaKernels(_OurMode):
             return adapters.gemm_4bit_as_cuda(func, args, kwargs)
         if name in ("lstm", "gru", "rnn_tanh", "rnn_relu"):
             return self._rnn(func, name, args, kwargs)
+        if name == "_pack_padded_sequence":
+            return self._pack(func, args, kwargs)
+        if name == "cpu" and args and isinstance(args[0], torch.Tensor) \
+                and args[0].device.type == "meta":
+            # A device-to-host copy of a batch-derived index (pad_packed_sequence's
+            # unsorted_indices.cpu()): the host gets the real values, the GPU nothing new.
+            real = values.real_value(args[0])
+            if real is not None:
+                return real.clone()
         return self._passthrough(func, args, kwargs)
+
+    def _pack(self, func, args, kwargs):
+        # pack_padded_sequence needs the lengths' values (they size the packed data and make
+        # batch_sizes, which stays a CPU tensor on CUDA too). The batch's lengths are meta
+        # tensors here: take their real values when the trace mirrors them (values.py); the
+        # loader turns a "data-dependent" failure into a second trace that does.
+        names = ("input", "lengths", "batch_first")
+        b = {**dict(zip(names, args)), **kwargs}
+        lengths = b["lengths"]
+        if isinstance(lengths, torch.Tensor) and lengths.device.type == "meta":
+            real = values.real_value(lengths)
+            if real is None:
+                raise RuntimeError("pack_padded_sequence: the lengths are data-dependent (a "
+                                   "meta tensor without values)")
+            b["lengths"] = real
+        return func(b["input"], b["lengths"], b["batch_first"])
 
     def _rnn(self, func, name, args, kwargs):
         # nn.LSTM/GRU/RNN as cuDNN's one fused call instead of the CPU's per-step loop

@@ -477,7 +477,8 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
         kernels = emulate.CudaKernels(cfg.compute_capability, notes) if cfg.emulate_cuda else None
         micro_batches = min(cfg.grad_accum, 2)   # micro-batches 2..K repeat micro-batch 2
         try:
-            with rec, every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:
+            with rec, values.active(rec.shadows), \
+                    every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:
                 if scaler is not None:
                     scaler.setup()
                 for it in range(cfg.steps):

@@ -139,3 +139,25 @@ def test_eval_mode_and_cpu_trace_keep_the_loop():
     with torch.device("meta"), emulate.CudaKernels((8, 6)) as k:
         out, _ = m(torch.empty(5, 3, 7))
     assert out.shape == (5, 3, 12) and not any("cuDNN" in n for n in k.notes)
+
+
+def test_packed_sequence_model_traces_with_real_lengths():
+    """pack_padded_sequence gets the batch's real lengths (the trace mirrors them), cuDNN's
+    call works on sum(lengths) rows, and model state equals a real CPU step's."""
+    spec = load_model_file("tests/models/gru_packed.py")
+    tr = trace_training(spec, TraceConfig(4, steps=1))
+    assert any("gru: traced as cuDNN" in n for n in tr.notes)
+    model = spec.build_model()
+    opt = torch.optim.AdamW(model.parameters())
+    batch = spec.make_batch(4)
+    spec.loss_fn(model, batch).backward()
+    opt.step()
+    assert tr.parameter_bytes == sum(p.numel() * 4 for p in model.parameters())
+    assert tr.gradient_bytes == sum(p.grad.numel() * 4 for p in model.parameters())
+    assert tr.optimizer_state_bytes == sum(v.numel() * v.element_size()
+                                           for s in opt.state.values() for v in s.values()
+                                           if v.dim() > 0)
+    rows = int(batch[1].sum())                         # 20 + 19 + 18 + 17
+    output = [s for s in tr.storages.values()
+              if "empty" in s.op and s.nbytes == rows * 64 * 4 and s.module == "rnn"]
+    assert output, "the packed output (sum(lengths), 2*H) is allocated"
