@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from oomdoctor import adapters, rnn, values
+from oomdoctor import adapters, rnn
 from oomdoctor.configs import OPTIMIZERS
 
 # CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
@@ -316,51 +316,12 @@ class CudaKernels(_OurMode):
             return self._dropout(func, args, kwargs)
         if name == "gemm_4bit.default":              # bitsandbytes' 4-bit matmul
             return adapters.gemm_4bit_as_cuda(func, args, kwargs)
-        if name in ("lstm", "gru", "rnn_tanh", "rnn_relu"):
-            return self._rnn(func, name, args, kwargs)
-        if name == "_pack_padded_sequence":
-            return self._pack(func, args, kwargs)
-        if name == "cpu" and args and isinstance(args[0], torch.Tensor) \
-                and args[0].device.type == "meta":
-            # A device-to-host copy of a batch-derived index (pad_packed_sequence's
-            # unsorted_indices.cpu()): the host gets the real values, the GPU nothing new.
-            real = values.real_value(args[0])
-            if real is not None:
-                return real.clone()
+        if name in rnn.FUNCTIONS:        # nn.LSTM/GRU/RNN: cuDNN's one fused call
+            amp = next((m for m in reversed(_ACTIVE) if isinstance(m, CudaAutocast)), None)
+            return rnn.run(func, name, args, kwargs, self.notes, amp._to_lower if amp else None)
+        if name in ("_pack_padded_sequence", "cpu"):
+            return rnn.with_real_lengths(func, name, args, kwargs)
         return self._passthrough(func, args, kwargs)
-
-    def _pack(self, func, args, kwargs):
-        # pack_padded_sequence needs the lengths' values (they size the packed data and make
-        # batch_sizes, which stays a CPU tensor on CUDA too). The batch's lengths are meta
-        # tensors here: take their real values when the trace mirrors them (values.py); the
-        # loader turns a "data-dependent" failure into a second trace that does.
-        names = ("input", "lengths", "batch_first")
-        b = {**dict(zip(names, args)), **kwargs}
-        lengths = b["lengths"]
-        if isinstance(lengths, torch.Tensor) and lengths.device.type == "meta":
-            real = values.real_value(lengths)
-            if real is None:
-                raise RuntimeError("pack_padded_sequence: the lengths are data-dependent (a "
-                                   "meta tensor without values)")
-            b["lengths"] = real
-        return func(b["input"], b["lengths"], b["batch_first"])
-
-    def _rnn(self, func, name, args, kwargs):
-        # nn.LSTM/GRU/RNN as cuDNN's one fused call instead of the CPU's per-step loop
-        # (oomdoctor/rnn.py). Under CUDA autocast the call runs in 16 bit
-        # (_cudnn_rnn's autocast wrapper casts input, states and a flat weight copy).
-        amp = next((m for m in reversed(_ACTIVE) if isinstance(m, CudaAutocast)), None)
-        try:
-            done = rnn.rnn_as_cudnn(name, args, kwargs, amp._to_lower if amp else None)
-        except NotImplementedError as e:
-            self.notes.append(f"{name}: traced as the CPU's per-step loop, not cuDNN's kernel "
-                              f"({e}): slower, and its memory is the loop's")
-            return func(*args, **kwargs)
-        if done is None:               # eval mode: no reserve; the loop's memory is close
-            return func(*args, **kwargs)
-        out, note = done
-        self.notes.append(note)
-        return out
 
     def _sdpa(self, func, args, kwargs):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from oomdoctor import values
+
 # What the model keeps per layer, direction, time step and batch row, in units of H (the hidden
 # size), and why. The backward of one step needs the gate activations and the states around it.
 # - LSTM: the four gate activations (i, f, g, o), the cell state c_t and the output h_t: 6.
@@ -56,7 +58,7 @@ RESERVE_UNITS = {"LSTM": 6, "GRU": 7, "RNN_TANH": 2, "RNN_RELU": 2}
 WORKSPACE_FRACTION = {"LSTM": 17_730_560 / 736_000_000, "GRU": 13_169_920 / 864_000_000,
                       "RNN_TANH": 17_730_560 / 736_000_000, "RNN_RELU": 17_730_560 / 736_000_000}
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
-_FUNCS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}
+FUNCTIONS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}
 
 
 def reserve_bytes(mode: str, hidden: int, proj: int, layers: int, directions: int,
@@ -115,7 +117,7 @@ class _CudnnRNN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p: dict, x: torch.Tensor, hx: torch.Tensor, cx: Any, *weights):
-        d, hout, rows = p["directions"], p["hout"], p["rows"]
+        d, hout = p["directions"], p["hout"]
         if p["batch_first"]:
             x_seq = x.new_empty((x.shape[1], x.shape[0], x.shape[2]))   # input.contiguous()
         if p["packed"]:
@@ -133,7 +135,6 @@ class _CudnnRNN(torch.autograd.Function):
         ctx.p = p
         ctx.save_for_backward(x, hx, cx if isinstance(cx, torch.Tensor) else None, output,
                               reserve, *weights)
-        del rows
         return (output, hy, cy) if cy is not None else (output, hy)
 
     @staticmethod
@@ -174,7 +175,7 @@ def rnn_as_cudnn(name: str, args: tuple, kwargs: dict, lower: Any = None
     """``torch.lstm`` / ``gru`` / ``rnn_tanh`` / ``rnn_relu`` as one cuDNN call: the result and a
     note, or None to let the CPU loop run (with the reason in the note of the caller).
     ``lower``: the autocast weight/input cast (CUDA autocast runs ``_cudnn_rnn`` in 16 bit)."""
-    mode = _FUNCS[name]
+    mode = FUNCTIONS[name]
     packed = len(args) > 2 and isinstance(args[1], torch.Tensor) and \
         args[1].dtype == torch.int64 and args[1].dim() == 1
     if packed:
@@ -226,3 +227,46 @@ def rnn_as_cudnn(name: str, args: tuple, kwargs: dict, lower: Any = None
     if mode == "LSTM":
         return (out[0], out[1], out[2]), note
     return (out[0], out[1]), note
+
+
+def run(func: Any, name: str, args: tuple, kwargs: dict, notes: list[str], lower: Any = None
+        ) -> Any:
+    """``torch.lstm`` & co. for :class:`oomdoctor.emulate.CudaKernels`: cuDNN's call where it
+    applies, else the CPU loop (eval mode; packed lengths without values, with a note)."""
+    try:
+        done = rnn_as_cudnn(name, args, kwargs, lower)
+    except NotImplementedError as e:
+        notes.append(f"{name}: traced as the CPU's per-step loop, not cuDNN's kernel ({e}): "
+                     "slower, and its memory is the loop's")
+        return func(*args, **kwargs)
+    if done is None:               # eval mode: no reserve; the loop's memory is close
+        return func(*args, **kwargs)
+    out, note = done
+    notes.append(note)
+    return out
+
+
+def with_real_lengths(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    """``pack_padded_sequence`` and ``Tensor.cpu()`` on the batch's meta tensors.
+
+    Packing needs the lengths' values (they size the packed data and make ``batch_sizes``, a
+    CPU tensor on CUDA too); ``pad_packed_sequence`` copies the batch-derived sort indices to
+    the host. The trace mirrors the batch's real values (oomdoctor.values) once a step has
+    failed on a data-dependent question, which the error below is, so the second trace gets
+    the real lengths. A device-to-host copy puts nothing new on the GPU."""
+    if name == "cpu":
+        t = args[0] if args else None
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            real = values.real_value(t)
+            if real is not None:
+                return real.clone()
+        return func(*args, **kwargs)
+    b = {**dict(zip(("input", "lengths", "batch_first"), args)), **kwargs}
+    lengths = b["lengths"]
+    if isinstance(lengths, torch.Tensor) and lengths.device.type == "meta":
+        real = values.real_value(lengths)
+        if real is None:
+            raise RuntimeError("pack_padded_sequence: the lengths are data-dependent (a meta "
+                               "tensor without values)")
+        b["lengths"] = real
+    return func(b["input"], b["lengths"], b["batch_first"])
