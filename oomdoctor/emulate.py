@@ -225,6 +225,10 @@ def _cross_entropy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
                                         ignore_index=b["ignore_index"], reduction=b["reduction"])
 
 
+def _to_fp16(t: Any) -> Any:
+    return t.to(torch.float16) if _eligible(t) and t.dtype != torch.float16 else t
+
+
 def _to_fp32(t: Any) -> Any:
     return t.to(torch.float32) if _eligible(t) and t.dtype != torch.float32 else t
 
@@ -317,8 +321,11 @@ class CudaKernels(_OurMode):
         if name == "gemm_4bit.default":              # bitsandbytes' 4-bit matmul
             return adapters.gemm_4bit_as_cuda(func, args, kwargs)
         if name in rnn.FUNCTIONS:        # nn.LSTM/GRU/RNN: cuDNN's one fused call
-            amp = next((m for m in reversed(_ACTIVE) if isinstance(m, CudaAutocast)), None)
-            return rnn.run(func, name, args, kwargs, self.notes, amp._to_lower if amp else None)
+            # Under CUDA autocast, _cudnn_rnn runs in fp16 whatever the autocast dtype, with a
+            # fresh fp16 flat copy of the weights each call (aten/src/ATen/cudnn/
+            # AutocastRNN.cpp, _cudnn_rnn_cast_reflatten: kHalf is hard-coded).
+            amp = any(isinstance(m, CudaAutocast) for m in _ACTIVE)
+            return rnn.run(func, name, args, kwargs, self.notes, _to_fp16 if amp else None)
         if name in ("_pack_padded_sequence", "cpu"):
             return rnn.with_real_lengths(func, name, args, kwargs)
         return self._passthrough(func, args, kwargs)

@@ -161,3 +161,16 @@ def test_packed_sequence_model_traces_with_real_lengths():
     output = [s for s in tr.storages.values()
               if "empty" in s.op and s.nbytes == rows * 64 * 4 and s.module == "rnn"]
     assert output, "the packed output (sum(lengths), 2*H) is allocated"
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_autocast_runs_the_rnn_in_fp16(precision):
+    """CUDA autocast casts _cudnn_rnn to fp16 even under bf16 (AutocastRNN.cpp hard-codes
+    kHalf): the reserve is 2 bytes per element, half the fp32 trace's."""
+    spec = load_model_file("tests/models/lstm_speech.py")
+    fp16 = trace_training(spec, TraceConfig(1, precision=precision, steps=1))
+    reserve = 3 * 400 * 6 * 512          # elements, rnn.RESERVE_UNITS for a 3-layer LSTM(512)
+    assert any(s.nbytes == reserve * 2 and s.category.value == "activations"
+               for s in fp16.storages.values())
+    out = [s for s in fp16.storages.values() if s.module == "rnn" and s.nbytes == 400 * 512 * 2]
+    assert out, "the (T, B, H) output in 16 bit"
