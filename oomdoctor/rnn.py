@@ -118,20 +118,18 @@ class _CudnnRNN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p: dict, x: torch.Tensor, hx: torch.Tensor, cx: Any, *weights):
         d, hout = p["directions"], p["hout"]
-        if p["batch_first"]:
-            x_seq = x.new_empty((x.shape[1], x.shape[0], x.shape[2]))   # input.contiguous()
+        x_seq = _seq_major_copy(x) if p["batch_first"] else None   # input.contiguous()
         if p["packed"]:
             output = x.new_empty((x.shape[0], d * hout))
         else:
             output = x.new_empty((p["steps"], p["batch"], d * hout))
         hy = hx.new_empty(hx.shape)
         cy = cx.new_empty(cx.shape) if isinstance(cx, torch.Tensor) else None
-        reserve = x.new_empty((p["reserve"],), dtype=torch.uint8)
         workspace = x.new_empty((p["workspace"],), dtype=torch.uint8)
-        del workspace
+        reserve = x.new_empty((p["reserve"],), dtype=torch.uint8)
+        del workspace, x_seq                       # locals of _cudnn_rnn, freed on return
         if p["batch_first"]:
-            del x_seq
-            output = output.transpose(0, 1)
+            output = output.transpose(0, 1)        # output.transpose_(0, 1)
         ctx.p = p
         ctx.save_for_backward(x, hx, cx if isinstance(cx, torch.Tensor) else None, output,
                               reserve, *weights)
@@ -139,35 +137,42 @@ class _CudnnRNN(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dhy, *rest):
+        # Autograd hands zeros for unused outputs (materialize_grads), as _cudnn_rnn_backward
+        # makes zeros_like(output / hx / cx) for undefined gradients.
         p = ctx.p
         x, hx, cx, output, reserve, *weights = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(output)
+        # _cudnn_rnn_backward_input: x and dy sequence-major copies, dx, dhx, dcx, workspace.
+        x_seq = _seq_major_copy(x) if p["batch_first"] else None
+        dy_seq = _seq_major_copy(dout) if p["batch_first"] else None
         if p["batch_first"]:
-            x_seq = x.new_empty((x.shape[1], x.shape[0], x.shape[2]))
-            dy_seq = dout.new_empty((dout.shape[1], dout.shape[0], dout.shape[2]))
-            dx = x.new_empty((x.shape[1], x.shape[0], x.shape[2])).transpose(0, 1)
+            dx = _seq_major_copy(x).transpose(0, 1)        # empty_like(transposed input)
         else:
             dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         dhx = hx.new_empty(hx.shape)
         dcx = cx.new_empty(cx.shape) if cx is not None else None
-        workspace = x.new_empty((p["workspace"],), dtype=torch.uint8)   # backward data
-        del workspace
+        workspace = x.new_empty((p["workspace"],), dtype=torch.uint8)
+        del workspace, x_seq, dy_seq
+        # _cudnn_rnn_backward_weight: x copied again, dw = zeros(weight_buf), a workspace.
+        x_seq = _seq_major_copy(x) if p["batch_first"] else None
         dw = weights[0].new_zeros((p["num_weights"],))
-        workspace = x.new_empty((p["workspace"],), dtype=torch.uint8)   # backward weights
-        del workspace
+        workspace = x.new_empty((p["workspace"],), dtype=torch.uint8)
+        del workspace, x_seq
         if p["has_biases"]:
+            # get_parameters(dw) + _viewParams: the gradients are views into dw
             grads, offset = [], 0
             for w in weights:
                 grads.append(dw[offset:offset + w.numel()].view(w.shape))
                 offset += w.numel()
         else:
+            # layouts' strides differ without biases: fresh gradients, dw dropped
             grads = [torch.empty_like(w) for w in weights]
         del dw
-        if p["batch_first"]:
-            del x_seq, dy_seq
-        return (None, dx if ctx.needs_input_grad[1] else None, dhx,
-                dcx if cx is not None else None, *grads)
+        return (None, dx, dhx, dcx, *grads)
+
+
+def _seq_major_copy(t: torch.Tensor) -> torch.Tensor:
+    """A new (T, B, ...) tensor for a batch-first (B, T, ...) one."""
+    return t.new_empty((t.shape[1], t.shape[0], *t.shape[2:]))
 
 
 def rnn_as_cudnn(name: str, args: tuple, kwargs: dict, lower: Any = None
