@@ -46,11 +46,16 @@ from oomdoctor import values
 # - GRU: n = tanh(W_in x + r * (W_hn h + b_hn)) needs W_hn h + b_hn apart from the input part,
 #   so both GEMMs' three gate pre-activations are kept (3 + 3) plus h_t: 7.
 # - RNN (tanh/relu): the pre-activation and h_t: 2.
+# The top layer's h_t is the output y, which cuDNN gets as an argument, so it is not kept twice:
+# reserve = D * rows * H * (u * L - 1) * bytes per element.
 # Evidence: pytorch/pytorch#2895, where a maintainer printed cudnnGetRNNTrainingReserveSize for
-# one script run as LSTM and as GRU (P100): 736,000,000 B and 864,000,000 B. GRU's reserve is the
-# larger one although it has fewer gates; the ratio 864/736 = 1.174 against the model's 7/6 =
-# 1.167 (0.6% apart). The script's shapes are not recoverable from the issue text, so the
-# absolute size is not checked against it: treat the reserve as uncertain by tens of percent.
+# one script run as LSTM and as GRU (P100): 736,000,000 B and 864,000,000 B. The script is not
+# in the issue text, but its printed parameter counts (RNN 761,930, GRU 2,279,370, LSTM
+# 3,038,090: one gate = 758,720 parameters, plus a 3,210-parameter head) admit L = 4 (with
+# H = 320, or H = 160 bidirectional, ...), and (6L - 1) / (7L - 1) = 23/27 = 736/864 holds only
+# for L = 4: with D*T*B*H = 8,000,000 (T*B = 25,000 for H = 320) both sizes come out exactly.
+# One scale (T*B) is inferred, so this checks the per-layer units, not the scale: treat the
+# reserve of other shapes, and packed batches (rows = sum of lengths), as likely but unmeasured.
 RESERVE_UNITS = {"LSTM": 6, "GRU": 7, "RNN_TANH": 2, "RNN_RELU": 2}
 # The workspace, as a fraction of the reserve, from the same #2895 printout (17,730,560 B with
 # the LSTM's reserve, 13,169,920 B with the GRU's). A scaling of one measurement: it is a few
@@ -63,10 +68,12 @@ FUNCTIONS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "
 
 def reserve_bytes(mode: str, hidden: int, proj: int, layers: int, directions: int,
                   rows: int, elem: int) -> int:
-    """The modelled cuDNN reserve space. ``rows`` is T*B (padded) or sum(batch_sizes) (packed:
-    cuDNN is given the per-step batch sizes and works on the real rows only)."""
-    per_row = RESERVE_UNITS[mode] * hidden + (proj if proj else 0)
-    return layers * directions * rows * per_row * elem
+    """The modelled cuDNN reserve space (see RESERVE_UNITS). ``rows`` is T*B (padded) or
+    sum(batch_sizes) (packed: cuDNN is given the per-step batch sizes). With projections the
+    kept h_t is the projected one (proj_size wide): the least certain case."""
+    hout = proj or hidden
+    per_row = layers * (RESERVE_UNITS[mode] - 1) * hidden + (layers - 1) * hout
+    return directions * rows * per_row * elem
 
 
 def workspace_bytes(mode: str, reserve: int) -> int:
