@@ -159,6 +159,8 @@ class _CudnnRNN(torch.autograd.Function):
         dcx = cx.new_empty(cx.shape) if cx is not None else None
         workspace = x.new_empty((p["workspace"],), dtype=torch.uint8)
         del workspace, x_seq, dy_seq
+        if not any(ctx.needs_input_grad[4:]):      # frozen weights: output_mask[3] is false
+            return (None, dx, dhx, dcx, *[None] * len(weights))
         # _cudnn_rnn_backward_weight: x copied again, dw = zeros(weight_buf), a workspace.
         x_seq = _seq_major_copy(x) if p["batch_first"] else None
         dw = weights[0].new_zeros((p["num_weights"],))

@@ -181,3 +181,13 @@ def test_autocast_runs_the_rnn_in_fp16(precision):
                for s in fp16.storages.values())
     out = [s for s in fp16.storages.values() if s.module == "rnn" and s.nbytes == 400 * 512 * 2]
     assert out, "the (T, B, H) output in 16 bit"
+
+
+def test_frozen_rnn_weights_get_no_weight_gradient_buffer():
+    m = nn.LSTM(7, 12).to("meta").requires_grad_(False)
+    rnn.flatten_parameters(m)
+    x = torch.empty(5, 3, 7, device="meta", requires_grad=True)
+    with torch.device("meta"), emulate.CudaKernels((8, 6)):
+        out, _ = m(x)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and all(p.grad is None for p in m.parameters())
