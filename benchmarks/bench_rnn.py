@@ -21,9 +21,10 @@ MODEL = ROOT / "tests/models/lstm_speech.py"
 def run(checkout: Path) -> tuple[float, int]:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     start = time.perf_counter()
+    # cwd too: `python -m` puts the working directory first on sys.path
     out = subprocess.run([sys.executable, "-m", "oomdoctor", "estimate", str(MODEL),
-                          "--batch-size", "16", "--json"], env=env, capture_output=True,
-                         text=True, check=False)
+                          "--batch-size", "16", "--json"], env=env, cwd=checkout,
+                         capture_output=True, text=True, check=False)
     took = time.perf_counter() - start
     if out.returncode not in (0, 1):
         raise SystemExit(f"estimate failed in {checkout} (exit {out.returncode}):\n{out.stderr}")
