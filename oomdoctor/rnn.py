@@ -37,6 +37,7 @@ import math
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from oomdoctor import values
 
@@ -273,7 +274,8 @@ def with_real_lengths(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
             real = values.real_value(t)
             if real is not None:
-                return real.clone()
+                with _disable_current_modes():     # a host copy: not a GPU allocation
+                    return real.clone()
         return func(*args, **kwargs)
     b = {**dict(zip(("input", "lengths", "batch_first"), args)), **kwargs}
     lengths = b["lengths"]
