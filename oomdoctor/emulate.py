@@ -15,6 +15,8 @@ on fake CPU tensors and this module makes the CPU behave, memory-wise, like CUDA
   (``_fused_adam(w)_``, ``_fused_sgd_``) on the meta device, where torch's device check refuses.
 - :class:`GradScalerEmulation` does what ``torch.amp.GradScaler`` does to memory without its
   ``found_inf.item()`` sync, which a fake tensor cannot answer.
+- :class:`CudaKernels` also runs ``torch.lstm``/``gru``/``rnn_*`` as cuDNN's fused call
+  (:mod:`oomdoctor.rnn`).
 - :func:`apply_checkpointing` wraps repeated blocks in ``torch.utils.checkpoint``.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from oomdoctor import adapters, rocm
+from oomdoctor import adapters, rnn, rocm
 
 # CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
 # torch.nn.functional.*). Source: the KERNEL_CUDA(..., lower_precision_fp / fp32 /
@@ -222,6 +224,10 @@ def _cross_entropy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
                                         ignore_index=b["ignore_index"], reduction=b["reduction"])
 
 
+def _to_fp16(t: Any) -> Any:
+    return t.to(torch.float16) if _eligible(t) and t.dtype != torch.float16 else t
+
+
 def _to_fp32(t: Any) -> Any:
     return t.to(torch.float32) if _eligible(t) and t.dtype != torch.float32 else t
 
@@ -331,6 +337,14 @@ class CudaKernels(_OurMode):
         if name.removesuffix(".default") in adapters.INT8_OPS and "bitsandbytes" in (
                 getattr(func, "namespace", None), getattr(func, "_qualified_op_name", "")[:12]):
             return adapters.int8_as_cuda(name, args, kwargs)
+        if name in rnn.FUNCTIONS:        # nn.LSTM/GRU/RNN: cuDNN's one fused call
+            # Under CUDA autocast, _cudnn_rnn runs in fp16 whatever the autocast dtype, with a
+            # fresh fp16 flat copy of the weights each call (aten/src/ATen/cudnn/
+            # AutocastRNN.cpp, _cudnn_rnn_cast_reflatten: kHalf is hard-coded).
+            amp = any(isinstance(m, CudaAutocast) for m in _ACTIVE)
+            return rnn.run(func, name, args, kwargs, self.notes, _to_fp16 if amp else None)
+        if name in ("_pack_padded_sequence", "cpu"):
+            return rnn.with_real_lengths(func, name, args, kwargs)
         return self._passthrough(func, args, kwargs)
 
     def _sdpa(self, func, args, kwargs):

@@ -35,7 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from oomdoctor import adapters, emulate, values
+from oomdoctor import adapters, emulate, rnn, values
 from oomdoctor.fusion import Fusion
 from oomdoctor.stepping import (compile_notes, every_step, host_state, state_bytes,
                                 state_tensors, step_notes, unique_storages)
@@ -453,6 +453,9 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
         model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
                                                  cfg.checkpoint_class, preserve_rng_state=not fake,
                                                  notes=notes)
+        if cfg.emulate_cuda and rnn.flatten_parameters(model):
+            # .cuda() flattens RNN weights into cuDNN's one buffer (RNNBase.flatten_parameters)
+            notes.append("RNN weights in one flat cuDNN buffer, as .cuda() leaves them")
         if checkpointed:
             notes.append(f"checkpointing {len(checkpointed)} blocks of class "
                          f"{type(model.get_submodule(checkpointed[0])).__name__}")
@@ -486,7 +489,8 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
                    if cfg.emulate_cuda else None)
         micro_batches = min(cfg.grad_accum, 2)   # micro-batches 2..K repeat micro-batch 2
         try:
-            with rec, every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:
+            with rec, values.active(rec.shadows), \
+                    every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:
                 if scaler is not None:
                     scaler.setup()
                 for it in range(cfg.steps):
@@ -576,8 +580,9 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
         config=cfg, events=events, storages=rec.storages, marks=tuple(marks),
         parameter_bytes=sum(t.untyped_storage().nbytes() for t in params.values()),
         trainable_parameter_bytes=sum(t.untyped_storage().nbytes() for t in trainable.values()),
-        num_parameters=sum(adapters.logical_numel(p) for p in params.values()),
-        num_trainable_parameters=sum(p.numel() for p in trainable.values()),
+        # Counted per parameter, not per storage: an RNN's parameters share one flat buffer.
+        num_parameters=sum(adapters.logical_numel(p) for p in model.parameters()),
+        num_trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
         gradient_bytes=gradient_bytes, optimizer_state_bytes=state,
         checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),

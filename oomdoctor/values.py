@@ -21,7 +21,8 @@ from any GPU run's anyway).
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -107,6 +108,31 @@ class Shadows:
         for o, r in zip(outs, real_outs):
             if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and o.shape == r.shape:
                 self.values[o] = r
+
+
+# The Shadows of the trace now running, for code outside the dispatch mode that needs a batch
+# tensor's values (emulate: pack_padded_sequence's lengths).
+_ACTIVE: list[Shadows] = []
+
+
+@contextlib.contextmanager
+def active(shadows: Shadows | None) -> Iterator[None]:
+    """Make ``shadows`` answer :func:`real_value` while the block runs (None: nothing)."""
+    if shadows is None:
+        yield
+        return
+    _ACTIVE.append(shadows)
+    try:
+        yield
+    finally:
+        _ACTIVE.remove(shadows)
+
+
+def real_value(t: torch.Tensor) -> torch.Tensor | None:
+    """The real CPU value mirrored for a traced tensor, if a trace with values is running."""
+    if _is_real(t):
+        return t
+    return _ACTIVE[-1]._real(t) if _ACTIVE else None
 
 
 def placeholder(t: torch.Tensor) -> Any:
