@@ -55,12 +55,13 @@ from oomdoctor import values
 # 3,038,090: one gate = 758,720 parameters, plus a 3,210-parameter head) admit L = 4 (with
 # H = 320, or H = 160 bidirectional, ...), and (6L - 1) / (7L - 1) = 23/27 = 736/864 holds only
 # for L = 4: with D*T*B*H = 8,000,000 (T*B = 25,000 for H = 320) both sizes come out exactly.
-# One scale (T*B) is inferred, so this checks the per-layer units, not the scale: treat the
-# reserve of other shapes, and packed batches (rows = sum of lengths), as likely but unmeasured.
+# One scale (T*B) is inferred there. SeanNaren/deepspeech.pytorch#172 printed a reserve with its
+# shape, and the model gives it with nothing fitted: bidirectional GRU(800), one layer,
+# T*B = 326*64, fp32: 801,177,600 B. Packed batches (rows = sum of lengths) are unmeasured.
 RESERVE_UNITS = {"LSTM": 6, "GRU": 7, "RNN_TANH": 2, "RNN_RELU": 2}
-# The workspace, as a fraction of the reserve, from the same #2895 printout (17,730,560 B with
-# the LSTM's reserve, 13,169,920 B with the GRU's). A scaling of one measurement: it is a few
-# percent of the reserve, so an error here moves the peak little.
+# The workspace, as a fraction of the reserve, from the #2895 printout (17,730,560 B with the
+# LSTM's reserve, 13,169,920 B with the GRU's). #172's was 39% of its reserve (313,344,000 B):
+# no rule found fits both, so this is the least certain term (one call's workspace at a time).
 WORKSPACE_FRACTION = {"LSTM": 17_730_560 / 736_000_000, "GRU": 13_169_920 / 864_000_000,
                       "RNN_TANH": 17_730_560 / 736_000_000, "RNN_RELU": 17_730_560 / 736_000_000}
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
