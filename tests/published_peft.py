@@ -17,6 +17,8 @@ torch 2.4.1, transformers 4.48.1, peft 0.13.2, bitsandbytes 0.43.3, trl 0.13.0
   bf16 --lora 16 --quantize nf4 --double-quant``). TRL keeps the embeddings and the head in
   bf16 where peft's ``prepare_model_for_kbit_training`` upcasts them to fp32, which oomdoctor
   follows: about 0.5 GB more at rest here.
+- transformers 4.48's causal-LM loss makes one more fp32 copy of the (shifted) logits than the
+  installed transformers: the LoRA rows' shortfall (tests/test_adapters.py).
 
 2. lit-gpt's resource tables (Lightning-AI/lit-gpt ``tutorials/resource-tables.md``, "Last
 updated 10/20/2023", commit 8641822; A100-SXM4-40GB, torch 2.1.0): ``finetune/lora.py`` on
