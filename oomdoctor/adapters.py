@@ -237,8 +237,20 @@ def _import(name: str, what: str):
     try:
         return __import__(name)
     except ImportError as e:
-        raise AdapterError(f"{what} needs the {name} package, which is not installed; "
-                           f"pip install 'oomdoctor[peft]'") from e
+        raise AdapterError(missing_library(name, what, e)) from e
+
+
+def missing_library(name: str, what: str, error: BaseException) -> str:
+    """Why `name` did not import: not installed (install the extra), or installed but broken by
+    something it imports - e.g. peft -> transformers -> a torchvision built for another torch,
+    which no extra fixes."""
+    import importlib.util
+    if importlib.util.find_spec(name) is None:
+        return f"{what} needs the {name} package, which is not installed; " \
+               "pip install 'oomdoctor[peft]'"
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return (f"{what} needs {name}, which is installed but does not import ({first}); "
+            f"run `python -c 'import {name}'` to see why")
 
 
 @contextlib.contextmanager

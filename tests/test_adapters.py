@@ -350,3 +350,15 @@ def test_the_lora_shortfall_is_transformers_448s_loss_copy(tmp_path):
     shifted_fp32_logits = 4 * 4096 * 32000 * 4
     with_copy = max(trace.peak_live_bytes, forward_peak + shifted_fp32_logits)
     assert with_copy == pytest.approx(run.published_bytes, rel=0.005)
+
+
+def test_a_missing_library_and_a_broken_one_get_different_fixes():
+    from oomdoctor.adapters import missing_library
+    gone = missing_library("no_such_module_oomdoctor", "--lora", ImportError("x"))
+    assert "not installed" in gone and "pip install 'oomdoctor[peft]'" in gone
+    # installed but failing inside its own imports (peft -> transformers -> a torchvision built
+    # for another torch): installing the extra again would not help
+    broken = missing_library("json", "--lora", ImportError("operator torchvision::nms does "
+                                                           "not exist\nmore"))
+    assert "installed but does not import (operator torchvision::nms does not exist)" in broken
+    assert "pip install" not in broken

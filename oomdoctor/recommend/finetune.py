@@ -22,14 +22,14 @@ RANK = 16
 def adapter_alternative(spec: ModelSpec, facts: _Facts, hw: Hardware, budget: Budget,
                         base: TraceConfig, alloc: AllocatorConfig, progress) -> str:
     """One line for "what would fit": LoRA's (else QLoRA's) traced peak on one GPU."""
+    from oomdoctor.adapters import Adapters, missing_library
     try:
-        from oomdoctor.adapters import Adapters
         import peft  # noqa: F401  (the trace needs it; say so here rather than fail there)
-    except ImportError:
+    except ImportError as e:
         frozen = facts.num_parameters * 2
         return (f"train adapters instead (LoRA): frozen bf16 weights are {frozen / 2**30:.1f} "
-                "GiB, with gradients and optimizer state only for the adapters; pip install "
-                "'oomdoctor[peft]' and oomdoctor traces it (--lora 16)")
+                "GiB, with gradients and optimizer state only for the adapters; "
+                + missing_library("peft", "tracing it (--lora 16)", e))
     amp = "bf16" if hw.gpu.bf16 else "fp16"
     cfg = dataclasses.replace(base, batch_size=1, precision=amp, checkpointing=True,
                               grad_accum=1)

@@ -45,7 +45,7 @@ def render_text(r: Recommendation) -> str:
                   f"{COMPUTE_EFFICIENCY:.0%} of datasheet FLOP/s, link as above)", ""]
     else:
         lines += [f"NOTHING FITS: no strategy trains {r.model} on {on} x {r.gpu} at any "
-                  "micro-batch with the allowed precisions.", ""]
+                  "micro-batch with the allowed precisions" + _offload_way_out(r) + ".", ""]
     if r.by_strategy:
         rows = []
         for e in r.by_strategy:
@@ -157,9 +157,25 @@ def _offload(r: Recommendation) -> list[str]:
            "'+ per step' is a rough estimate: 16-bit gradients and weights over PCIe, Adam on "
            "the CPU at 20 GB/s of host memory bandwidth; slowdown against the GPUs' compute at "
            "the target batch)"]
-    fit = [o for o in r.offload if o.fits_gpu and o.host_fits is not False]
+    fit = _offload_fitting(r)
     for o in r.offload:
         out.append(f"- {o.name}: {o.description}")
     if fit:
         out += [f"offload plan that fits: {fit[0].name}, DeepSpeed config: {fit[0].config}"]
     return out + [""]
+
+
+def _offload_fitting(r) -> list:
+    """Offload plans whose GPU side fits and whose host side is not known to be too small."""
+    return [o for o in r.offload if o.fits_gpu and o.host_fits is not False]
+
+
+def _offload_way_out(r) -> str:
+    """The headline must not read as "impossible" when a plan below does fit: with the
+    optimizer state (and weights) in host RAM the GPUs hold less than any GPU-only strategy."""
+    fit = _offload_fitting(r)
+    if not fit:
+        return ""
+    host = "" if fit[0].host_fits else ", given enough host RAM"
+    return (f" in GPU memory alone; with CPU offload it does ({fit[0].name}, below{host}), "
+            "slower per step")
