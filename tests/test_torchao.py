@@ -108,3 +108,16 @@ def layout(bits: int) -> int:
         per_state = (n * bits // 8 + 4 * (n // block) + 4 * codes) if quantized else 4 * n
         total += 2 * per_state + 4                 # exp_avg, exp_avg_sq, step
     return total
+
+
+def test_the_cli_keeps_torchaos_import_chatter_off_stderr():
+    # importing torchao next to a CPU-only torch logs a warning per CUDA-only .so it cannot load
+    # (and torch's pytree logs a deprecation for it): noise between oomdoctor's own lines
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "oomdoctor", "estimate", MODEL, "-b", "8",
+                          "--optimizer", "torchao-adamw8bit", "--gpu", "rtx3090"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "Failed to load" not in out.stderr and "Enum subclass" not in out.stderr, out.stderr
+    assert "peak" in out.stdout

@@ -52,6 +52,26 @@ class GuardedCommand(click.Command):
 class GuardedGroup(click.Group):
     command_class = GuardedCommand
 
+    def invoke(self, ctx: click.Context):
+        _quiet_library_imports()
+        return super().invoke(ctx)
+
+
+# Loggers of libraries oomdoctor imports, whose import-time warnings are about kernels and APIs
+# the simulation never uses (torchao: CUDA-only .so files that do not load next to a CPU torch;
+# bitsandbytes: an optional CPU 4-bit kernel package; torch's pytree: a deprecation addressed
+# to torchao). They drowned the progress lines on stderr. Errors still show, and a level the
+# user set on those loggers is kept.
+_CHATTY = ("torchao", "bitsandbytes", "torch.utils._pytree")
+
+
+def _quiet_library_imports() -> None:
+    import logging
+    for name in _CHATTY:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:            # not set by the user: ours to choose
+            logger.setLevel(logging.ERROR)
+
 
 @click.group(cls=GuardedGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="oomdoctor")
