@@ -501,8 +501,12 @@ def cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> list[str]:
                 and not group.get("differentiable")):
             group["foreach"] = True
             notes.append(f"{type(optimizer).__name__}: foreach implementation, the CUDA default "
-                         "(about one parameter-sized set of temporaries during step())")
+                         f"({FOREACH_GUESS})")
     return notes
+
+
+# Replaced by the traced figure once the trace has stepped (oomdoctor.trace).
+FOREACH_GUESS = "about one parameter-sized set of temporaries during step()"
 
 
 

@@ -137,3 +137,31 @@ def compile_notes(optimizer: torch.optim.Optimizer, compiled: list[tuple[str, st
                      "compiled training usually needs less activation memory (fused "
                      "kernels save fewer tensors), so read this as an upper bound")
     return notes
+
+
+def most_live(ranges: list[tuple[int, int]], events, counted: Callable[[int], bool]) -> int:
+    """The most bytes alive at once within each [start, stop) range of the event list, over
+    the ranges, counting only the storages ``counted`` accepts (allocated inside the range)."""
+    most = 0
+    for start, stop in ranges:
+        live = 0
+        for is_alloc, handle, nbytes in events[start:stop]:
+            if counted(handle):
+                live += nbytes if is_alloc else -nbytes
+                most = max(most, live)
+    return most
+
+
+def foreach_measured(notes: list[str], foreach: list[str], steps: list[tuple[int, int]], events,
+                     parameter_bytes: int, temporary: Callable[[int], bool]) -> list[str]:
+    """The notes with each foreach note's guess (``emulate.FOREACH_GUESS``) replaced by what the
+    step's temporaries came to in the trace: plain SGD and SGD with momentum update in place
+    and make none; Adam(W) makes about one parameter-sized set (PT-1)."""
+    if not any(n in foreach for n in notes):
+        return notes
+    from oomdoctor.emulate import FOREACH_GUESS
+    most = most_live(steps, events, temporary)
+    said = ("its step() made no temporaries in the trace: it updates in place" if not most
+            else f"its step() temporaries traced: at most {most / 2**20:,.1f} MiB at once, "
+                 f"{most / max(parameter_bytes, 1):.2f}x the parameters' bytes")
+    return [n.replace(FOREACH_GUESS, said) if n in foreach else n for n in notes]

@@ -37,13 +37,12 @@ from torch.utils._pytree import tree_leaves
 
 from oomdoctor import adapters, emulate, rnn, values
 from oomdoctor.fusion import Fusion
-from oomdoctor.stepping import (compile_notes, every_step, host_state, state_bytes,
-                                state_tensors, step_notes, unique_storages)
+from oomdoctor.stepping import (compile_notes, every_step, foreach_measured, host_state,
+                                state_bytes, state_tensors, step_notes, unique_storages)
 from oomdoctor.eager import compile_as_eager, dynamo_left_unloaded
 from oomdoctor.loader import (DataDependentError, ModelFileError, ModelSpec, build_for_training,
                               compute_loss, make_configured_batch, make_configured_optimizer)
-
-from oomdoctor.configs import PRECISIONS, ZERO_GRAD_MODES  # noqa: E402  (re-exported)
+from oomdoctor.configs import PRECISIONS, ZERO_GRAD_MODES  # noqa: F401  (re-exported)
 
 
 class Category(str, Enum):
@@ -566,19 +565,21 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
     ends = _phase_ends(marks, len(rec.raw))
     for s in rec.storages.values():
         if s.category is Category.TEMPORARIES and s.phase is Phase.FORWARD:
-            end = ends[s.t_alloc]
-            if s.t_free is None or s.t_free >= end:
+            if s.t_free is None or s.t_free >= ends[s.t_alloc]:
                 s.category = Category.ACTIVATIONS
-    # Host-side storages stay in the event list with 0 bytes (the allocator ignores 0-byte
-    # requests, as PyTorch never calls it for them), so event indices, t_alloc/t_free and the
-    # phase marks all index the same list.
+    # Host-side storages stay as 0-byte events (never allocator calls): indices stay aligned.
     for h in rec.fusion.fused_away(rec.storages, rec.raw):
         rec.storages[h].host = True            # in a fused kernel's registers: no memory
     host = {h for h, s in rec.storages.items() if s.host}
     events = tuple((a, h, 0) if h in host else (a, h, n) for a, h, n in rec.raw)
+    param_bytes = sum(t.untyped_storage().nbytes() for t in params.values())
+    steps = [(m.start, ends[m.start]) for m in marks     # a phase at the very end is empty
+             if m.phase is Phase.OPTIMIZER and m.start < len(ends)]
+    notes = foreach_measured(notes, defaults, steps, events, param_bytes,  # as traced
+                             lambda h: rec.storages[h].category is Category.TEMPORARIES)
     return Trace(
         config=cfg, events=events, storages=rec.storages, marks=tuple(marks),
-        parameter_bytes=sum(t.untyped_storage().nbytes() for t in params.values()),
+        parameter_bytes=param_bytes,
         trainable_parameter_bytes=sum(t.untyped_storage().nbytes() for t in trainable.values()),
         # Counted per parameter, not per storage: an RNN's parameters share one flat buffer.
         num_parameters=sum(adapters.logical_numel(p) for p in model.parameters()),

@@ -90,6 +90,48 @@ def test_fused_adamw_step_allocates_only_its_state():
     assert temporaries >= 4 * P
 
 
+def _real_foreach_step_bytes(optimizer: str) -> int:
+    """The most bytes a real CPU foreach step of the MLP's parameters holds at once beyond
+    what it held before (its second step, state already made), from torch.profiler's
+    allocator records."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 512),
+                                torch.nn.Linear(512, 10))
+    opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, foreach=True),
+           "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True)}[optimizer](
+        model.parameters())
+    for _ in range(2):
+        model(torch.randn(64, 256)).sum().backward()
+        if _ == 0:
+            opt.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    live = most = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        most = max(most, live)
+    return most
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_the_foreach_note_states_what_a_real_step_allocates(optimizer):
+    """Plain SGD's foreach step updates in place; the note used to claim a parameter-sized set
+    of temporaries for every foreach optimizer. It now says what the trace recorded, which a
+    real CPU foreach step (the same kernels' allocations as CUDA's) must agree with."""
+    r = CliRunner().invoke(cli, ["estimate", FUSED, "-b", "64", "--gpu", "rtx3090",
+                                 "--optimizer", optimizer])
+    assert r.exit_code == EXIT_OK, r.output
+    note = next(line for line in r.stdout.splitlines() if "foreach implementation" in line)
+    real = _real_foreach_step_bytes(optimizer)
+    if optimizer == "sgd":
+        assert real == 0 and "made no temporaries" in note, (real, note)
+    else:
+        mib = float(note.split("at most ")[1].split(" MiB")[0])
+        assert abs(mib * 2**20 - real) <= 0.01 * real + 2**20 * 0.05, (mib, real)
+
+
 def variant_trace(name, old, new, batch_size=64, **cfg):
     import tempfile
     with tempfile.TemporaryDirectory() as d:
