@@ -14,6 +14,8 @@ matters, the torch version) and estimated on fake tensors. Every case compares l
   fp32 - the kernels any Ampere or Hopper card picks; Hopper only has bigger cuBLAS workspaces,
   +48 MiB).
 - PT-1 reads allocated memory from a memory snapshot: ``peak_allocated_bytes``.
+- LS-* print ``torch.cuda.memory_reserved() / 1024**3`` after an epoch (never emptied, so the
+  segments' high-water mark; GiB): rasbt/LLMs-from-scratch's GPT-2-sized model with fused AdamW.
 
 Tolerance band (``UNDER``/``OVER``). What the simulator leaves out of these readings only ever
 adds memory: for the NVML readings, context that HF-0 did not load yet (cuBLAS/cuBLASLt modules
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,7 @@ def check(case: str, predicted: float, published: float, unit: str,
     if e is not None:
         msg += (f"; peak in the {e.peak_phase} of step {e.peak_iteration + 1}, breakdown MiB "
                 f"{ {k: round(v / MiB) for k, v in e.breakdown.items()} }")
+    print(msg)  # the deviation stays in the output (pytest -s, or -rA for passed tests' output)
     assert -UNDER <= dev <= OVER, msg
 
 
@@ -228,3 +231,47 @@ def test_pt2_optimizer_in_backward_moves_the_peak_into_backward():
     # PT-1 - PT-2 is the tutorial's point: about 2 GB saved (gradients and foreach temporaries)
     saved = traced(PT_1)[1].peak_allocated_bytes - e.peak_allocated_bytes
     assert 1.5e9 <= saved <= 2.5e9, f"PT-1 - PT-2 = {saved / 1e9:.2f} GB vs ~6 - ~4"
+
+
+# -- LS: "LLMs from scratch" GPT-2 size, fused AdamW (rasbt/LLMs-from-scratch, torch 2.6, A100) --
+
+# ch05/10_llm-training-speed/README.md prints torch.cuda.memory_reserved() / 1024**3 ("GB" are
+# GiB) after the first epoch of 8 x 1024-token batches; no empty_cache, so the segments'
+# high-water mark. LS-0 is 00_orig.py as published (foreach AdamW); every later reading has
+# torch.optim.AdamW(fused=True) (the README's step 3 on). The card is "A100" without its size
+# (A100 40 and 80 GB give the same estimates). Model files: tests/models/scratch_gpt*.py.
+LS_0 = Setup("scratch_gpt_orig.py", 8)                             # 00_orig.py, foreach AdamW
+LS_3 = Setup("scratch_gpt_step3.py", 8)                            # fp32, from-scratch layers
+LS_5 = Setup("scratch_gpt_step3.py", 8, precision="bf16-pure")     # + model.to(bfloat16)
+LS_6 = Setup("scratch_gpt_step6.py", 8, precision="bf16-pure")     # + nn.LayerNorm, nn.GELU
+LS_7 = Setup("scratch_gpt_step7.py", 8, precision="bf16-pure")     # + SDPA (flash)
+
+
+@pytest.mark.parametrize("case, setup, published_gib", [
+    reading("LS-0 00_orig.py", LS_0, 26.2617),
+    reading("LS-3 fp32 fused AdamW", LS_3, 26.2422),
+    reading("LS-5 bf16 pure", LS_5, 13.7871),
+    reading("LS-6 native LayerNorm GELU", LS_6, 11.5645),
+    reading("LS-7 SDPA", LS_7, 5.9004),
+])
+def test_llms_from_scratch_memory_reserved(case, setup, published_gib):
+    _, e = traced(setup)
+    assert e.num_parameters == 163_009_536  # GPT_CONFIG_124M with an untied output head
+    assert e.num_alloc_retries == 0
+    check(case, e.peak_reserved_bytes / 2**30, published_gib, "GiB", e)
+
+
+def test_llms_from_scratch_fused_adamw_changes_nothing_at_this_peak():
+    """The README's step 3 (``fused=True``) left the reading unchanged: 26.2422 GiB before
+    (foreach AdamW, torch 2.6's CUDA default) and after. Here too: the peak is in backward,
+    where the optimizer holds only its state, and the foreach step's parameter-sized
+    temporaries (about 0.6 GiB) fit in segments the activations have left free."""
+    _, fused = traced(LS_3)
+    spec = load_model_file(str(MODELS / LS_3.model))
+    spec = replace(spec, make_optimizer=lambda params: torch.optim.AdamW(
+        params, lr=5e-4, weight_decay=0.1))  # no fused: foreach on CUDA
+    budget = Budget(get_profile(LS_3.gpu), margin=0.0)
+    foreach = estimate_trace(trace_for(spec, TraceConfig(LS_3.batch_size), budget.gpu), budget)
+    assert fused.peak_phase == foreach.peak_phase == Phase.BACKWARD.value
+    assert foreach.peak_reserved_bytes == fused.peak_reserved_bytes
+    check("LS-2 (foreach AdamW)", foreach.peak_reserved_bytes / 2**30, 26.2422, "GiB", foreach)
