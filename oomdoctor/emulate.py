@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from oomdoctor import adapters, rnn, rocm
+from oomdoctor import adapters, recompute, rnn, rocm
 
 # CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
 # torch.nn.functional.*). Source: the KERNEL_CUDA(..., lower_precision_fp / fp32 /
@@ -75,6 +75,8 @@ def _eligible(t: Any) -> bool:
 
 class _OurMode(TorchFunctionMode):
     def __enter__(self):
+        if not _ACTIVE:         # checkpoints recompute under these modes (oomdoctor.recompute)
+            recompute.install(lambda: list(_ACTIVE), _reenter)
         _ACTIVE.append(self)
         return super().__enter__()
 
@@ -82,6 +84,8 @@ class _OurMode(TorchFunctionMode):
         # Remove the innermost entry: a mode re-entered by _passthrough is on the list twice,
         # and the outer order must survive for checkpoint recomputation to replay it.
         del _ACTIVE[len(_ACTIVE) - 1 - _ACTIVE[::-1].index(self)]
+        if not _ACTIVE:
+            recompute.uninstall()
         return super().__exit__(*exc)
 
     def _passthrough(self, func, args, kwargs):
@@ -483,13 +487,9 @@ def _wrap(mod: torch.nn.Module, preserve_rng_state: bool) -> None:
     def forward(*args, **kwargs):
         if not torch.is_grad_enabled():
             return orig(*args, **kwargs)
-        modes = list(_ACTIVE)
-
-        def run(*a, **k):
-            with _reenter(modes):
-                return orig(*a, **k)
+        # recomputed under the emulation's modes: oomdoctor.recompute
         return torch.utils.checkpoint.checkpoint(
-            run, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+            orig, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
     mod.forward = forward
 
 

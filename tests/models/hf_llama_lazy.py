@@ -3,13 +3,15 @@ loads model classes lazily), trained on an HF-style batch: input_ids, attention_
 
 transformers asks whether the mask has padding (``padding_mask.all()``) before it picks the
 attention path; ``PAD`` pad tokens at the end of every sequence change the answer, and
-``MASK = False`` leaves the mask out of the batch.
+``MASK = False`` leaves the mask out of the batch. ``CHECKPOINT`` calls transformers' own
+``gradient_checkpointing_enable`` with that ``use_reentrant`` (None: off).
 """
 import torch
 
 T, V = 64, 512
 PAD = 0
 MASK = True
+CHECKPOINT = None
 
 
 def build_model():
@@ -17,7 +19,10 @@ def build_model():
     cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T,
                       attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg)
+    if CHECKPOINT is not None:
+        model.gradient_checkpointing_enable({"use_reentrant": CHECKPOINT})
+    return model
 
 
 def make_batch(batch_size):
