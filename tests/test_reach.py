@@ -258,13 +258,14 @@ HF_LLAMA = str(MODELS / "hf_llama_lazy.py")
 
 
 @needs_transformers
-@pytest.mark.parametrize("knob", ["PAD = 16", "MASK = False"])
+@pytest.mark.parametrize("knob", ["PAD = 16", "MASK = False", "PACKED = True"])
 def test_transformers_llama_matches_real_cpu_run(tmp_path, knob):
-    """A padded batch, and a batch without a mask. (The all-ones mask is checked below against
+    """A padded batch, a batch without a mask, and a padding-free one (one row, position_ids
+    restarting per sequence, as DataCollatorWithFlattening makes it). (The all-ones mask is checked below against
     the latter: on fake CPU tensors transformers itself skips the padding question - it takes
     a FakeTensor for torch.compile tracing, ``utils.import_utils.is_tracing`` - and always builds
     the mask, which a real run with an all-ones mask does not.)"""
-    old = "PAD = 0" if knob.startswith("PAD") else "MASK = True"
+    old = {"PAD": "PAD = 0", "MASK": "MASK = True", "PACKED": "PACKED = False"}[knob.split()[0]]
     path = variant(tmp_path, "hf_llama_lazy", old, knob)
     sim = trace_training(load_model_file(path), TraceConfig(2, emulate_cuda=False))
     real = real_cpu_peak(path, 2)

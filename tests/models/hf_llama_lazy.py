@@ -4,7 +4,9 @@ loads model classes lazily), trained on an HF-style batch: input_ids, attention_
 transformers asks whether the mask has padding (``padding_mask.all()``) before it picks the
 attention path; ``PAD`` pad tokens at the end of every sequence change the answer, and
 ``MASK = False`` leaves the mask out of the batch. ``CHECKPOINT`` calls transformers' own
-``gradient_checkpointing_enable`` with that ``use_reentrant`` (None: off).
+``gradient_checkpointing_enable`` with that ``use_reentrant`` (None: off). ``PACKED = True``
+gives the padding-free batch of transformers' ``DataCollatorWithFlattening``: the batch's
+sequences in one row, ``position_ids`` restarting at each, no mask.
 """
 import torch
 
@@ -12,6 +14,7 @@ T, V = 64, 512
 PAD = 0
 MASK = True
 CHECKPOINT = None
+PACKED = False
 
 
 def build_model():
@@ -26,6 +29,10 @@ def build_model():
 
 
 def make_batch(batch_size):
+    if PACKED:
+        ids = torch.randint(0, V, (1, batch_size * T))
+        return {"input_ids": ids, "position_ids": torch.arange(T).repeat(batch_size)[None],
+                "labels": ids}
     ids = torch.randint(0, V, (batch_size, T))
     mask = torch.ones(batch_size, T, dtype=torch.long)
     if PAD:
