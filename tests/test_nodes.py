@@ -227,6 +227,12 @@ def test_seed_case_offload_plan_next_to_zero3_and_lora():
     assert "ZeRO-3/FSDP over" in text and "CPU offload" in text and "LoRA" in text
     out = rec.render_text(small)
     assert "CPU offload plans" in out and "64 GiB per node (--host-ram)" in out
+    # the headline must not read "impossible" when an offload plan below fits GPU and host
+    def headline(text):
+        return next(line for line in text.splitlines() if line.startswith("NOTHING FITS"))
+    assert "with CPU offload" not in headline(out)                # 64 GiB: none fits the host
+    head = headline(rec.render_text(big))
+    assert "in GPU memory alone; with CPU offload it does (zero2-offload, below)" in head
 
 
 def test_tensor_parallel_model_states_by_hand():
