@@ -202,3 +202,33 @@ def test_frozen_rnn_weights_get_no_weight_gradient_buffer():
         out, _ = m(x)
     out.sum().backward()
     assert x.grad.shape == x.shape and all(p.grad is None for p in m.parameters())
+
+
+def test_reserve_model_against_committed_cudnn_measurements():
+    """benchmarks/cudnn_rnn.py measures cuDNN's reserve (exact: the op's own output) and forward
+    workspace on a GPU; every committed file is checked here. The reserve model must hold within
+    5% (it is the largest RNN term); the workspace, modelled from one printout, is reported."""
+    import glob
+    import json
+    import os
+    import sys
+    import warnings
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = sorted(glob.glob(os.path.join(root, "benchmarks", "results", "cudnn_rnn", "*.json")))
+    if not files:
+        warnings.warn("no cuDNN RNN measurements committed under benchmarks/results/cudnn_rnn/: "
+                      "the reserve model rests on two published printouts; run "
+                      "`python benchmarks/cudnn_rnn.py` on a CUDA machine and commit the JSON")
+        return
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    from cudnn_rnn import modelled
+    off = []
+    for path in files:
+        for r in json.load(open(path))["records"]:
+            reserve, workspace = modelled(r)
+            err = reserve / r["reserve_bytes"] - 1
+            print(f"{os.path.basename(path)} {r}: reserve {err:+.1%}, workspace "
+                  f"{workspace:,} vs {r['forward_workspace_bytes']:,}")
+            if abs(err) > 0.05:
+                off.append((r, err))
+    assert not off, off
