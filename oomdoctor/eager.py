@@ -1,7 +1,8 @@
-"""Keep a fake trace eager and cheap: ``torch._dynamo`` left unloaded, ``torch.compile`` a no-op.
+"""Keep a fake trace eager and cheap: ``torch._dynamo`` left unloaded, ``torch.compile`` a no-op,
+random initialisation free of data-dependent loops.
 
-Both context managers are entered by :func:`oomdoctor.trace.trace_training` around a fake trace
-and restore everything they patch when it ends.
+:func:`fake_trace` enters them all around a fake trace (oomdoctor.trace.trace_training); each
+restores everything it patches when it ends.
 """
 from __future__ import annotations
 
@@ -150,3 +151,35 @@ def dynamo_left_unloaded() -> Iterator[None]:
                 del fn.__dict__[_CACHE]
         for fn, cached in stashed.items():
             fn.__dict__[_CACHE] = cached
+
+
+@contextlib.contextmanager
+def fake_trace(compiled: list, fused: Callable[[], ContextManager]) -> Iterator[None]:
+    """Everything a fake trace patches (see the module's docstring)."""
+    with dynamo_left_unloaded(), compile_as_eager(compiled, fused), init_without_data():
+        yield
+
+
+@contextlib.contextmanager
+def init_without_data() -> Iterator[None]:
+    """``nn.init.trunc_normal_`` draws until no sample lies outside the bounds (torch/nn/init.py,
+    ``_no_grad_trunc_normal_``: ``if not mask.any()``), a question about values that fake
+    tensors cannot answer; transformers' ViT initialises its weights with it, so building the
+    model failed on fake CPU tensors (the meta device skips initialisation). An initialisation's
+    values never reach a memory trace: on a fake tensor it fills in place from ``normal_`` and
+    clamps to the bounds instead (same tensor, no question). The module global is patched, since
+    ``trunc_normal_`` looks it up per call however the caller reached ``trunc_normal_``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    init = torch.nn.init
+    real = init._no_grad_trunc_normal_
+
+    def trunc_normal(tensor, mean, std, a, b, generator=None):
+        if not isinstance(tensor, FakeTensor):
+            return real(tensor, mean, std, a, b, generator=generator)
+        with torch.no_grad():
+            return tensor.normal_(mean, std, generator=generator).clamp_(a, b)
+    init._no_grad_trunc_normal_ = trunc_normal
+    try:
+        yield
+    finally:
+        init._no_grad_trunc_normal_ = real

@@ -59,19 +59,19 @@ def load_model(source: str, *, task: str | None = None, seq_len: int | None = No
                adapters: Any = None, image_size: int | None = None,
                num_classes: int | None = None) -> ModelSpec:
     """A model file (``.py``), a Hugging Face id / config folder / ``config.json`` (``task``
-    and ``seq_len`` apply to those), or ``timm:NAME`` / ``torchvision:NAME`` (``image_size``,
-    ``num_classes``); see :mod:`oomdoctor.sources`. ``adapters``
+    and ``seq_len`` apply to those; ``image_size`` and ``num_classes`` to its image
+    classifiers), or ``timm:NAME`` / ``torchvision:NAME`` (``image_size``, ``num_classes``);
+    see :mod:`oomdoctor.sources`. ``adapters``
     (:class:`oomdoctor.adapters.Adapters`): train it with LoRA / on 4-bit weights."""
     from oomdoctor import sources
     vision = sources.is_vision(source)
     if (task or seq_len) and vision:
         raise ModelFileError(f"{source}: --task and --seq-len apply to Hugging Face models; "
                              "an image model takes --image-size and --num-classes")
-    if (image_size or num_classes) and not vision:
-        raise ModelFileError(f"{source}: --image-size and --num-classes apply to timm: and "
-                             "torchvision: models" + ("; a model file makes its own batch in "
-                                                      "make_batch(batch_size)"
-                                                      if source.endswith(".py") else ""))
+    if (image_size or num_classes) and source.endswith(".py"):
+        raise ModelFileError(f"{source}: --image-size and --num-classes apply to timm:, "
+                             "torchvision: and Hugging Face image models; a model file makes "
+                             "its own batch in make_batch(batch_size)")
     if vision:
         spec = sources.load_vision(source, image_size, num_classes)
     elif source.endswith(".py") or (os.path.isfile(source) and not source.endswith(".json")):
@@ -80,7 +80,7 @@ def load_model(source: str, *, task: str | None = None, seq_len: int | None = No
                                  "a model file makes its own batch in make_batch(batch_size)")
         spec = load_model_file(source)
     else:
-        spec = sources.load_hf(source, task, seq_len)
+        spec = sources.load_hf(source, task, seq_len, image_size, num_classes)
     return dataclasses.replace(spec, adapters=adapters,
                                origin=(source, task, seq_len, image_size, num_classes))
 
@@ -337,8 +337,8 @@ def _call(spec: ModelSpec, name: str, fn: Callable, *args: Any) -> Any:
                 f"{spec.path}: {name} uses a value computed from tensor data ({kind}: "
                 f"{_first_line(e)}), which a fake-tensor trace cannot follow; remove "
                 ".item()/.tolist()/data-dependent shapes from the training step") from e
-        raise ModelFileError(f"{spec.path}: {name} raised {kind}: {_first_line(e)}; run "
-                             "with --debug for the traceback") from e
+        # the CLI adds "(--debug for the traceback)" to every such error
+        raise ModelFileError(f"{spec.path}: {name} raised {kind}: {_first_line(e)}") from e
 
 
 def _first_line(e: BaseException) -> str:

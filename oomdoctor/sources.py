@@ -37,7 +37,9 @@ TASKS = dict(zip(configs.TASKS, [
     ("AutoModelForMaskedLM", ("ForMaskedLM", "ForPreTraining")),
     ("AutoModelForTokenClassification", ("ForTokenClassification",)),
     ("AutoModelForSeq2SeqLM", ("ForConditionalGeneration",)),
+    ("AutoModelForImageClassification", ("ForImageClassification",)),
 ], strict=True))
+IMAGE_TASKS = ("image-cls",)    # a batch of images (--image-size, --num-classes), not tokens
 DEFAULT_SEQ_LEN = 1024      # tokens, capped at the model's max_position_embeddings
 
 
@@ -45,7 +47,8 @@ def is_model_file(source: str) -> bool:
     return source.endswith(".py")
 
 
-def load_hf(source: str, task: str | None = None, seq_len: int | None = None) -> ModelSpec:
+def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
+            image_size: int | None = None, num_classes: int | None = None) -> ModelSpec:
     """A :class:`ModelSpec` for a Hugging Face id, config folder or ``config.json``."""
     try:
         import transformers
@@ -60,6 +63,8 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None) ->
     task = task or _task_of(config, source)
     auto_name, _ = TASKS[task]
     auto = getattr(transformers, auto_name)
+    if task in IMAGE_TASKS or image_size or num_classes:
+        return _hf_images(source, config, task, auto, seq_len, image_size, num_classes)
     max_len = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
     tokens = seq_len or min(DEFAULT_SEQ_LEN, max_len)
     if tokens > max_len:
@@ -68,12 +73,7 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None) ->
     vocab = config.vocab_size
     num_labels = getattr(config, "num_labels", 2)
 
-    def build_model():
-        # SDPA where the architecture has it (what transformers picks on a GPU), else eager.
-        try:
-            return auto.from_config(config, attn_implementation="sdpa")
-        except (ValueError, ImportError):
-            return auto.from_config(config)
+    build_model = _builder(auto, config)
 
     def make_batch(batch_size: int) -> dict[str, Any]:
         import torch
@@ -88,11 +88,56 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None) ->
             batch["labels"] = ids
         return batch
 
+    return ModelSpec(path=source, build_model=build_model, make_batch=make_batch, loss_fn=None,
+                     make_optimizer=None, label=f"{_label(source)} ({task}, {tokens} tokens)")
+
+
+def _hf_images(source: str, config: Any, task: str, auto: Any, seq_len: int | None,
+               image_size: int | None, num_classes: int | None) -> ModelSpec:
+    """An image classifier from its config (ViT, ConvNeXt, Swin, ...): ``pixel_values`` at the
+    config's ``image_size`` (or ``image_size``) and class ``labels``; the model's own loss."""
+    if task not in IMAGE_TASKS:
+        raise ModelFileError(f"{source}: --image-size and --num-classes apply to image models "
+                             f"(--task {'|'.join(IMAGE_TASKS)}), not to {task}")
+    if seq_len:
+        raise ModelFileError(f"{source}: --seq-len applies to text models; an image model takes "
+                             "--image-size")
+    size = getattr(config, "image_size", None) or 224
+    size = image_size or (size[0] if isinstance(size, (list, tuple)) else size)
+    channels = getattr(config, "num_channels", None) or 3
+    if image_size and hasattr(config, "image_size"):
+        # built for that size (ViT's position embeddings), as a fine-tune at a new resolution
+        config.image_size = image_size
+    if num_classes:
+        config.num_labels = num_classes       # the head to train, as from_pretrained(num_labels=)
+    classes = config.num_labels
+    build_model = _builder(auto, config)
+
+    def make_batch(batch_size: int) -> dict[str, Any]:
+        import torch
+        return {"pixel_values": torch.randn(batch_size, channels, size, size),
+                "labels": torch.randint(0, classes, (batch_size,))}
+    return ModelSpec(path=source, build_model=build_model, make_batch=make_batch, loss_fn=None,
+                     make_optimizer=None,
+                     label=f"{_label(source)} ({task}, {size}x{size}, {classes} classes)")
+
+
+def _builder(auto: Any, config: Any):
+    def build_model():
+        # SDPA where the architecture has it (what transformers picks on a GPU), else eager.
+        try:
+            return auto.from_config(config, attn_implementation="sdpa")
+        except (ValueError, ImportError):
+            # named: the refused attempt has already written "sdpa" into the config
+            return auto.from_config(config, attn_implementation="eager")
+    return build_model
+
+
+def _label(source: str) -> str:
     label = source.rstrip("/").split("/")[-1]
     if label == "config.json":
         label = os.path.basename(os.path.dirname(os.path.abspath(source)))
-    return ModelSpec(path=source, build_model=build_model, make_batch=make_batch, loss_fn=None,
-                     make_optimizer=None, label=f"{label} ({task}, {tokens} tokens)")
+    return label
 
 
 def max_tokens(source: str) -> int:

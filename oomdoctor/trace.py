@@ -39,7 +39,7 @@ from oomdoctor import adapters, emulate, rnn, values
 from oomdoctor.fusion import Fusion
 from oomdoctor.stepping import (compile_notes, every_step, foreach_measured, host_state,
                                 state_bytes, state_tensors, step_notes, unique_storages)
-from oomdoctor.eager import compile_as_eager, dynamo_left_unloaded
+from oomdoctor.eager import fake_trace
 from oomdoctor.loader import (DataDependentError, ModelFileError, ModelSpec, build_for_training,
                               compute_loss, make_configured_batch, make_configured_optimizer)
 from oomdoctor.configs import PRECISIONS, ZERO_GRAD_MODES  # noqa: F401  (re-exported)
@@ -446,9 +446,8 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
 
     def fused():
         return recorders[0].fused() if recorders else contextlib.nullcontext()
-    with fake_mode, (dynamo_left_unloaded() if fake else contextlib.nullcontext()), \
-            (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()), \
-            (compile_as_eager(compiled, fused) if fake else contextlib.nullcontext()):
+    with fake_mode, (fake_trace(compiled, fused) if fake else contextlib.nullcontext()), \
+            (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()):
         model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
                                                  cfg.checkpoint_class, preserve_rng_state=not fake,
                                                  notes=notes)

@@ -121,3 +121,55 @@ def test_a_check_case_can_name_a_config_folder(tmp_path):
     assert row["now_reserved"] == json.loads(e.stdout)["peak_reserved_bytes"]
     baseline = json.loads((tmp_path / "base.json").read_text())
     assert baseline["cases"]["tiny-llama"]["config"]["seq_len"] == 64
+
+
+# --- image classifiers by config (ViT, ConvNeXt, Swin, ...) --------------------------------------
+
+VIT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+           image_size=32, patch_size=8, num_labels=5)
+VIT_FILE = '''
+import torch, transformers
+def build_model():
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=64, image_size=32, patch_size=8, num_labels=7)
+    return transformers.ViTForImageClassification(cfg)
+def make_batch(b):
+    return {"pixel_values": torch.randn(b, 3, 32, 32), "labels": torch.randint(0, 7, (b,))}
+'''
+
+
+def test_an_image_classifier_config_trains_on_images_like_a_real_run(tmp_path):
+    """A Hugging Face image classifier by config: pixel_values at the config's image size and
+    labels of --num-classes classes, the model's own loss. Checked against a real CPU run of
+    the same transformers model written as a model file, and transformers' parameter count."""
+    import transformers
+    from reference import real_cpu_peak
+    cfg = transformers.ViTConfig(**VIT)
+    cfg.architectures = ["ViTForImageClassification"]
+    cfg.save_pretrained(tmp_path / "vit")
+    spec = load_model(str(tmp_path / "vit"), num_classes=7)
+    assert spec.name == "vit (image-cls, 32x32, 7 classes)"
+    batch = spec.make_batch(2)
+    assert batch["pixel_values"].shape == (2, 3, 32, 32) and int(batch["labels"].max()) < 7
+    sim = trace_training(spec, TraceConfig(2, emulate_cuda=False))
+    real_model = transformers.ViTForImageClassification(transformers.ViTConfig(
+        **{**VIT, "num_labels": 7}))
+    assert sim.num_parameters == real_model.num_parameters()
+    (tmp_path / "vit_file.py").write_text(VIT_FILE)
+    real = real_cpu_peak(str(tmp_path / "vit_file.py"), 2)
+    assert abs(sim.peak_live_bytes - real) <= 0.005 * real, (sim.peak_live_bytes, real)
+
+
+def test_image_options_and_text_options_do_not_mix(tmp_path):
+    import transformers
+    cfg = transformers.ViTConfig(**VIT)
+    cfg.architectures = ["ViTForImageClassification"]
+    cfg.save_pretrained(tmp_path / "vit")
+    with pytest.raises(ModelFileError, match="--seq-len applies to text models"):
+        load_model(str(tmp_path / "vit"), seq_len=128)
+    with pytest.raises(ModelFileError, match="not to causal-lm"):
+        load_model(str(config_dir(tmp_path)), image_size=64)
+    r = CliRunner().invoke(cli, ["estimate", str(tmp_path / "vit"), "-b", "2", "--image-size",
+                                 "64", "--gpu", "rtx3090"])
+    assert r.exit_code == EXIT_OK, r.output
+    assert "(image-cls, 64x64, 5 classes)" in r.stdout

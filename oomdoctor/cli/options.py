@@ -64,12 +64,13 @@ def _source_options(f):
                           "finds the longest that fits."),
         click.option("--image-size", type=click.IntRange(1), metavar="PIXELS",
                      expose_value=False, callback=_remember, is_eager=True,
-                     help="For timm:NAME / torchvision:NAME: image height and width (default: "
-                          "the model's own, usually 224)."),
+                     help="For timm:NAME / torchvision:NAME or a Hugging Face image classifier: "
+                          "image height and width (default: the model's own, usually 224)."),
         click.option("--num-classes", type=click.IntRange(1), metavar="N",
                      expose_value=False, callback=_remember, is_eager=True,
-                     help="For timm:NAME / torchvision:NAME: classes of the head to train "
-                          "(default: the model's, 1000 for ImageNet)."),
+                     help="For timm:NAME / torchvision:NAME or a Hugging Face image classifier: "
+                          "classes of the head to train (default: the model's, 1000 for "
+                          "ImageNet)."),
         click.option("--lora", "lora_rank", type=click.IntRange(1), metavar="RANK",
                      expose_value=False, callback=_remember, is_eager=True,
                      help="Train LoRA adapters of this rank (peft) on the frozen model; under "
