@@ -1,0 +1,100 @@
+"""How far below eager does ``torch.compile(model)`` training land? Real CPU runs, measured.
+
+For each small model, one real CPU training loop (AdamW, forward + loss + backward + step +
+``zero_grad(set_to_none=True)``) is run eagerly and under ``torch.compile(model)`` (Inductor's
+CPU backend), and its peak allocated bytes are read from torch.profiler's allocator events with
+``tests/reference.py``'s ``_profiled_peak`` (the same reading the tests use). Step 1 runs outside
+the profiler (it compiles, and it creates the optimizer state); steps 2-3 are measured, with the
+parameters, buffers and optimizer state already allocated counted as the base. oomdoctor's
+estimate of the same model file is printed beside them (CPU behaviour: ``emulate_cuda=False``):
+it traces the eager model, so it should match the eager column.
+
+    python benchmarks/bench_compile.py            # all models, about 2 minutes on 2 cores
+    python benchmarks/bench_compile.py --models gelu_mlp convnet
+
+The CPU convolution backward's per-thread scratch is not counted (``opaque``, as in
+tests/test_checkpointing.py): it is a CPU kernel's, the trace does not see it, and it would be
+the same in both runs.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))        # the independent reference measurement
+
+from reference import _loss, _profiled_peak, load  # noqa: E402
+
+from oomdoctor.loader import load_model_file  # noqa: E402
+from oomdoctor.trace import TraceConfig, trace_training  # noqa: E402
+
+HERE = Path(__file__).resolve().parent / "compile_models"
+MODELS = {                                     # name: (model file, batch size)
+    "gpt_tiny": (HERE / "gpt_tiny.py", 8),
+    "gelu_mlp": (HERE / "gelu_mlp.py", 2048),
+    "convnet": (HERE / "convnet.py", 32),
+    "unet": (ROOT / "tests/models/unet.py", 4),
+}
+OPAQUE = ("aten::convolution_backward",)
+
+
+def real_peak(path: Path, batch_size: int, compiled: bool, steps: int = 2) -> int:
+    """Peak allocated bytes of `steps` real CPU training steps after one warm-up step."""
+    mod = load(str(path))
+    torch.manual_seed(0)
+    model = mod.build_model().train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    # torch.compile returns a wrapper sharing the module's parameters; the optimizer holds
+    # the same tensors either way
+    run_model = torch.compile(model) if compiled else model
+
+    def step():
+        batch = mod.make_batch(batch_size)
+        loss = _loss(mod, run_model, batch)
+        loss.backward()
+        del loss, batch
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()                                     # compiles; creates the AdamW state
+    state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+             for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)}
+
+    def run():
+        for _ in range(steps):
+            step()
+    # _profiled_peak counts the parameters and buffers; the state is already there too
+    return _profiled_peak(model, run, OPAQUE) + sum(state.values())
+
+
+def estimate(path: Path, batch_size: int) -> int:
+    return trace_training(load_model_file(str(path)),
+                          TraceConfig(batch_size, emulate_cuda=False)).peak_live_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    args = parser.parse_args()
+    mib = 2**20
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; peak allocated, MiB")
+    print(f"{'model':10s} {'batch':>5s} {'eager':>9s} {'compiled':>9s} {'oomdoctor':>9s} "
+          f"{'comp/eager':>10s} {'oomd/eager':>10s} {'compile s':>9s}")
+    for name in args.models:
+        path, batch = MODELS[name]
+        eager = real_peak(path, batch, compiled=False)
+        start = time.perf_counter()
+        compiled = real_peak(path, batch, compiled=True)
+        took = time.perf_counter() - start
+        sim = estimate(path, batch)
+        print(f"{name:10s} {batch:5d} {eager / mib:9.2f} {compiled / mib:9.2f} {sim / mib:9.2f} "
+              f"{compiled / eager:10.3f} {sim / eager:10.4f} {took:9.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
