@@ -7,7 +7,9 @@ CPU backend), and its peak allocated bytes are read from torch.profiler's alloca
 the profiler (it compiles, and it creates the optimizer state); steps 2-3 are measured, with the
 parameters, buffers and optimizer state already allocated counted as the base. oomdoctor's
 estimate of the same model file is printed beside them (CPU behaviour: ``emulate_cuda=False``):
-it traces the eager model, so it should match the eager column.
+it traces the eager model, so it should match the eager column. "above base" compares the
+two runs without the parameters, buffers and AdamW state (the same in both): what compile
+changes, activations, gradients and temporaries, as a ratio.
 
     python benchmarks/bench_compile.py            # all models, about 2 minutes on 2 cores
     python benchmarks/bench_compile.py --models gelu_mlp convnet
@@ -39,15 +41,20 @@ MODELS = {                                     # name: (model file, batch size)
     "gelu_mlp": (HERE / "gelu_mlp.py", 2048),
     "convnet": (HERE / "convnet.py", 32),
     "unet": (ROOT / "tests/models/unet.py", 4),
+    "unet_b16": (ROOT / "tests/models/unet.py", 16),
 }
 OPAQUE = ("aten::convolution_backward",)
 
 
-def real_peak(path: Path, batch_size: int, compiled: bool, steps: int = 2) -> int:
-    """Peak allocated bytes of `steps` real CPU training steps after one warm-up step."""
+def real_peak(path: Path, batch_size: int, compiled: bool, steps: int = 2) -> tuple[int, int]:
+    """Peak allocated bytes of `steps` real CPU training steps after one warm-up step, and the
+    part of it that was there before the steps (parameters, buffers, AdamW state)."""
     mod = load(str(path))
     torch.manual_seed(0)
     model = mod.build_model().train()
+    # a fresh compile per run: dynamo would otherwise recompile the second batch size of the
+    # same forward with a dynamic batch dimension, which plans memory differently
+    torch._dynamo.reset()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     # torch.compile returns a wrapper sharing the module's parameters; the optimizer holds
     # the same tensors either way
@@ -69,7 +76,10 @@ def real_peak(path: Path, batch_size: int, compiled: bool, steps: int = 2) -> in
         for _ in range(steps):
             step()
     # _profiled_peak counts the parameters and buffers; the state is already there too
-    return _profiled_peak(model, run, OPAQUE) + sum(state.values())
+    base = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in list(model.parameters()) + list(model.buffers())}.values())
+    base += sum(state.values())
+    return _profiled_peak(model, run, OPAQUE) + sum(state.values()), base
 
 
 def estimate(path: Path, batch_size: int) -> int:
@@ -84,16 +94,17 @@ def main() -> None:
     mib = 2**20
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; peak allocated, MiB")
     print(f"{'model':10s} {'batch':>5s} {'eager':>9s} {'compiled':>9s} {'oomdoctor':>9s} "
-          f"{'comp/eager':>10s} {'oomd/eager':>10s} {'compile s':>9s}")
+          f"{'comp/eager':>10s} {'above base':>10s} {'oomd/eager':>10s} {'comp run s':>10s}")
     for name in args.models:
         path, batch = MODELS[name]
-        eager = real_peak(path, batch, compiled=False)
+        eager, base = real_peak(path, batch, compiled=False)
         start = time.perf_counter()
-        compiled = real_peak(path, batch, compiled=True)
+        compiled, _ = real_peak(path, batch, compiled=True)
         took = time.perf_counter() - start
         sim = estimate(path, batch)
         print(f"{name:10s} {batch:5d} {eager / mib:9.2f} {compiled / mib:9.2f} {sim / mib:9.2f} "
-              f"{compiled / eager:10.3f} {sim / eager:10.4f} {took:9.1f}", flush=True)
+              f"{compiled / eager:10.3f} {(compiled - base) / (eager - base):10.3f} "
+              f"{sim / eager:10.4f} {took:10.1f}", flush=True)
 
 
 if __name__ == "__main__":
