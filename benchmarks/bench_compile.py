@@ -29,6 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))        # the independent reference measurement
+sys.path.insert(0, str(ROOT))                  # this checkout's oomdoctor, not an installed one
 
 from reference import _loss, _profiled_peak, load  # noqa: E402
 
