@@ -143,9 +143,12 @@ def compile_notes(optimizer: torch.optim.Optimizer, compiled: list[tuple[str, st
         #   for CPU convolutions with oneDNN, torch/_inductor/graph.py decide_layout_opt)
         #   saves a channels-last copy of every conv weight for backward; at batch 4 that
         #   outweighs the activations it saves (with TORCHINDUCTOR_LAYOUT_OPTIMIZATION=0: 0.94).
+        #   On CUDA the same function's heuristic would leave this U-Net channels-first (its
+        #   up-path convolutions halve the channels), so the +9% is the CPU's.
         notes.append("the model file calls torch.compile: traced as eager PyTorch. Measured "
                      "on the CPU, compiled training peaked 0-25% below eager (a GPT-style "
-                     "stack -22%, an MLP 0%, conv nets -5% to -25%), but a small-batch conv "
-                     "net came out 9% above (Inductor saves a channels-last copy of each conv "
-                     "weight for backward): read this as the eager figure, not a bound")
+                     "stack -22%, an MLP 0%, conv nets -5% to -25%), but a small-batch U-Net "
+                     "came out 9% above: Inductor saved a channels-last copy of each conv "
+                     "weight for backward (on a GPU only where it picks channels-last). Read "
+                     "this as the eager figure, not a bound")
     return notes
