@@ -130,12 +130,27 @@ def compile_notes(optimizer: torch.optim.Optimizer, compiled: list[tuple[str, st
                      "re-quantized; the eager step's other temporaries are not counted "
                      "(measured with Inductor on the CPU)")
     if any(where == "model" for where, _ in compiled):
-        # Compiled training usually saves less for backward: Inductor fuses elementwise
-        # chains (their intermediates are never saved) and AOTAutograd's min-cut
-        # partitioner recomputes cheap ops in backward instead of keeping their outputs.
-        notes.append("the model file calls torch.compile: traced as eager PyTorch; "
-                     "compiled training usually needs less activation memory (fused "
-                     "kernels save fewer tensors), so read this as an upper bound")
+        # Measured with benchmarks/bench_compile.py (real CPU training steps, Inductor, torch
+        # 2.13, peaks from the profiler's allocator events), compiled/eager peak:
+        # - 0.78, a GPT-style stack: mostly the loss; eager's log-softmax backward holds two
+        #   more logit-sized tensors, the compiled backward fuses them (its saved tensors are
+        #   only 7% fewer);
+        # - 1.00, a GELU MLP: AOTAutograd's min-cut partitioner minimises bytes moved, not
+        #   held, and kept both the matmul output and its GELU, as eager does;
+        # - 0.75, a VGG-style conv net: max-pool's int64 indices become int8 offsets, and the
+        #   ReLU output feeding a pool is recomputed, not kept;
+        # - 0.95 / 1.09, a U-Net at batch 16 / 4: Inductor's layout optimization (always on
+        #   for CPU convolutions with oneDNN, torch/_inductor/graph.py decide_layout_opt)
+        #   saves a channels-last copy of every conv weight for backward; at batch 4 that
+        #   outweighs the activations it saves (with TORCHINDUCTOR_LAYOUT_OPTIMIZATION=0: 0.94).
+        #   On CUDA the same function's heuristic would leave this U-Net channels-first (its
+        #   up-path convolutions halve the channels), so the +9% is the CPU's.
+        notes.append("the model file calls torch.compile: traced as eager PyTorch. Measured "
+                     "on the CPU, compiled training peaked 0-25% below eager (a GPT-style "
+                     "stack -22%, an MLP 0%, conv nets -5% to -25%), but a small-batch U-Net "
+                     "came out 9% above: Inductor saved a channels-last copy of each conv "
+                     "weight for backward (on a GPU only where it picks channels-last). Read "
+                     "this as the eager figure, not a bound")
     return notes
 
 
