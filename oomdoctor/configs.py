@@ -17,7 +17,8 @@ ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")
 # transformers auto class).
 # --quantize: bitsandbytes 4-bit weight formats (oomdoctor.adapters)
 QUANTIZATIONS = ("nf4", "fp4", "int8")
-TASKS = ("causal-lm", "seq-cls", "masked-lm", "token-cls", "seq2seq-lm", "image-cls")
+TASKS = ("causal-lm", "seq-cls", "masked-lm", "token-cls", "seq2seq-lm", "image-cls",
+         "speech-seq2seq")
 STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp")
 # recommend and smoke also take hsdp (hybrid sharding, oomdoctor.parallel.NODE_STRATEGIES), a
 # plan for several nodes (--nodes N).

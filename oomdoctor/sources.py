@@ -38,6 +38,9 @@ TASKS = dict(zip(configs.TASKS, [
     ("AutoModelForTokenClassification", ("ForTokenClassification",)),
     ("AutoModelForSeq2SeqLM", ("ForConditionalGeneration",)),
     ("AutoModelForImageClassification", ("ForImageClassification",)),
+    # told apart from seq2seq-lm by the config's model type (_task_of): both are
+    # ...ForConditionalGeneration
+    ("AutoModelForSpeechSeq2Seq", ()),
 ], strict=True))
 IMAGE_TASKS = ("image-cls",)    # a batch of images (--image-size, --num-classes), not tokens
 DEFAULT_SEQ_LEN = 1024      # tokens, capped at the model's max_position_embeddings
@@ -65,6 +68,8 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
     auto = getattr(transformers, auto_name)
     if task in IMAGE_TASKS or image_size or num_classes:
         return _hf_images(source, config, task, auto, seq_len, image_size, num_classes)
+    if task == "speech-seq2seq":
+        return _hf_speech(source, config, auto, seq_len)
     max_len = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
     tokens = seq_len or min(DEFAULT_SEQ_LEN, max_len)
     if tokens > max_len:
@@ -122,6 +127,33 @@ def _hf_images(source: str, config: Any, task: str, auto: Any, seq_len: int | No
                      label=f"{_label(source)} ({task}, {size}x{size}, {classes} classes)")
 
 
+def _hf_speech(source: str, config: Any, auto: Any, seq_len: int | None) -> ModelSpec:
+    """Whisper-style speech-to-text: ``input_features``, the log-mel spectrogram of a 30 s
+    window (``num_mel_bins`` x twice ``max_source_positions`` frames: the encoder's strided
+    convolution halves them), and ``labels`` of ``seq_len`` tokens (default and at most
+    ``max_target_positions``)."""
+    mels, frames = (getattr(config, "num_mel_bins", None),
+                    getattr(config, "max_source_positions", None))
+    if not mels or not frames:
+        raise ModelFileError(f"{source}: oomdoctor builds speech batches for Whisper-style "
+                             "models (log-mel input_features); for this one write a model file "
+                             "with its make_batch (see --help)")
+    max_len = getattr(config, "max_target_positions", None) or DEFAULT_SEQ_LEN
+    tokens = seq_len or min(DEFAULT_SEQ_LEN, max_len)
+    if tokens > max_len:
+        raise ModelFileError(f"{source}: --seq-len {tokens} is beyond the model's "
+                             f"max_target_positions ({max_len})")
+
+    def make_batch(batch_size: int) -> dict[str, Any]:
+        import torch
+        return {"input_features": torch.randn(batch_size, mels, 2 * frames),
+                "labels": torch.randint(0, config.vocab_size, (batch_size, tokens))}
+    return ModelSpec(path=source, build_model=_builder(auto, config), make_batch=make_batch,
+                     loss_fn=None, make_optimizer=None,
+                     label=f"{_label(source)} (speech-seq2seq, {2 * frames} frames, "
+                           f"{tokens} tokens)")
+
+
 def _builder(auto: Any, config: Any):
     def build_model():
         # SDPA where the architecture has it (what transformers picks on a GPU), else eager.
@@ -168,6 +200,9 @@ def _config(transformers: Any, source: str) -> Any:
 
 
 def _task_of(config: Any, source: str) -> str:
+    from transformers.models.auto import modeling_auto as auto
+    if getattr(config, "model_type", None) in auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        return "speech-seq2seq"
     for arch in getattr(config, "architectures", None) or ():
         for task, (_, suffixes) in TASKS.items():
             if arch.endswith(suffixes):

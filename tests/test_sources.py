@@ -173,3 +173,41 @@ def test_image_options_and_text_options_do_not_mix(tmp_path):
                                  "64", "--gpu", "rtx3090"])
     assert r.exit_code == EXIT_OK, r.output
     assert "(image-cls, 64x64, 5 classes)" in r.stdout
+
+
+# --- speech-to-text by config (Whisper) --------------------------------------------------------
+
+WHISPER = dict(vocab_size=100, num_mel_bins=16, d_model=32, encoder_layers=2, decoder_layers=2,
+               encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+               decoder_ffn_dim=64, max_source_positions=32, max_target_positions=16,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+WHISPER_FILE = '''
+import torch, transformers
+CFG = {cfg!r}
+def build_model():
+    return transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**CFG))
+def make_batch(b):
+    return {{"input_features": torch.randn(b, 16, 64), "labels": torch.randint(0, 100, (b, 16))}}
+'''
+
+
+def test_a_whisper_config_trains_on_log_mel_features_like_a_real_run(tmp_path):
+    """Whisper by config: the task from the config's model type (its architecture name,
+    ...ForConditionalGeneration, is the text seq2seq models' too), input_features of 2 x
+    max_source_positions frames, labels of max_target_positions tokens; against a real CPU run
+    of the same transformers model written as a model file."""
+    import transformers
+    from reference import real_cpu_peak
+    cfg = transformers.WhisperConfig(**WHISPER)
+    cfg.architectures = ["WhisperForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path / "whisper")
+    spec = load_model(str(tmp_path / "whisper"))
+    assert spec.name == "whisper (speech-seq2seq, 64 frames, 16 tokens)"
+    sim = trace_training(spec, TraceConfig(2, emulate_cuda=False))
+    assert sim.num_parameters == transformers.WhisperForConditionalGeneration(
+        transformers.WhisperConfig(**WHISPER)).num_parameters()
+    (tmp_path / "whisper_file.py").write_text(WHISPER_FILE.format(cfg=WHISPER))
+    real = real_cpu_peak(str(tmp_path / "whisper_file.py"), 2)
+    assert abs(sim.peak_live_bytes - real) <= 0.005 * real, (sim.peak_live_bytes, real)
+    with pytest.raises(ModelFileError, match="beyond the model's max_target_positions"):
+        load_model(str(tmp_path / "whisper"), seq_len=32)
