@@ -11,8 +11,9 @@ task, built with random initialisation on oomdoctor's fake tensors (``from_confi
 small ``config.json`` is read, from the folder, the file, or the Hub (online, or from the local
 Hugging Face cache offline). The text batch follows the model: ``input_ids`` and an all-ones
 ``attention_mask`` of ``seq_len`` tokens, and ``labels`` as the task's loss wants them; the loss
-is the model's own (``outputs.loss``), as the HF Trainer computes it. Needs ``pip install
-oomdoctor[hf]``.
+is the model's own (``outputs.loss``), as the HF Trainer computes it. Image classifiers
+(``image-cls``) get ``pixel_values`` and class labels instead, Whisper (``speech-seq2seq``) a
+log-mel window and label tokens. Needs ``pip install oomdoctor[hf]``.
 
 ``timm:NAME`` and ``torchvision:NAME`` are built by their libraries' own constructors
 (``timm.create_model``, ``torchvision.models.get_model``) with no weights, and trained as an image
