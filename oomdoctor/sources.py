@@ -71,11 +71,7 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
         return _hf_images(source, config, task, auto, seq_len, image_size, num_classes)
     if task == "speech-seq2seq":
         return _hf_speech(source, config, auto, seq_len)
-    max_len = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
-    tokens = seq_len or min(DEFAULT_SEQ_LEN, max_len)
-    if tokens > max_len:
-        raise ModelFileError(f"{source}: --seq-len {tokens} is beyond the model's "
-                             f"max_position_embeddings ({max_len})")
+    tokens = _tokens(source, config, seq_len)
     vocab = config.vocab_size
     num_labels = getattr(config, "num_labels", 2)
 
@@ -101,7 +97,7 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
 def _hf_images(source: str, config: Any, task: str, auto: Any, seq_len: int | None,
                image_size: int | None, num_classes: int | None) -> ModelSpec:
     """An image classifier from its config (ViT, ConvNeXt, Swin, ...): ``pixel_values`` at the
-    config's ``image_size`` (or ``image_size``) and class ``labels``; the model's own loss."""
+    config's ``image_size`` (or the one asked for) and class ``labels``; the model's own loss."""
     if task not in IMAGE_TASKS:
         raise ModelFileError(f"{source}: --image-size and --num-classes apply to image models "
                              f"(--task {'|'.join(IMAGE_TASKS)}), not to {task}")
@@ -139,11 +135,7 @@ def _hf_speech(source: str, config: Any, auto: Any, seq_len: int | None) -> Mode
         raise ModelFileError(f"{source}: oomdoctor builds speech batches for Whisper-style "
                              "models (log-mel input_features); for this one write a model file "
                              "with its make_batch (see --help)")
-    max_len = getattr(config, "max_target_positions", None) or DEFAULT_SEQ_LEN
-    tokens = seq_len or min(DEFAULT_SEQ_LEN, max_len)
-    if tokens > max_len:
-        raise ModelFileError(f"{source}: --seq-len {tokens} is beyond the model's "
-                             f"max_target_positions ({max_len})")
+    tokens = _tokens(source, config, seq_len)
 
     def make_batch(batch_size: int) -> dict[str, Any]:
         import torch
@@ -174,10 +166,28 @@ def _label(source: str) -> str:
 
 
 def max_tokens(source: str) -> int:
-    """The longest sequence the model takes (``max_position_embeddings``; 1024 if unset)."""
+    """The longest sequence the model takes (see :func:`_max_len`)."""
     import transformers
-    config = _config(transformers, source)
-    return getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_LEN
+    return _max_len(_config(transformers, source))[1]
+
+
+def _max_len(config: Any) -> tuple[str, int]:
+    """(the config field, the longest sequence the model takes): ``max_position_embeddings``,
+    or a decoder's ``max_target_positions`` (Whisper); 1024 if neither is set."""
+    for field in ("max_position_embeddings", "max_target_positions"):
+        if getattr(config, field, None):
+            return field, getattr(config, field)
+    return "max_position_embeddings", DEFAULT_SEQ_LEN
+
+
+def _tokens(source: str, config: Any, seq_len: int | None) -> int:
+    """--seq-len, or the default capped at the model's longest."""
+    field, max_len = _max_len(config)
+    tokens = seq_len or min(DEFAULT_SEQ_LEN, max_len)
+    if tokens > max_len:
+        raise ModelFileError(f"{source}: --seq-len {tokens} is beyond the model's {field} "
+                             f"({max_len})")
+    return tokens
 
 
 def _config(transformers: Any, source: str) -> Any:
