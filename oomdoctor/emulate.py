@@ -17,14 +17,16 @@ on fake CPU tensors and this module makes the CPU behave, memory-wise, like CUDA
   ``found_inf.item()`` sync, which a fake tensor cannot answer.
 - :class:`CudaKernels` also runs ``torch.lstm``/``gru``/``rnn_*`` as cuDNN's fused call
   (:mod:`oomdoctor.rnn`).
-- :func:`apply_checkpointing` wraps repeated blocks in ``torch.utils.checkpoint``.
+
+Checkpointing (which blocks, and wrapping them) is :mod:`oomdoctor.checkpointing`; checkpoints
+recompute under these modes through :mod:`oomdoctor.recompute`.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import types
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -389,108 +391,6 @@ def _reenter(modes: list[TorchFunctionMode]):
             for m in modes:
                 stack.enter_context(m)
         yield
-
-
-def find_repeated_blocks(model: torch.nn.Module, class_name: str | None = None) -> list[str]:
-    """Names of the blocks to checkpoint: every module of ``class_name``, or by default the
-    repeated block a person would wrap.
-
-    That is the module class, with at least two instances, that holds the most parameters in
-    its outermost instances - a transformer's layer, a ResNet's BasicBlock, a U-Net's
-    DoubleConv - counting only classes that contain other modules: checkpointing a leaf layer
-    (a Conv2d or Linear) saves nothing, since each still keeps its own input for backward,
-    and the generic containers (Sequential, ModuleList, ModuleDict) are wrappers, not blocks.
-    Ties go to the class with fewer, larger instances. A model without such a class falls back
-    to the children of a ModuleList/Sequential that share a class (the most instances, then
-    the most parameters)."""
-    if class_name:
-        names = [n for n, m in model.named_modules() if type(m).__name__ == class_name and n]
-        if not names:
-            classes = sorted({type(m).__name__ for _, m in model.named_modules()})
-            raise ValueError(f"no module of class {class_name!r} in the model; classes present: "
-                             f"{', '.join(classes)}")
-        return names
-    blocks = _repeated_containers(model)
-    if blocks:
-        return blocks
-    groups: dict[type, list[str]] = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)):
-            for child_name, child in mod.named_children():
-                groups.setdefault(type(child), []).append(f"{name}.{child_name}" if name
-                                                          else child_name)
-    groups = {c: n for c, n in groups.items() if len(n) >= 2
-              and sum(p.numel() for p in model.get_submodule(n[0]).parameters()) > 0}
-    if not groups:
-        raise ValueError("no repeated blocks (ModuleList/Sequential children of one class) "
-                         "to checkpoint; pass --checkpoint-class NAME")
-
-    def weight(c: type) -> tuple[int, int]:
-        names = groups[c]
-        return len(names), sum(p.numel() for p in model.get_submodule(names[0]).parameters())
-    best = max(groups, key=weight)
-    return groups[best]
-
-
-_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
-
-
-def _repeated_containers(model: torch.nn.Module) -> list[str]:
-    """The outermost instances of the repeated non-leaf class covering the most parameters;
-    where those are stages made of several blocks of one class (timm's ConvNeXt and Swin
-    stages) the blocks, as the libraries' own switches checkpoint them (timm's
-    ``set_grad_checkpointing``): recomputing a whole stage in backward would hold all of its
-    activations at once."""
-    by_class: dict[type, list[str]] = {}
-    for name, mod in model.named_modules():
-        # peft's adapter layers (get_base_layer) wrap one Linear: still a layer, not a block.
-        if name and not isinstance(mod, _CONTAINERS) and next(mod.children(), None) is not None \
-                and not callable(getattr(mod, "get_base_layer", None)):
-            by_class.setdefault(type(mod), []).append(name)
-
-    def params(names: list[str]) -> int:
-        return sum(p.numel() for n in names for p in model.get_submodule(n).parameters())
-    candidates = []
-    for names in by_class.values():
-        outer = [n for n in names if not any(n.startswith(o + ".") for o in names)]
-        if len(outer) >= 2 and params(outer) > 0:
-            candidates.append((params(outer), -len(outer), outer))
-    if not candidates:
-        return []
-    covered, _, best = max(candidates)
-    while True:
-        # blocks inside the chosen blocks, several to an instance, holding nearly all of them
-        inner = [c for c in candidates if len(c[2]) > len(best) and c[0] >= 0.9 * covered
-                 and all(any(n.startswith(b + ".") for b in best) for n in c[2])]
-        if not inner:
-            return best
-        covered, _, best = max(inner)
-
-
-def apply_checkpointing(model: torch.nn.Module, class_name: str | None = None, *,
-                        preserve_rng_state: bool = True) -> tuple[str, ...]:
-    """Wrap each repeated block's forward in non-reentrant ``torch.utils.checkpoint``."""
-    names = find_repeated_blocks(model, class_name)
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        # transformers turns the KV cache off under gradient checkpointing (a recomputed layer
-        # would append its keys to the cache a second time); do what its own switch does.
-        config.use_cache = False
-    for name in names:
-        _wrap(model.get_submodule(name), preserve_rng_state)
-    return tuple(names)
-
-
-def _wrap(mod: torch.nn.Module, preserve_rng_state: bool) -> None:
-    orig: Callable = mod.forward
-
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return orig(*args, **kwargs)
-        # recomputed under the emulation's modes: oomdoctor.recompute
-        return torch.utils.checkpoint.checkpoint(
-            orig, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
-    mod.forward = forward
 
 
 def cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> list[str]:

@@ -269,9 +269,9 @@ def build_for_training(spec: ModelSpec, precision: str = "fp32", checkpointing: 
             notes += said
     checkpointed: tuple[str, ...] = ()
     if checkpointing:
-        from oomdoctor import emulate
-        checkpointed = emulate.apply_checkpointing(model, checkpoint_class,
-                                                   preserve_rng_state=preserve_rng_state)
+        from oomdoctor.checkpointing import apply_checkpointing
+        checkpointed = apply_checkpointing(model, checkpoint_class,
+                                           preserve_rng_state=preserve_rng_state)
     return model, checkpointed
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from click.testing import CliRunner
 
-from oomdoctor import emulate
+from oomdoctor import checkpointing
 from oomdoctor.cli import EXIT_OK, cli
 from oomdoctor.loader import build_checked_model, load_model_file
 from oomdoctor.trace import TraceConfig, trace_training
@@ -32,7 +32,7 @@ DOUBLE_CONVS = ("inc", "down1.maxpool_conv.1", "down2.maxpool_conv.1", "down3.ma
 def test_default_blocks_are_the_unets_double_convs():
     with torch.device("meta"):
         model = build_checked_model(load_model_file(UNET))
-    assert tuple(emulate.find_repeated_blocks(model)) == DOUBLE_CONVS
+    assert tuple(checkpointing.find_repeated_blocks(model)) == DOUBLE_CONVS
 
 
 def test_unet_checkpointing_saves_what_a_real_run_saves():

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oomdoctor import emulate
+from oomdoctor import checkpointing, emulate
 from oomdoctor.loader import ModelSpec, load_model_file
 from oomdoctor.trace import Category, Phase, TraceConfig, trace_training
 
@@ -508,7 +508,7 @@ def fake_model(name: str):
 def test_find_repeated_blocks(name, cls):
     mod, model = fake_model(name)
     expected = [n for n, m in model.named_modules() if isinstance(m, getattr(mod, cls))]
-    assert emulate.find_repeated_blocks(model) == expected
+    assert checkpointing.find_repeated_blocks(model) == expected
     assert len(expected) == {"resnet_cnn": 8}.get(name, 12)
 
 
@@ -535,7 +535,7 @@ def test_gpt2_checkpointed_activations():
 def test_checkpoint_class_not_found():
     _, model = fake_model("gpt2_small")
     with pytest.raises(ValueError) as err:
-        emulate.find_repeated_blocks(model, "Nope")
+        checkpointing.find_repeated_blocks(model, "Nope")
     for name in ("Nope", "Block", "CausalSelfAttention", "MLP", "GPT"):
         assert name in str(err.value)
     with pytest.raises(ValueError, match="Linear"):

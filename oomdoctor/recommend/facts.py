@@ -47,14 +47,14 @@ def model_facts(spec: ModelSpec) -> _Facts:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from oomdoctor import emulate
+    from oomdoctor import checkpointing
     from oomdoctor.loader import build_checked_model, make_optimizer
     gc.collect()
     with FakeTensorMode():
         model = build_checked_model(spec)
         opt = make_optimizer(spec, model)
         try:
-            names = emulate.find_repeated_blocks(model)
+            names = checkpointing.find_repeated_blocks(model)
             parent = names[0].rsplit(".", 1)[0] if "." in names[0] else ""
         except ValueError:
             names, parent = [], ""
