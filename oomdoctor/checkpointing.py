@@ -21,15 +21,21 @@ def find_repeated_blocks(model: torch.nn.Module, class_name: str | None = None) 
     DoubleConv - counting only classes that contain other modules: checkpointing a leaf layer
     (a Conv2d or Linear) saves nothing, since each still keeps its own input for backward,
     and the generic containers (Sequential, ModuleList, ModuleDict) are wrappers, not blocks.
-    Ties go to the class with fewer, larger instances. A model without such a class falls back
-    to the children of a ModuleList/Sequential that share a class (the most instances, then
-    the most parameters)."""
+    Ties go to the class with fewer, larger instances. An encoder-decoder has two such classes
+    side by side (nn.Transformer's, Whisper's or BART's encoder and decoder layers): a repeated
+    class outside the chosen blocks that holds at least a quarter of their parameters is
+    wrapped too, as transformers' ``gradient_checkpointing_enable()`` wraps both. A model
+    without such a class falls back to the children of a ModuleList/Sequential that share a
+    class (the most instances, then the most parameters). ``class_name`` may name several
+    classes, comma-separated."""
     if class_name:
-        names = [n for n, m in model.named_modules() if type(m).__name__ == class_name and n]
-        if not names:
+        wanted = {c.strip() for c in class_name.split(",")}
+        names = [n for n, m in model.named_modules() if type(m).__name__ in wanted and n]
+        found = {type(model.get_submodule(n)).__name__ for n in names}
+        if found != wanted:
             classes = sorted({type(m).__name__ for _, m in model.named_modules()})
-            raise ValueError(f"no module of class {class_name!r} in the model; classes present: "
-                             f"{', '.join(classes)}")
+            raise ValueError(f"no module of class {', '.join(sorted(wanted - found))!r} in the "
+                             f"model; classes present: {', '.join(classes)}")
         return names
     blocks = _repeated_containers(model)
     if blocks:
@@ -78,14 +84,30 @@ def _repeated_containers(model: torch.nn.Module) -> list[str]:
             candidates.append((params(outer), -len(outer), outer))
     if not candidates:
         return []
-    covered, _, best = max(candidates)
+    chosen = [_innermost(max(candidates), candidates)]
+    for c in sorted(candidates, reverse=True):
+        # a second stack beside the first (an encoder's layers beside a decoder's)
+        if c[0] >= 0.25 * chosen[0][0] and not any(_overlap(c[2], k[2]) for k in chosen):
+            chosen.append(_innermost(c, candidates))
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted((n for k in chosen for n in k[2]), key=order.__getitem__)
+
+
+def _innermost(best: tuple, candidates: list[tuple]) -> tuple:
+    """Blocks inside the chosen blocks, several to an instance, holding nearly all of them
+    (timm's stages of blocks), instead of the chosen ones; repeatedly."""
     while True:
-        # blocks inside the chosen blocks, several to an instance, holding nearly all of them
-        inner = [c for c in candidates if len(c[2]) > len(best) and c[0] >= 0.9 * covered
-                 and all(any(n.startswith(b + ".") for b in best) for n in c[2])]
+        covered, _, names = best
+        inner = [c for c in candidates if len(c[2]) > len(names) and c[0] >= 0.9 * covered
+                 and all(any(n.startswith(b + ".") for b in names) for n in c[2])]
         if not inner:
             return best
-        covered, _, best = max(inner)
+        best = max(inner)
+
+
+def _overlap(a: list[str], b: list[str]) -> bool:
+    """Whether a block of ``a`` contains, or lies inside, a block of ``b`` (or is one)."""
+    return any(x == y or x.startswith(y + ".") or y.startswith(x + ".") for x in a for y in b)
 
 
 def apply_checkpointing(model: torch.nn.Module, class_name: str | None = None, *,

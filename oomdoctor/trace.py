@@ -455,8 +455,8 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
             # .cuda() flattens RNN weights into cuDNN's one buffer (RNNBase.flatten_parameters)
             notes.append("RNN weights in one flat cuDNN buffer, as .cuda() leaves them")
         if checkpointed:
-            notes.append(f"checkpointing {len(checkpointed)} blocks of class "
-                         f"{type(model.get_submodule(checkpointed[0])).__name__}")
+            notes.append(f"checkpointing {len(checkpointed)} blocks of class " + ",".join(
+                dict.fromkeys(type(model.get_submodule(n)).__name__ for n in checkpointed)))
         # Optimizers that create state in __init__ (Adagrad) make host-side counters there too.
         with torch.device("cpu"):
             optimizer = make_configured_optimizer(spec, model, cfg.optimizer)

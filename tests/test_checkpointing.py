@@ -12,7 +12,10 @@ ModuleList/Sequential child class, Conv2d) froze nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+
+import pytest
 
 import torch
 from click.testing import CliRunner
@@ -65,3 +68,80 @@ def test_probe_names_the_class_and_warns_when_it_frees_nothing():
     assert r.exit_code == EXIT_OK, r.output
     assert "ckpt: 19 blocks of class Conv2d" in r.stdout
     assert "warning: checkpointing Conv2d frees under 5% of the activations" in r.stdout
+
+
+SEQ2SEQ = '''
+import torch, torch.nn as nn
+V, T = 64, 16
+class M(nn.Module):
+    # nn.Transformer's layers, each built on its own (nn.Transformer deep-copies one layer,
+    # which fake CPU tensors - the real-run comparison's trace - cannot follow)
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, 32)
+        self.encoder = nn.ModuleList(nn.TransformerEncoderLayer(32, 2, 64, 0.0, batch_first=True)
+                                     for _ in range(2))
+        self.decoder = nn.ModuleList(nn.TransformerDecoderLayer(32, 2, 64, 0.0, batch_first=True)
+                                     for _ in range(3))
+        self.out = nn.Linear(32, V)
+    def forward(self, src, tgt):
+        memory, x = self.emb(src), self.emb(tgt)
+        for layer in self.encoder:
+            memory = layer(memory)
+        for layer in self.decoder:
+            x = layer(x, memory)
+        return self.out(x)
+def build_model():
+    return M()
+def make_batch(b):
+    return torch.randint(0, V, (b, T)), torch.randint(0, V, (b, T)), torch.randint(0, V, (b, T))
+def loss_fn(model, batch):
+    src, tgt, y = batch
+    return nn.functional.cross_entropy(model(src, tgt).flatten(0, 1), y.flatten())
+'''
+STACKS = ("encoder.0", "encoder.1", "decoder.0", "decoder.1", "decoder.2")
+
+
+def test_an_encoder_decoder_checkpoints_both_stacks_as_a_real_run(tmp_path):
+    """nn.Transformer's layers: the decoder's hold the most parameters, the encoder's are a
+    second stack beside them - both are wrapped (only the decoder's were). Checked against a
+    real CPU run with the same five layers checkpointed by hand."""
+    path = tmp_path / "seq2seq.py"
+    path.write_text(SEQ2SEQ)
+    spec = load_model_file(str(path))
+    ckpt = trace_training(spec, TraceConfig(4, emulate_cuda=False, checkpointing=True))
+    assert ckpt.checkpointed == STACKS
+    assert ("checkpointing 5 blocks of class TransformerEncoderLayer,TransformerDecoderLayer"
+            in ckpt.notes)
+    real = real_cpu_peak_variant(str(path), 4, checkpoint=STACKS)
+    assert abs(ckpt.peak_live_bytes - real) <= 0.005 * real, (ckpt.peak_live_bytes, real)
+    # --checkpoint-class takes several classes too
+    with torch.device("meta"):
+        model = build_checked_model(spec)
+    assert tuple(checkpointing.find_repeated_blocks(
+        model, "TransformerDecoderLayer,TransformerEncoderLayer")) == STACKS
+
+
+def test_whisper_checkpoints_the_layers_transformers_does(tmp_path):
+    """transformers' gradient_checkpointing_enable() wraps Whisper's encoder and decoder
+    layers; --checkpointing must wrap the same ones (same bytes under bf16)."""
+    transformers = pytest.importorskip("transformers")
+    from oomdoctor.loader import load_model
+    from test_sources import WHISPER
+    cfg = transformers.WhisperConfig(**WHISPER)
+    cfg.architectures = ["WhisperForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path / "whisper")
+    ours = trace_training(load_model(str(tmp_path / "whisper")),
+                          TraceConfig(2, precision="bf16", checkpointing=True))
+    assert len(ours.checkpointed) == 4
+    spec = load_model(str(tmp_path / "whisper"))
+    build = spec.build_model
+
+    def theirs_model():
+        model = build()
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+        return model
+    theirs = trace_training(dataclasses.replace(spec, build_model=theirs_model),
+                            TraceConfig(2, precision="bf16"))
+    assert theirs.peak_live_bytes == ours.peak_live_bytes, (theirs.peak_live_bytes,
+                                                            ours.peak_live_bytes)

@@ -161,8 +161,9 @@ def _budget_options(f):
         click.option("--alloc-conf", envvar="PYTORCH_CUDA_ALLOC_CONF", default="",
                      help="PYTORCH_CUDA_ALLOC_CONF to simulate, e.g. expandable_segments:True "
                           "(default: the environment variable)."),
-        click.option("--checkpoint-class", metavar="NAME",
-                     help="Module class to checkpoint (default: the most repeated block)."),
+        click.option("--checkpoint-class", metavar="NAME[,NAME]",
+                     help="Module classes to checkpoint (default: the repeated block; an "
+                          "encoder-decoder's two layer classes)."),
         click.option("--grad-accum", default=1, show_default=True, type=click.IntRange(1),
                      help="Micro-batches per optimizer step."),
         click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
@@ -202,8 +203,9 @@ def _card_options(f):
                      help="Safety margin, a share of the capacity."),
         click.option("--alloc-conf", envvar="PYTORCH_CUDA_ALLOC_CONF", default="",
                      help="PYTORCH_CUDA_ALLOC_CONF to simulate (default: the environment)."),
-        click.option("--checkpoint-class", metavar="NAME",
-                     help="Module class to checkpoint (default: the most repeated block)."),
+        click.option("--checkpoint-class", metavar="NAME[,NAME]",
+                     help="Module classes to checkpoint (default: the repeated block; an "
+                          "encoder-decoder's two layer classes)."),
         click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
                      help="Override the model file's optimizer."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON (bytes as ints)."),
