@@ -14,7 +14,9 @@ generator and the reentrant ``CheckpointFunction``) are given a function that re
 modes that were active when the block's forward called it: oomdoctor's ``--checkpointing``,
 transformers' and a model file's own calls alike. They are module globals that ``checkpoint``
 looks up per call, so a ``functools.partial(checkpoint, ...)`` made earlier (transformers makes
-one in ``gradient_checkpointing_enable``) goes through them too.
+one in ``gradient_checkpointing_enable``) goes through them too. Like oomdoctor.eager's patches,
+this is not thread-safe: a real checkpoint run by another thread during a trace would re-enter
+the trace's modes.
 """
 from __future__ import annotations
 
