@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from oomdoctor.configs import QUANTIZATIONS
-from oomdoctor.loader import ModelFileError, to_dtype
+from oomdoctor.loader import ModelFileError, first_line, to_dtype
 
 _BLOCKSIZE_4BIT = 64          # bitsandbytes Linear4bit / Params4bit default blocksize
 _INT8_THRESHOLD = 6.0         # transformers BitsAndBytesConfig(llm_int8_threshold=6.0)
@@ -248,8 +248,8 @@ def missing_library(name: str, what: str, error: BaseException) -> str:
     if importlib.util.find_spec(name) is None:
         return f"{what} needs the {name} package, which is not installed; " \
                "pip install 'oomdoctor[peft]'"
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return (f"{what} needs {name}, which is installed but does not import ({first}); "
+    return (f"{what} needs {name}, which is installed but does not import "
+            f"({first_line(error)}); "
             f"run `python -c 'import {name}'` to see why")
 
 

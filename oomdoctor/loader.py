@@ -328,20 +328,21 @@ def _call(spec: ModelSpec, name: str, fn: Callable, *args: Any) -> Any:
         # for ops whose output shape depends on the data (nonzero, masked_select, unique).
         if any(s in text for s in _TO_CUDA_TEXT):
             raise ModelFileError(
-                f"{spec.path}: {name} moves tensors to the GPU ({kind}: {_first_line(e)}); "
+                f"{spec.path}: {name} moves tensors to the GPU ({kind}: {first_line(e)}); "
                 "oomdoctor places the model and the batch itself (on fake tensors, or on the "
                 "GPU with --device cuda): remove .cuda() / .to('cuda') / device='cuda' from "
                 "build_model and make_batch") from e
         if kind in _DATA_DEPENDENT or any(s in text for s in _DATA_DEPENDENT_TEXT):
             raise DataDependentError(
                 f"{spec.path}: {name} uses a value computed from tensor data ({kind}: "
-                f"{_first_line(e)}), which a fake-tensor trace cannot follow; remove "
+                f"{first_line(e)}), which a fake-tensor trace cannot follow; remove "
                 ".item()/.tolist()/data-dependent shapes from the training step") from e
         # the CLI adds "(--debug for the traceback)" to every such error
-        raise ModelFileError(f"{spec.path}: {name} raised {kind}: {_first_line(e)}") from e
+        raise ModelFileError(f"{spec.path}: {name} raised {kind}: {first_line(e)}") from e
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, for one-line errors."""
     text = str(e).strip()
     return text.splitlines()[0] if text else "(no message)"
 

@@ -28,7 +28,7 @@ import warnings
 from typing import Any
 
 from oomdoctor import configs
-from oomdoctor.loader import ModelFileError, ModelSpec
+from oomdoctor.loader import ModelFileError, ModelSpec, first_line
 
 # task name (configs.TASKS, what --task offers) -> (the transformers auto class, the
 # architecture-name suffixes that imply it)
@@ -367,13 +367,9 @@ def _import(library: str, source: str) -> Any:
         # a CPU-only torch) fail at import with "operator torchvision::nms does not exist".
         import torch
         raise ModelFileError(f"{source}: {library} does not load with this torch "
-                             f"{torch.__version__} ({_first(e)}); install the torchvision "
+                             f"{torch.__version__} ({first_line(e)}); install the torchvision "
                              "release built for it (see pytorch.org/get-started)") from None
 
 
 def _close(names: list[str]) -> str:
     return f"; close names: {', '.join(names[:6])}" if names else ""
-
-
-def _first(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
