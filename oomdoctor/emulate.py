@@ -400,13 +400,9 @@ def cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> list[str]:
         if ("foreach" in group and group["foreach"] is None and not group.get("fused")
                 and not group.get("differentiable")):
             group["foreach"] = True
-            notes.append(f"{type(optimizer).__name__}: foreach implementation, the CUDA default "
-                         f"({FOREACH_GUESS})")
+            # what its step() made is added once the trace has stepped (oomdoctor.trace)
+            notes.append(f"{type(optimizer).__name__}: foreach implementation, the CUDA default")
     return notes
-
-
-# Replaced by the traced figure once the trace has stepped (oomdoctor.trace).
-FOREACH_GUESS = "about one parameter-sized set of temporaries during step()"
 
 
 

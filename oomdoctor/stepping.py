@@ -169,14 +169,13 @@ def most_live(ranges: list[tuple[int, int]], events, counted: Callable[[int], bo
 
 def foreach_measured(notes: list[str], foreach: list[str], steps: list[tuple[int, int]], events,
                      parameter_bytes: int, temporary: Callable[[int], bool]) -> list[str]:
-    """The notes with each foreach note's guess (``emulate.FOREACH_GUESS``) replaced by what the
-    step's temporaries came to in the trace: plain SGD and SGD with momentum update in place
-    and make none; Adam(W) makes about one parameter-sized set (PT-1)."""
+    """The notes with what the step's temporaries came to in the trace added to each foreach
+    note: plain SGD and SGD with momentum update in place and make none; Adam(W) makes about
+    one parameter-sized set (PT-1)."""
     if not any(n in foreach for n in notes):
         return notes
-    from oomdoctor.emulate import FOREACH_GUESS
     most = most_live(steps, events, temporary)
     said = ("its step() made no temporaries in the trace: it updates in place" if not most
             else f"its step() temporaries traced: at most {most / 2**20:,.1f} MiB at once, "
                  f"{most / max(parameter_bytes, 1):.2f}x the parameters' bytes")
-    return [n.replace(FOREACH_GUESS, said) if n in foreach else n for n in notes]
+    return [f"{n} ({said})" if n in foreach else n for n in notes]
