@@ -24,7 +24,7 @@ from click.testing import CliRunner
 from oomdoctor.cli import EXIT_OK, cli
 from oomdoctor.loader import load_model_file
 from oomdoctor.trace import Category, Phase, TraceConfig, trace_training
-from reference import real_cpu_peak
+from reference import _profiled_peak, real_cpu_peak
 
 MODELS = Path(__file__).resolve().parent / "models"
 
@@ -96,25 +96,18 @@ def _real_foreach_step_bytes(optimizer: str) -> int:
     """The most bytes a real CPU foreach step of the MLP's parameters holds at once beyond
     what it held before (its second step, state already made), from torch.profiler's
     allocator records."""
-    from torch.profiler import ProfilerActivity, profile
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 512),
                                 torch.nn.Linear(512, 10))
     opt = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, foreach=True),
            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, foreach=True)}[optimizer](
         model.parameters())
-    for _ in range(2):
+    for first in (True, False):     # the first step makes the state; the second is measured
         model(torch.randn(64, 256)).sum().backward()
-        if _ == 0:
+        if first:
             opt.step()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        opt.step()
-    live = most = 0
-    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        most = max(most, live)
-    return most
+    held = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    return _profiled_peak(model, opt.step) - held
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
