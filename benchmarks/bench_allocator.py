@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from oomdoctor.allocator import replay  # noqa: E402  (after the path set-up above)
+from oomdoctor.sim.allocator import replay  # noqa: E402  (after the path set-up above)
 
 MiB = 1 << 20
 

@@ -21,7 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=None)
     opts = ap.parse_args()
-    from oomdoctor.check import load_config, measure_case
+    from oomdoctor.plans.check import load_config, measure_case
 
     cfg = load_config(os.path.join(ROOT, "setup.cfg"))
     args = [sys.executable, "-m", "oomdoctor", "check"] + (

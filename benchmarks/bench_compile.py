@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))                  # this checkout's oomdoctor, not 
 
 from reference import _loss, _profiled_peak, load  # noqa: E402
 
-from oomdoctor.loader import load_model_file  # noqa: E402
-from oomdoctor.trace import TraceConfig, trace_training  # noqa: E402
+from oomdoctor.models.loader import load_model_file  # noqa: E402
+from oomdoctor.sim.trace import TraceConfig, trace_training  # noqa: E402
 
 HERE = Path(__file__).resolve().parent / "compile_models"
 MODELS = {                                     # name: (model file, batch size)

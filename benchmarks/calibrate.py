@@ -7,7 +7,7 @@ Writes benchmarks/results/<gpu>-<torch>.json (schema in benchmarks/results/READM
 sample model (llama7b only on cards with >= 80 GiB), precision (fp32, fp16, bf16 and bf16-pure
 where the card has bf16) and checkpointing off/on, the real max_memory_allocated/reserved at
 batch 1, 2, 4 and at the simulator's predicted maximum, plus the measured maximum batch
-(oomdoctor.measure.measured_probe) for fp32 and the 16-bit AMP configuration. Without CUDA it
+(oomdoctor.runs.measure.measured_probe) for fp32 and the 16-bit AMP configuration. Without CUDA it
 exits with code 2.
 """
 from __future__ import annotations
@@ -56,12 +56,12 @@ def main(argv: list[str] | None = None) -> int:
               "the allocator's defaults the tests replay", file=sys.stderr)
         return 2
 
-    from oomdoctor.allocator import AllocatorConfig
-    from oomdoctor.estimate import Budget
-    from oomdoctor.loader import load_model_file
-    from oomdoctor.measure import TorchRunner, measured_probe, profile_for_device
-    from oomdoctor.probe import probe_config
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.sim.allocator import AllocatorConfig
+    from oomdoctor.plans.estimate import Budget
+    from oomdoctor.models.loader import load_model_file
+    from oomdoctor.runs.measure import TorchRunner, measured_probe, profile_for_device
+    from oomdoctor.plans.probe import probe_config
+    from oomdoctor.sim.trace import TraceConfig
 
     dev = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(dev)

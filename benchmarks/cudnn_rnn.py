@@ -3,7 +3,7 @@
     python benchmarks/cudnn_rnn.py             # the grid below, on cuda:0
     python benchmarks/cudnn_rnn.py --quick     # a few shapes
 
-oomdoctor models the two sizes cuDNN answers at run time (oomdoctor/rnn.py: ``reserve_bytes``,
+oomdoctor models the two sizes cuDNN answers at run time (oomdoctor/sim/rnn.py: ``reserve_bytes``,
 ``workspace_bytes``) from the only two published printouts found; this script replaces the guess
 with measurements. For each shape it calls ``torch._cudnn_rnn`` - the op ``nn.LSTM/GRU/RNN``
 reach on CUDA in training - on the module's own flat weight buffer, so nothing else is
@@ -66,7 +66,7 @@ def measure(mode: str, input_size: int, hidden: int, layers: int, bidirectional:
 
 
 def modelled(r: dict) -> tuple[int, int]:
-    from oomdoctor import rnn
+    from oomdoctor.sim import rnn
     elem = 2 if r["dtype"] in ("float16", "bfloat16") else 4
     reserve = rnn.reserve_bytes(r["mode"], r["hidden"], 0, r["layers"], r["directions"],
                                 r["steps"] * r["batch"], elem)

@@ -12,8 +12,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # oomdoctor.estimate / oomdoctor.probe: the modules, callable as the API (oomdoctor/api.py).
+    # oomdoctor.estimate / oomdoctor.probe: the Python API's functions (oomdoctor/api.py),
+    # imported on first use so that `import oomdoctor` stays free of torch.
     if name in ("estimate", "probe"):
-        import importlib
-        return importlib.import_module(f"oomdoctor.{name}")
+        from oomdoctor import api
+        return getattr(api, name)
     raise AttributeError(f"module 'oomdoctor' has no attribute {name!r}")

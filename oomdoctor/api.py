@@ -6,32 +6,16 @@
     r = oomdoctor.probe(lambda: MyNet(), lambda b: torch.randn(b, 3, 224, 224), gpu="rtx3090")
 
 ``model`` is anything the command line accepts (a model file, a Hugging Face id or config
-folder), a :class:`oomdoctor.loader.ModelSpec`, or a zero-argument factory of an
+folder), a :class:`oomdoctor.models.spec.ModelSpec`, or a zero-argument factory of an
 ``nn.Module`` together with ``batch`` (a factory of one batch from its size). The results are
 the objects the CLI renders (``Estimate``, ``ProbeResult``), with bytes as ints and ``to_json()``.
 Nothing is printed.
 """
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any, Callable
 
-from oomdoctor.gpus import card_for_arch, get_profile
-
-
-def callable_module(module_name: str, function_name: str) -> None:
-    """Make the module ``oomdoctor.<name>`` callable as this file's function of that name.
-
-    ``oomdoctor.estimate`` and ``oomdoctor.probe`` are both a module (what the CLI and the
-    library import) and the API call users expect (``oomdoctor.estimate(model, ...)``); a
-    package attribute cannot be both, since importing the submodule rebinds the name. So the
-    module itself is called: its class becomes a ModuleType whose ``__call__`` is the API."""
-    def call(self, *args, **kwargs):
-        return globals()[function_name](*args, **kwargs)
-    cls = type(f"_Callable_{function_name}", (types.ModuleType,),
-               {"__call__": call, "__doc__": globals()[function_name].__doc__})
-    sys.modules[module_name].__class__ = cls
+from oomdoctor.sim.gpus import card_for_arch, get_profile
 
 
 def _spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable | None,
@@ -45,7 +29,7 @@ def _spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable | No
         if quantize or lora_targets:
             raise ValueError("quantize= and lora_targets= need lora=RANK")
         return spec
-    from oomdoctor.adapters import Adapters
+    from oomdoctor.models.adapters import Adapters
     return dataclasses.replace(spec, adapters=Adapters(
         lora, tuple(lora_targets) if lora_targets else None, quantize=quantize))
 
@@ -53,7 +37,8 @@ def _spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable | No
 def _base_spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable | None,
                task: str | None, seq_len: int | None, image_size: int | None,
                num_classes: int | None):
-    from oomdoctor.loader import ModelSpec, load_model
+    from oomdoctor.models.loader import load_model
+    from oomdoctor.models.spec import ModelSpec
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, str):
@@ -73,7 +58,7 @@ def _base_spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable
 
 def _budget(gpu: str | None, memory: int | None, margin: float, overhead: int | None,
             other: int, arch: str | None = None):
-    from oomdoctor.estimate import Budget
+    from oomdoctor.plans.estimate import Budget
     if gpu and memory:
         raise ValueError("give gpu= or memory=, not both")
     if arch and not memory:
@@ -93,14 +78,14 @@ def estimate(model: Any, batch_size: int, *, batch: Callable[[int], Any] | None 
              quantize: str | None = None, arch: str | None = None,
              image_size: int | None = None, num_classes: int | None = None):
     """Peak GPU memory of one training configuration (``oomdoctor estimate``): an
-    :class:`oomdoctor.estimate.Estimate`. ``gpu`` is a profile name (default rtx3090) or
+    :class:`oomdoctor.plans.estimate.Estimate`. ``gpu`` is a profile name (default rtx3090) or
     ``memory`` a card's capacity in bytes; ``overhead`` and ``other`` are bytes too.
     ``lora=RANK`` (with ``lora_targets=`` names, ``quantize="nf4"``) trains LoRA/QLoRA;
     ``arch="sm89"`` gives a ``memory=`` card its architecture; ``image_size`` and
     ``num_classes`` shape a ``"timm:NAME"`` / ``"torchvision:NAME"`` model's batch and head."""
-    from oomdoctor import estimate as estimate_mod
-    from oomdoctor.allocator import AllocatorConfig
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.plans import estimate as estimate_mod
+    from oomdoctor.sim.allocator import AllocatorConfig
+    from oomdoctor.sim.trace import TraceConfig
     spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize,
                  image_size, num_classes)
     cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
@@ -122,14 +107,14 @@ def probe(model: Any, batch: Callable[[int], Any] | None = None, *,
           arch: str | None = None, image_size: int | None = None,
           num_classes: int | None = None):
     """The largest batch that fits per precision x checkpointing (``oomdoctor probe``): a
-    :class:`oomdoctor.probe.ProbeResult`; ``oomdoctor.probe_mod.recommended(result)`` picks
-    the configuration to train with. ``progress`` hears one line per step of the search;
+    :class:`oomdoctor.plans.probe.ProbeResult`; ``oomdoctor.plans.probe.recommended(result)``
+    picks the configuration to train with. ``progress`` hears one line per step of the search;
     ``lora=RANK`` (``lora_targets=``, ``quantize=``), ``image_size`` and ``num_classes`` as
     in :func:`estimate`."""
-    from oomdoctor import probe as probe_mod
-    from oomdoctor.allocator import AllocatorConfig
+    from oomdoctor.plans import probe as probe_mod
+    from oomdoctor.sim.allocator import AllocatorConfig
     from oomdoctor.configs import MAX_BATCH
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.sim.trace import TraceConfig
     spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize,
                  image_size, num_classes)
     budget = _budget(gpu, memory, margin, overhead, other, arch)

@@ -12,19 +12,19 @@ MAX_BATCH = 1 << 16   # the probe stops searching here; a model this light fits 
 # in-place: zero_grad(set_to_none=False), the default before torch 2.0 and in older HF Trainer
 #   versions - gradients are never freed.
 ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")
-# Multi-GPU strategies (oomdoctor.parallel.STRATEGIES, plus "fsdp" as a name for zero3).
-# The heads a Hugging Face model can be built with (oomdoctor.sources.TASKS maps each to its
+# Multi-GPU strategies (oomdoctor.plans.parallel.STRATEGIES, plus "fsdp" as a name for zero3).
+# The heads a Hugging Face model can be built with (oomdoctor.models.huggingface.TASKS maps each to its
 # transformers auto class).
-# --quantize: bitsandbytes 4-bit weight formats (oomdoctor.adapters)
+# --quantize: bitsandbytes 4-bit weight formats (oomdoctor.models.adapters)
 QUANTIZATIONS = ("nf4", "fp4", "int8")
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "token-cls", "seq2seq-lm", "image-cls",
          "speech-seq2seq")
 STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp")
-# recommend and smoke also take hsdp (hybrid sharding, oomdoctor.parallel.NODE_STRATEGIES), a
+# recommend and smoke also take hsdp (hybrid sharding, oomdoctor.plans.parallel.NODE_STRATEGIES), a
 # plan for several nodes (--nodes N).
 NODE_STRATEGY_CHOICES = STRATEGY_CHOICES + ("hsdp",)
 
-# The model-file protocol, as `--help` prints it (the errors of oomdoctor.loader point here).
+# The model-file protocol, as `--help` prints it (the errors of oomdoctor.models.loader point here).
 MODEL_PROTOCOL = """\b
 MODEL is a Python model file, a Hugging Face id / config folder / config.json
 (--task, --seq-len), or timm:NAME / torchvision:NAME (--image-size, --num-classes).

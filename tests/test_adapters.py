@@ -1,4 +1,4 @@
-"""LoRA and QLoRA (oomdoctor.adapters) against independent numbers.
+"""LoRA and QLoRA (oomdoctor.models.adapters) against independent numbers.
 
 - Real CPU runs: the same model adapted by a plain script with peft and bitsandbytes on real
   tensors (the way a user's training script does it), measured by torch.profiler.
@@ -22,10 +22,10 @@ import peft  # noqa: E402
 
 from click.testing import CliRunner  # noqa: E402
 
-from oomdoctor.adapters import Adapters  # noqa: E402
+from oomdoctor.models.adapters import Adapters  # noqa: E402
 from oomdoctor.cli import cli  # noqa: E402
-from oomdoctor.loader import load_model  # noqa: E402
-from oomdoctor.trace import TraceConfig, trace_training  # noqa: E402
+from oomdoctor.models.loader import load_model  # noqa: E402
+from oomdoctor.sim.trace import TraceConfig, trace_training  # noqa: E402
 from published_peft import RUNS, command, write_config  # noqa: E402
 from reference import _profiled_peak, load  # noqa: E402
 
@@ -294,7 +294,7 @@ def test_int8_storage_is_bitsandbytes_layout(llama_dir):
 def test_int8_ops_give_what_the_library_kernels_give():
     """The emulated CUDA int8 ops return what bitsandbytes' own kernels return on real CPU
     tensors (shapes and dtypes; outlier columns: none when no |x| reaches the threshold)."""
-    from oomdoctor.adapters import int8_as_cuda
+    from oomdoctor.models.adapters import int8_as_cuda
     torch.manual_seed(0)
     a = (torch.rand(48, 64) - 0.5).to(torch.float16)       # |x| < 6: no outliers
     cb, scb, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(torch.randn(32, 64).half())
@@ -333,7 +333,7 @@ def test_the_lora_shortfall_is_transformers_448s_loss_copy(tmp_path):
     labels instead and makes no such copy, so the trace, which follows the installed library,
     is -4.2% on that run. Added at the forward's peak (an exact size from 4.48's source), the
     trace gives the published 26.70 GB within 0.5%."""
-    from oomdoctor.trace import Phase
+    from oomdoctor.sim.trace import Phase
     run = next(r for r in RUNS if r.name == "standard-peft b4")
     spec = load_model(write_config(str(tmp_path), run), seq_len=4096, adapters=Adapters(
         16, ("q_proj", "k_proj", "v_proj", "o_proj"), lora_dropout=0.1))
@@ -353,7 +353,7 @@ def test_the_lora_shortfall_is_transformers_448s_loss_copy(tmp_path):
 
 
 def test_a_missing_library_and_a_broken_one_get_different_fixes():
-    from oomdoctor.adapters import missing_library
+    from oomdoctor.models.adapters import missing_library
     gone = missing_library("no_such_module_oomdoctor", "--lora", ImportError("x"))
     assert "not installed" in gone and "pip install 'oomdoctor[peft]'" in gone
     # installed but failing inside its own imports (peft -> transformers -> a torchvision built

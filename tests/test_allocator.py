@@ -1,4 +1,4 @@
-"""Unit tests for oomdoctor.allocator.
+"""Unit tests for oomdoctor.sim.allocator.
 
 Every expected number below was worked out by hand from the rules of
 PyTorch's CUDACachingAllocator (see the walk-through in each test), not taken
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oomdoctor.allocator import (
+from oomdoctor.sim.allocator import (
     K_LARGE_BUFFER,
     K_SMALL_BUFFER,
     AllocatorConfig,

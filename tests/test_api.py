@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 import oomdoctor
 from oomdoctor.cli import cli
-from oomdoctor.loader import load_model_file
+from oomdoctor.models.loader import load_model_file
 
 MLP = str(Path(__file__).resolve().parent.parent / "sample_models" / "tiny_mlp.py")
 

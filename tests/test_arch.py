@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from oomdoctor.cli import EXIT_OK, EXIT_USAGE, cli
-from oomdoctor.gpus import parse_arch
+from oomdoctor.sim.gpus import parse_arch
 
 SAMPLES = Path(__file__).parent.parent / "sample_models"
 
@@ -135,7 +135,7 @@ def test_new_profiles_match_published_capacities(message, profiles, tmp_path):
 
 def test_every_profile_is_offered_by_gpu_help():
     """`--gpu` lists every profile, so a new one needs no second edit."""
-    from oomdoctor.gpus import PROFILES
+    from oomdoctor.sim.gpus import PROFILES
     r = CliRunner().invoke(cli, ["estimate", "--help"])
     text = " ".join(r.output.split())
     for name in ("rtx4060ti-16", "rtx4070ti-super", "rtx4080", "h200", "b200", "mi250", "mi300x"):

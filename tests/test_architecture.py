@@ -1,5 +1,6 @@
-"""The package's layout rules (docs/architecture.md), checked on the source: module size, a
-docstring per module, no import cycle at import time, no printing outside the CLI."""
+"""The package's layout rules (docs/architecture.md), checked on the source: module and function
+size, a docstring per module, the stages and their import order, no import cycle (imports inside
+functions included), no printing outside the CLI."""
 from __future__ import annotations
 
 import ast
@@ -7,6 +8,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "oomdoctor"
 MAX_LINES = 600
+MAX_FUNCTION_LINES = 80
 MODULES = {p: ".".join(p.relative_to(PKG.parent).with_suffix("").parts)
            for p in sorted(PKG.rglob("*.py"))}
 
@@ -25,46 +27,115 @@ def test_every_module_says_what_it_is():
     assert [MODULES[p] for p in MODULES if ast.get_docstring(ast.parse(p.read_text())) is None] == []
 
 
-def _module_level_imports(path: Path) -> set[str]:
-    """oomdoctor modules imported when this module is imported (not inside functions)."""
+# The pipeline's stages, in the order data flows (docs/architecture.md). A module may import
+# its own stage and the stages before it; ``configs`` and ``explain`` (no torch) import none.
+STAGES = {"configs": 0, "explain": 0, "models": 1, "sim": 2, "plans": 3, "runs": 4}
+TOP = 5                             # cli, api, __main__ and the package itself use every stage
+
+
+def _imports(path: Path, top_level_only: bool = False) -> set[str]:
+    """oomdoctor modules this module imports, inside functions too unless ``top_level_only``.
+    ``from P import n`` is an import of module ``P.n`` when there is one, else of ``P``'s
+    namespace; the package version (``from oomdoctor import __version__``) is a constant."""
     tree = ast.parse(path.read_text())
+    own = _name(path)
+    pkg = own if path.name == "__init__.py" else own.rpartition(".")[0]
+    known = {_name(p) for p in MODULES}
     out = set()
-    pkg = _name(path) if path.name == "__init__.py" else _name(path).rpartition(".")[0]
-    for node in tree.body:
+    for node in (tree.body if top_level_only else ast.walk(tree)):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("oomdoctor")}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:                          # relative: from . import x
-                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                                + ([base] if base else []))
-            if base.startswith("oomdoctor"):
-                out.add(base)
-                out |= {f"{base}.{a.name}" for a in node.names}
-    known = {_name(p) for p in MODULES}
-    return {m for m in out if m in known} - {_name(path)}
+                parts = pkg.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if not base.startswith("oomdoctor"):
+                continue
+            for a in node.names:
+                if (base, a.name) != ("oomdoctor", "__version__"):
+                    out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return out - {own}
 
 
-def test_no_import_cycle_at_import_time():
-    """Imports at module level (not the lazy ones inside functions) form no cycle; a submodule
-    importing its own package back while the package imports it counts as one."""
-    graph = {_name(p): _module_level_imports(p) for p in MODULES}
-    done: set[str] = set()
+def _import_graph() -> dict[str, set[str]]:
+    """Every import, function-level ones included. Importing ``a.b.c`` also runs the
+    ``__init__`` of ``a`` and ``a.b``, so their module-level imports count as well."""
+    explicit = {_name(p): _imports(p) for p in MODULES}
+    eager = {_name(p): _imports(p, top_level_only=True) for p in MODULES}
+    graph = {}
+    for m, targets in explicit.items():
+        parents = {".".join(t.split(".")[:i]) for t in targets for i in range(1, t.count(".") + 1)}
+        graph[m] = targets | {a for a in parents
+                              if eager.get(a) and a != m and not m.startswith(a + ".")}
+    return graph
 
-    def cycle_from(m: str, stack: list[str]) -> list[str]:
-        if m in stack:
-            return stack[stack.index(m):] + [m]
-        if m in done:
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as a path (first == last), or [] when there is none."""
+    state: dict[str, int] = {}                  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> list[str]:
+        if state.get(m) == 1:
+            return path[path.index(m):] + [m]
+        if state.get(m) == 2:
             return []
+        state[m] = 1
         for n in sorted(graph.get(m, ())):
-            found = cycle_from(n, stack + [m])
-            if found:
+            if found := visit(n, path + [m]):
                 return found
-        done.add(m)
+        state[m] = 2
         return []
 
-    cycles = [c for m in sorted(graph) if (c := cycle_from(m, []))]
-    assert cycles == []
+    for m in sorted(graph):
+        if found := visit(m, []):
+            return found
+    return []
+
+
+def _stage(module: str) -> int:
+    parts = module.split(".")
+    return STAGES.get(parts[1], TOP) if len(parts) > 1 else TOP
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    """No cycle, whether the import runs when the module loads or when a function first runs;
+    a submodule importing its own package back while the package imports it counts as one."""
+    assert _cycle(_import_graph()) == []
+
+
+def test_the_cycle_check_sees_function_level_imports():
+    graph = {"a": {"b"}, "b": set()}
+    assert _cycle(graph) == []
+    graph["b"].add("a")
+    assert _cycle(graph) == ["a", "b", "a"]
+
+
+def test_no_stage_imports_a_later_one():
+    """models -> sim -> plans -> runs: a stage imports only itself and earlier stages;
+    configs and explain import no stage."""
+    upward = sorted(f"{a} -> {b}" for a, targets in _import_graph().items() for b in targets
+                    if _stage(b) > _stage(a)
+                    or (_stage(a) == _stage(b) == 0 and a.split(".")[1] != b.split(".")[1]))
+    assert upward == []
+
+
+def test_the_package_shows_the_pipeline():
+    """A reader who opens oomdoctor/ sees the stages, not a flat list of modules."""
+    entries = sorted(p.name for p in PKG.iterdir() if p.name != "__pycache__")
+    assert {"models", "sim", "plans", "runs", "explain", "cli"} <= set(entries)
+    assert len(entries) <= 12, entries
+
+
+def test_no_function_is_over_80_lines():
+    """Functions read top-down as named steps; a long one is split where its logic lives."""
+    long = []
+    for path, name in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {n} lines")
+    assert long == []
 
 
 def test_library_code_never_prints():

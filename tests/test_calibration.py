@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from oomdoctor.allocator import AllocatorConfig
-from oomdoctor.estimate import Budget, estimate
-from oomdoctor.loader import load_model_file
-from oomdoctor.measure import profile_for_device
-from oomdoctor.probe import probe_config
-from oomdoctor.trace import TraceConfig
+from oomdoctor.sim.allocator import AllocatorConfig
+from oomdoctor.plans.estimate import Budget, estimate
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.runs.measure import profile_for_device
+from oomdoctor.plans.probe import probe_config
+from oomdoctor.sim.trace import TraceConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -93,7 +93,7 @@ def test_committed_gpu_measurements():
 
 def _synthetic(tmp_path, allocated_scale: float = 1.0, oom: bool = False):
     """A results file whose "measurements" are oomdoctor's own estimate of tiny_mlp."""
-    from oomdoctor.gpus import PROFILES
+    from oomdoctor.sim.gpus import PROFILES
     gpu = PROFILES["a10"]
     spec = load_model_file(os.path.join(ROOT, "sample_models", "tiny_mlp.py"))
     budget = Budget(gpu, margin=0.0, context_bytes=400 * 2**20)

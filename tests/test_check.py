@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from click.testing import CliRunner
 
-from oomdoctor.check import ConfigError, load_config
+from oomdoctor.plans.check import ConfigError, load_config
 from oomdoctor.cli import EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -183,7 +183,7 @@ def test_setup_cfg_survives_setuptools_interpolation():
     percent signs are accepted."""
     from setuptools.config.setupcfg import read_configuration
 
-    from oomdoctor.check import _fraction
+    from oomdoctor.plans.check import _fraction
     assert read_configuration(os.path.join(ROOT, "setup.cfg"))["metadata"]["name"] == "oomdoctor"
     assert _fraction("2%%", "tolerance") == pytest.approx(0.02)
     assert _fraction("0.02", "tolerance") == pytest.approx(0.02)

@@ -20,10 +20,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from oomdoctor import checkpointing
+from oomdoctor.models import checkpointing
 from oomdoctor.cli import EXIT_OK, cli
-from oomdoctor.loader import build_checked_model, load_model_file
-from oomdoctor.trace import TraceConfig, trace_training
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.models.training import build_checked_model
+from oomdoctor.sim.trace import TraceConfig, trace_training
 from reference import real_cpu_peak, real_cpu_peak_variant
 
 UNET = str(Path(__file__).resolve().parent / "models" / "unet.py")
@@ -126,7 +127,7 @@ def test_whisper_checkpoints_the_layers_transformers_does(tmp_path):
     """transformers' gradient_checkpointing_enable() wraps Whisper's encoder and decoder
     layers; --checkpointing must wrap the same ones (same bytes under bf16)."""
     transformers = pytest.importorskip("transformers")
-    from oomdoctor.loader import load_model
+    from oomdoctor.models.loader import load_model
     from test_sources import WHISPER
     cfg = transformers.WhisperConfig(**WHISPER)
     cfg.architectures = ["WhisperForConditionalGeneration"]

@@ -6,8 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from oomdoctor.cli import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
-from oomdoctor.estimate import BREAKDOWN_KEYS
-from oomdoctor.gpus import PROFILES
+from oomdoctor.plans.estimate import BREAKDOWN_KEYS
+from oomdoctor.sim.gpus import PROFILES
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 MLP = os.path.join(ROOT, "sample_models", "tiny_mlp.py")

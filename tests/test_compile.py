@@ -10,8 +10,8 @@ import os
 
 import torch
 
-from oomdoctor.loader import load_model_file
-from oomdoctor.trace import TraceConfig, trace_training
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.sim.trace import TraceConfig, trace_training
 from reference import _loss, _profiled_peak, load
 
 MODEL = os.path.join(os.path.dirname(__file__), "models", "compiled_lm.py")

@@ -1,4 +1,4 @@
-"""`probe --seq-len max`: the longest context per configuration (oomdoctor.context).
+"""`probe --seq-len max`: the longest context per configuration (oomdoctor.plans.context).
 
 The search is checked against its definition with plain estimates (not the search's own
 bookkeeping): the length it returns fits, 64 tokens more do not; the model's own maximum stops
@@ -14,10 +14,10 @@ from click.testing import CliRunner
 
 pytest.importorskip("transformers")
 from oomdoctor.cli import EXIT_MODEL, EXIT_OK, EXIT_USAGE, cli  # noqa: E402
-from oomdoctor.estimate import Budget, estimate  # noqa: E402
-from oomdoctor.gpus import custom_profile, parse_size  # noqa: E402
-from oomdoctor.loader import load_model  # noqa: E402
-from oomdoctor.trace import TraceConfig  # noqa: E402
+from oomdoctor.plans.estimate import Budget, estimate  # noqa: E402
+from oomdoctor.sim.gpus import custom_profile, parse_size  # noqa: E402
+from oomdoctor.models.loader import load_model  # noqa: E402
+from oomdoctor.sim.trace import TraceConfig  # noqa: E402
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 128,
          "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -1,4 +1,4 @@
-"""Tests for oomdoctor.emulate: what CUDA does differently from a CPU trace, one piece at a time.
+"""Tests for oomdoctor.sim.emulate: what CUDA does differently from a CPU trace, one piece at a time.
 
 Each emulation is checked against something that does not come from oomdoctor:
 
@@ -31,9 +31,11 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oomdoctor import checkpointing, emulate
-from oomdoctor.loader import ModelSpec, load_model_file
-from oomdoctor.trace import Category, Phase, TraceConfig, trace_training
+from oomdoctor.models import checkpointing
+from oomdoctor.sim import emulate
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.models.spec import ModelSpec
+from oomdoctor.sim.trace import Category, Phase, TraceConfig, trace_training
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
 

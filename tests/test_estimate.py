@@ -3,12 +3,12 @@ import os
 
 import pytest
 
-from oomdoctor.allocator import AllocatorConfig, replay, round_size
-from oomdoctor.estimate import Budget, device_events, estimate, estimate_trace
-from oomdoctor.gpus import MiB, PROFILES, custom_profile, get_profile, parse_size
-from oomdoctor.loader import load_model_file
-from oomdoctor.probe import _Extrapolation, default_matrix, probe, probe_config
-from oomdoctor.trace import TraceConfig, trace_training
+from oomdoctor.sim.allocator import AllocatorConfig, replay, round_size
+from oomdoctor.plans.estimate import Budget, device_events, estimate, estimate_trace
+from oomdoctor.sim.gpus import MiB, PROFILES, custom_profile, get_profile, parse_size
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.plans.probe import _Extrapolation, default_matrix, probe, probe_config
+from oomdoctor.sim.trace import TraceConfig, trace_training
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 MLP = load_model_file(os.path.join(ROOT, "sample_models", "tiny_mlp.py"))
@@ -141,7 +141,7 @@ def test_oom_retry_frees_cache_instead_of_failing():
 def test_zero_grad_modes(mode, grads_alive):
     """Where the loop drops gradients decides whether last step's gradients (4 B x 399,370
     tiny_mlp parameters) are alive during the second step's forward."""
-    from oomdoctor.trace import Category, Phase
+    from oomdoctor.sim.trace import Category, Phase
     tr = trace_training(MLP, TraceConfig(64, zero_grad=mode))
     fwd2 = next(m for m in tr.marks if m.phase is Phase.FORWARD and m.iteration == 1)
     live = sum(s.nbytes for s in tr.live_at(fwd2.start) if s.category is Category.GRADIENTS)
@@ -151,7 +151,7 @@ def test_zero_grad_modes(mode, grads_alive):
 def test_spliced_optimizer_steps_equal_a_full_trace():
     """The probe reuses the batch-1 trace's optimizer steps at other batch sizes: the result must
     be exactly what running step() gives."""
-    from oomdoctor.trace import SpliceMismatch
+    from oomdoctor.sim.trace import SpliceMismatch
     spec = load_model_file(LORA)
     t1 = trace_training(spec, TraceConfig(1, precision="fp16"))
     full = trace_training(spec, TraceConfig(3, precision="fp16"))
@@ -171,8 +171,8 @@ def test_probe_with_strategies_orders_as_the_memory_does():
     gradients), so its largest micro-batch is at most the single GPU's; ZeRO-3 shards the model
     state, so its largest micro-batch is at least the single GPU's. Each answer is checked by
     the strategy estimate of its own trace: b fits, b + 1 does not."""
-    from oomdoctor import parallel as par
-    from oomdoctor.probe import probe_strategy
+    from oomdoctor.plans import parallel as par
+    from oomdoctor.plans.probe import probe_strategy
     budget = small_card(48)
     single = probe_config(MLP, TraceConfig(1), budget).max_batch_size
     ddp = probe_strategy(MLP, TraceConfig(1), budget, "ddp", 2)

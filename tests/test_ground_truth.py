@@ -42,11 +42,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from oomdoctor.allocator import replay, round_size
-from oomdoctor.estimate import Budget, Estimate, estimate_trace, trace_for
-from oomdoctor.gpus import MiB, get_profile
-from oomdoctor.loader import load_model_file
-from oomdoctor.trace import Phase, Trace, TraceConfig
+from oomdoctor.sim.allocator import replay, round_size
+from oomdoctor.plans.estimate import Budget, Estimate, estimate_trace, trace_for
+from oomdoctor.sim.gpus import MiB, get_profile
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.sim.trace import Phase, Trace, TraceConfig
 
 MODELS = Path(__file__).resolve().parent / "models"
 HF0_CONTEXT_BYTES = 1343 * MiB  # HF-0: torch.ones((1, 1)).to("cuda") on the same V100

@@ -5,8 +5,9 @@ import pytest
 from click.testing import CliRunner
 
 from oomdoctor.cli import EXIT_MODEL, cli
-from oomdoctor.loader import ModelFileError, load_model_file
-from oomdoctor.trace import TraceConfig, trace_training
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.models.spec import ModelFileError
+from oomdoctor.sim.trace import TraceConfig, trace_training
 
 HERE = os.path.dirname(__file__)
 BAD = os.path.join(HERE, "bad_models")

@@ -6,10 +6,11 @@ import os
 import pytest
 import torch
 
-from oomdoctor.loader import ModelFileError, load_model_file
-from oomdoctor.measure import (MeasureError, MeasuredProbe, TorchRunner, measured_probe,
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.models.spec import ModelFileError
+from oomdoctor.runs.measure import (MeasureError, MeasuredProbe, TorchRunner, measured_probe,
                                profile_for_device)
-from oomdoctor.trace import TraceConfig
+from oomdoctor.sim.trace import TraceConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "sample_models", "tiny_mlp.py")

@@ -11,15 +11,15 @@ import shlex
 import pytest
 from click.testing import CliRunner
 
-from oomdoctor import parallel as par
-from oomdoctor import recommend as rec
-from oomdoctor import smoke_nodes
+from oomdoctor.plans import parallel as par
+from oomdoctor.plans import recommend as rec
+from oomdoctor.runs import smoke_nodes
 from oomdoctor.cli import EXIT_OK, EXIT_USAGE, cli
-from oomdoctor.estimate import Budget
-from oomdoctor.gpus import get_profile
-from oomdoctor.loader import load_model_file
-from oomdoctor.smoke import SmokeConfig
-from oomdoctor.trace import TraceConfig, trace_training
+from oomdoctor.plans.estimate import Budget
+from oomdoctor.sim.gpus import get_profile
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.runs.smoke import SmokeConfig
+from oomdoctor.sim.trace import TraceConfig, trace_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MLP = load_model_file(os.path.join(ROOT, "sample_models", "tiny_mlp.py"))

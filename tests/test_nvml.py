@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from oomdoctor import nvml
+from oomdoctor.runs import nvml
 from oomdoctor.cli import cli
-from oomdoctor.gpus import PROFILES, MiB
+from oomdoctor.sim.gpus import PROFILES, MiB
 
 RTX3090_TOTAL = 24576 * MiB    # what NVML reports for a 3090 (nvidia-smi: 24576MiB)
 

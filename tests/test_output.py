@@ -7,7 +7,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from oomdoctor import smoke
+from oomdoctor.runs import smoke
 from oomdoctor.cli import cli
 from oomdoctor.cli.group import EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE
 

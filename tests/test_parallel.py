@@ -13,12 +13,12 @@ import torch
 from click.testing import CliRunner
 from torch.profiler import ProfilerActivity, profile
 
-from oomdoctor import parallel as par
+from oomdoctor.plans import parallel as par
 from oomdoctor.cli import EXIT_OK, EXIT_PROBLEM, LINK_CHOICES, STRATEGY_CHOICES, cli
-from oomdoctor.estimate import Budget, estimate_trace
-from oomdoctor.gpus import get_profile
-from oomdoctor.loader import load_model_file
-from oomdoctor.trace import TraceConfig, trace_training
+from oomdoctor.plans.estimate import Budget, estimate_trace
+from oomdoctor.sim.gpus import get_profile
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.sim.trace import TraceConfig, trace_training
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 MLP_PATH = os.path.join(ROOT, "sample_models", "tiny_mlp.py")
@@ -373,7 +373,7 @@ def test_strategy_names_and_errors():
     with pytest.raises(ValueError, match="exactly 2 GPUs"):
         par.Strategy("pipeline2", 4)
     assert set(STRATEGY_CHOICES) - {"fsdp"} == set(par.STRATEGIES)
-    from oomdoctor.recommend import LINKS
+    from oomdoctor.plans.recommend import LINKS
     assert LINK_CHOICES == LINKS
 
 

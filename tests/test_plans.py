@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from oomdoctor import recommend as rec
-from oomdoctor.gpus import get_profile
-from oomdoctor.loader import load_model_file
+from oomdoctor.plans import recommend as rec
+from oomdoctor.sim.gpus import get_profile
+from oomdoctor.models.loader import load_model_file
 
 MLP = load_model_file(str(Path(__file__).resolve().parent.parent / "sample_models" / "tiny_mlp.py"))
 RTX3090 = get_profile("rtx3090")
@@ -55,7 +55,7 @@ def test_omp_threads_planned_elsewhere_are_said_to_be_this_machines():
 
 
 def test_amp_is_the_plan_even_when_pure_bf16_is_faster_and_the_note_says_why():
-    from oomdoctor.recommend.search import faster_pure_bf16_note, rank
+    from oomdoctor.plans.recommend.search import faster_pure_bf16_note, rank
     amp = _candidate(strategy="ddp", precision="bf16", step_seconds=2.0, score=2.0)
     pure = _candidate(strategy="ddp", precision="bf16-pure", step_seconds=1.0, score=1.25)
     ranked = rank([pure, amp])

@@ -22,8 +22,8 @@ import torch
 from click.testing import CliRunner
 
 from oomdoctor.cli import EXIT_OK, cli
-from oomdoctor.loader import load_model_file
-from oomdoctor.trace import Category, Phase, TraceConfig, trace_training
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.sim.trace import Category, Phase, TraceConfig, trace_training
 from reference import _profiled_peak, real_cpu_peak
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -233,7 +233,7 @@ def test_padding_question_takes_the_branch_the_batch_takes(tmp_path):
 
 
 def test_models_that_ask_nothing_are_traced_once(monkeypatch):
-    from oomdoctor import values
+    from oomdoctor.sim import values
     calls = []
     real_init = values.Shadows.__init__
     monkeypatch.setattr(values.Shadows, "__init__",

@@ -6,13 +6,13 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from oomdoctor import parallel as par
-from oomdoctor import recommend as rec
+from oomdoctor.plans import parallel as par
+from oomdoctor.plans import recommend as rec
 from oomdoctor.cli import EXIT_OK, EXIT_PROBLEM, cli
-from oomdoctor.estimate import Budget, estimate
-from oomdoctor.gpus import MiB, custom_profile, get_profile
-from oomdoctor.loader import load_model_file
-from oomdoctor.trace import TraceConfig, trace_training
+from oomdoctor.plans.estimate import Budget, estimate
+from oomdoctor.sim.gpus import MiB, custom_profile, get_profile
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.sim.trace import TraceConfig, trace_training
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 MLP_PATH = os.path.join(ROOT, "sample_models", "tiny_mlp.py")

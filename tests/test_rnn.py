@@ -1,4 +1,4 @@
-"""Tests for oomdoctor.rnn: nn.LSTM / nn.GRU / nn.RNN traced as cuDNN's fused call.
+"""Tests for oomdoctor.sim.rnn: nn.LSTM / nn.GRU / nn.RNN traced as cuDNN's fused call.
 
 Checked against things independent of the emulation:
 - shapes and dtypes of output, h_n, c_n and every gradient: a real CPU run of the same module
@@ -19,9 +19,9 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from oomdoctor import emulate, rnn
-from oomdoctor.loader import load_model_file
-from oomdoctor.trace import TraceConfig, trace_training
+from oomdoctor.sim import emulate, rnn
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.sim.trace import TraceConfig, trace_training
 
 CASES = [
     ("LSTM", dict(num_layers=2, batch_first=True)),
@@ -123,7 +123,7 @@ def test_reserve_model_against_a_second_published_size_with_its_shape():
     The model's layers were one bidirectional GRU of hidden size 800 each (the repository's
     defaults then), fp32; nothing is fitted here. The workspaces printed, 313,344,000 and
     315,801,600 B, are 39% of that reserve where #2895's were 1.5-2.4%: no rule we know
-    gives both, so the workspace stays a modelled share (oomdoctor/rnn.py)."""
+    gives both, so the workspace stays a modelled share (oomdoctor/sim/rnn.py)."""
     assert rnn.reserve_bytes("GRU", 800, 0, 1, 2, 326 * 64, 4) == 801_177_600
 
 

@@ -25,12 +25,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from oomdoctor import rocm
+from oomdoctor.sim import rocm
 from oomdoctor.cli import EXIT_OK, cli
-from oomdoctor.estimate import Budget, estimate_trace, trace_for
-from oomdoctor.gpus import MiB, get_profile
-from oomdoctor.loader import load_model_file
-from oomdoctor.trace import TraceConfig
+from oomdoctor.plans.estimate import Budget, estimate_trace, trace_for
+from oomdoctor.sim.gpus import MiB, get_profile
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.sim.trace import TraceConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONVNET = str(ROOT / "tests" / "models" / "rocm_amp_convnet.py")
@@ -117,7 +117,7 @@ def _attention_backward_bytes(kernel: str, rocm_kernels: bool, b=2, h=4, t=300, 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from oomdoctor import emulate
+    from oomdoctor.sim import emulate
 
     class Allocations(TorchDispatchMode):
         total = 0

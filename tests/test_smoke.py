@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
-from oomdoctor import smoke
+from oomdoctor.runs import smoke
 from oomdoctor.cli import EXIT_OK, EXIT_PROBLEM, cli
-from oomdoctor.loader import load_model_file
+from oomdoctor.models.loader import load_model_file
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 MLP_PATH = os.path.join(ROOT, "sample_models", "tiny_mlp.py")
@@ -98,11 +98,11 @@ def test_accumulation_equals_one_large_batch():
 def test_split_equals_the_unsplit_model(which, decoder):
     """accelerate's dispatch_model with both stages on the CPU (hooks attached): the same loss
     and the same gradients as the model in one piece."""
-    from oomdoctor import parallel as par
-    from oomdoctor.estimate import Budget
-    from oomdoctor.gpus import get_profile
-    from oomdoctor.loader import compute_loss
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.plans import parallel as par
+    from oomdoctor.plans.estimate import Budget
+    from oomdoctor.sim.gpus import get_profile
+    from oomdoctor.models.training import compute_loss
+    from oomdoctor.sim.trace import TraceConfig
     spec = MLP if which == "mlp" else decoder
     plan = par.plan_split(spec, TraceConfig(2), Budget(get_profile("rtx3090")))
     assert set(plan.partition.device_map.values()) == {0, 1}
@@ -137,10 +137,10 @@ def test_cpu_smoke_runs_and_says_what_it_did_not_check():
 
 
 def test_checkpointed_split_smoke_on_the_cpu(decoder):
-    from oomdoctor import parallel as par
-    from oomdoctor.estimate import Budget
-    from oomdoctor.gpus import get_profile
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.plans import parallel as par
+    from oomdoctor.plans.estimate import Budget
+    from oomdoctor.sim.gpus import get_profile
+    from oomdoctor.sim.trace import TraceConfig
     plan = par.plan_split(decoder, TraceConfig(2, checkpointing=True),
                           Budget(get_profile("a100-80")))
     cfg = smoke.SmokeConfig("pipeline2", 2, "bf16", True, micro_batch=2, steps=2,
@@ -195,10 +195,10 @@ def test_cuda_reporting_branch_with_a_faked_device(monkeypatch):
     CUDA branch compares them with the prediction - rank 1 is 30% over and rank 0 hit an OOM."""
     import dataclasses
 
-    from oomdoctor import parallel as par
-    from oomdoctor.estimate import Budget
-    from oomdoctor.gpus import get_profile
-    from oomdoctor.trace import TraceConfig, trace_training
+    from oomdoctor.plans import parallel as par
+    from oomdoctor.plans.estimate import Budget
+    from oomdoctor.sim.gpus import get_profile
+    from oomdoctor.sim.trace import TraceConfig, trace_training
     trace = trace_training(MLP, TraceConfig(4))
     pred = par.estimate_strategy(trace, par.model_layout(MLP), par.Strategy("ddp", 2),
                                  Budget(get_profile("rtx3090")))

@@ -18,8 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 from oomdoctor.cli import EXIT_MODEL, EXIT_OK, cli
-from oomdoctor.loader import ModelFileError, load_model, load_model_file
-from oomdoctor.trace import TraceConfig, trace_training
+from oomdoctor.models.loader import load_model, load_model_file
+from oomdoctor.models.spec import ModelFileError
+from oomdoctor.sim.trace import TraceConfig, trace_training
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers not installed (pip install oomdoctor[hf])")

@@ -19,9 +19,9 @@ ao = pytest.importorskip("torchao.optim")
 
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from oomdoctor.loader import load_model  # noqa: E402
-from oomdoctor.stepping import state_tensors, unique_storages  # noqa: E402
-from oomdoctor.trace import Category, TraceConfig, trace_training  # noqa: E402
+from oomdoctor.models.loader import load_model  # noqa: E402
+from oomdoctor.sim.stepping import state_tensors, unique_storages  # noqa: E402
+from oomdoctor.sim.trace import Category, TraceConfig, trace_training  # noqa: E402
 from reference import load  # noqa: E402
 
 MODEL = os.path.join(os.path.dirname(__file__), "models", "torchao_adamw8bit_mlp.py")

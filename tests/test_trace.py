@@ -1,4 +1,4 @@
-"""Tests for oomdoctor.trace: the fake-tensor trace of a training step.
+"""Tests for oomdoctor.sim.trace: the fake-tensor trace of a training step.
 
 Every number is checked against something independent of the tracer:
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from oomdoctor.loader import load_model_file
-from oomdoctor.trace import Category, Phase, TraceConfig, trace_training
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.sim.trace import Category, Phase, TraceConfig, trace_training
 from reference import real_cpu_peak, real_cpu_peak_variant
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
@@ -364,8 +364,8 @@ def test_meta_backend_keeps_cuda_statistics_dtypes():
 _DYNAMO_CHECK = r'''
 import gc, json, sys
 import torch
-from oomdoctor.loader import load_model_file
-from oomdoctor.trace import TraceConfig, trace_training
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.sim.trace import TraceConfig, trace_training
 
 def cached_identity():
     return sum(1 for o in gc.get_objects() if callable(o) and
@@ -405,7 +405,7 @@ print(json.dumps(out))
 
 
 def test_fake_trace_leaves_torch_dynamo_unloaded_and_changes_nothing(tmp_path):
-    """The stand-in for torch._dynamo (oomdoctor.eager.dynamo_left_unloaded) saves ~1.9 s per
+    """The stand-in for torch._dynamo (oomdoctor.sim.eager.dynamo_left_unloaded) saves ~1.9 s per
     estimate; the trace must be the same with the real module, and nothing may be left behind."""
     import json
     import subprocess

@@ -15,10 +15,11 @@ import pytest
 from click.testing import CliRunner
 
 from oomdoctor.cli import EXIT_MODEL, EXIT_OK, cli
-from oomdoctor.estimate import Budget, estimate_trace
-from oomdoctor.gpus import get_profile
-from oomdoctor.loader import ModelFileError, load_model
-from oomdoctor.trace import TraceConfig, trace_training
+from oomdoctor.plans.estimate import Budget, estimate_trace
+from oomdoctor.sim.gpus import get_profile
+from oomdoctor.models.loader import load_model
+from oomdoctor.models.spec import ModelFileError
+from oomdoctor.sim.trace import TraceConfig, trace_training
 from reference import real_cpu_peak
 
 HAVE = all(importlib.util.find_spec(m) is not None for m in ("timm", "torchvision"))
@@ -165,7 +166,7 @@ def test_cli_estimate_by_name():
 
 def test_api_and_check_cases_take_the_vision_options(tmp_path):
     import oomdoctor
-    from oomdoctor.check import load_config, measure_case
+    from oomdoctor.plans.check import load_config, measure_case
     by_api = oomdoctor.estimate("timm:resnet18", batch_size=2, image_size=64, num_classes=10)
     cfg_file = tmp_path / "setup.cfg"
     cfg_file.write_text("[oomdoctor:resnet18]\nmodel = timm:resnet18\nbatch_size = 2\n"

@@ -5,10 +5,10 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from oomdoctor import nvml, watch
+from oomdoctor.runs import nvml, watch
 from oomdoctor.cli import cli
-from oomdoctor.gpus import GiB
-from oomdoctor.watch import Reading, Tick
+from oomdoctor.sim.gpus import GiB
+from oomdoctor.runs.watch import Reading, Tick
 
 TOTAL = 24 * GiB
 

@@ -36,8 +36,8 @@ def check(config_path, update, tolerance, fmt, junit_xml, jobs, as_json, debug):
     """
     from dataclasses import replace as dc_replace
 
-    from oomdoctor import check as check_mod
-    from oomdoctor import probe as probe_mod
+    from oomdoctor.plans import check as check_mod
+    from oomdoctor.plans import probe as probe_mod
     try:
         cfg = check_mod.load_config(config_path)
         if tolerance is not None:

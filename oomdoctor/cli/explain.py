@@ -8,7 +8,7 @@ import click
 from oomdoctor.cli.group import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
 from oomdoctor.cli.options import _die, _load_model, _make_budget
 from oomdoctor.configs import PRECISIONS
-from oomdoctor.gpus import PROFILES, custom_profile
+from oomdoctor.sim.gpus import PROFILES, custom_profile
 
 
 # --- explain (section owned by the explain module's author) ---
@@ -65,9 +65,9 @@ def explain_command(file, as_json: bool, model_file, gpu_name, batch_size, preci
 def _oom_plan(result, model_file, gpu_name, batch_size, precision, debug):
     """The simulator's side of `explain --model`: the card from --gpu or from the capacity the
     log states, the batch from --batch-size or from the log."""
-    from oomdoctor import probe as probe_mod
-    from oomdoctor.estimate import Budget
-    from oomdoctor.loader import ModelFileError
+    from oomdoctor.plans import probe as probe_mod
+    from oomdoctor.plans.estimate import Budget
+    from oomdoctor.models.spec import ModelFileError
     if gpu_name:
         gpu = _make_budget(gpu_name, None, None, "0", "5%").gpu
     else:

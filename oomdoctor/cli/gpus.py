@@ -29,7 +29,7 @@ def gpus_command(as_json, debug):
     Exit codes: 0 report printed, 2 usage error, 4 no NVIDIA driver or no GPU (the report,
     with the launch environment, is still printed; --json stays valid).
     """
-    from oomdoctor import nvml
+    from oomdoctor.runs import nvml
     nv = nvml.Nvml()
     try:
         report = nvml.gpus_report(nv)
@@ -71,7 +71,7 @@ def watch_command(interval, json_path, plot_path, debug, command):
     Exit codes: the command's own (128+N if killed by signal N), 2 usage error (e.g. --plot
     without matplotlib), 126 not executable, 127 command not found.
     """
-    from oomdoctor import nvml, watch
+    from oomdoctor.runs import nvml, watch
     if plot_path:
         try:
             import matplotlib  # noqa: F401

@@ -10,7 +10,7 @@ EXIT_OK = 0
 EXIT_PROBLEM = 1     # explain: no known error found; check: regression; estimate: does not fit
 EXIT_USAGE = 2       # click's own usage errors
 EXIT_MODEL = 3       # the model file could not be loaded or traced
-EXIT_NO_GPU = 4      # gpus: no NVIDIA driver or no GPU (oomdoctor.nvml.EXIT_NO_DRIVER);
+EXIT_NO_GPU = 4      # gpus: no NVIDIA driver or no GPU (oomdoctor.runs.nvml.EXIT_NO_DRIVER);
                      # probe --device cuda[:i]: no such CUDA device
 EXIT_INTERNAL = 5    # oomdoctor could not follow this step (an unsupported construct, a bug)
 

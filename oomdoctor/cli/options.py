@@ -5,9 +5,9 @@ import sys
 
 import click
 
-from oomdoctor.allocator import AllocatorConfig
+from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.configs import OPTIMIZERS, QUANTIZATIONS, TASKS, ZERO_GRAD_MODES
-from oomdoctor.gpus import PROFILES, card_for_arch, custom_profile, get_profile, parse_size
+from oomdoctor.sim.gpus import PROFILES, card_for_arch, custom_profile, get_profile, parse_size
 
 
 def _die(e: BaseException, debug: bool, code: int) -> None:
@@ -101,7 +101,7 @@ def _load_model(source: str, longest: bool = False):
     """The model a command was given: a model file, or a Hugging Face id / config folder /
     config.json with the --task and --seq-len of this command line, or timm:/torchvision:NAME
     with its --image-size and --num-classes."""
-    from oomdoctor.loader import load_model
+    from oomdoctor.models.loader import load_model
     ctx = click.get_current_context(silent=True)
     opts = (ctx.meta.get(_SOURCE, {}) if ctx is not None else {})
     seq_len = opts.get("seq_len")
@@ -129,7 +129,7 @@ def _adapters(opts: dict):
     if not opts.get("lora_rank"):
         raise click.UsageError("--quantize alone leaves nothing to train (quantized weights "
                                "are frozen); add --lora RANK for QLoRA")
-    from oomdoctor.adapters import Adapters
+    from oomdoctor.models.adapters import Adapters
     targets = opts.get("lora_targets")
     return Adapters(lora_rank=opts["lora_rank"],
                     lora_targets=tuple(t.strip() for t in targets.split(",") if t.strip())
@@ -225,7 +225,7 @@ def _remember_arch(ctx: click.Context, param: click.Parameter, value):
 
 
 def _make_budget(gpu_name, memory, overhead, other_mem, margin):
-    from oomdoctor.estimate import Budget
+    from oomdoctor.plans.estimate import Budget
     ctx = click.get_current_context(silent=True)
     arch = ctx.meta.get(_ARCH) if ctx is not None else None
     try:
@@ -349,5 +349,5 @@ def _detect_gpus(gpu_name, memory, num_gpus):
     not given (a named card or count means planning for other hardware)."""
     if gpu_name or memory or num_gpus:
         return None
-    from oomdoctor import recommend as rec
+    from oomdoctor.plans import recommend as rec
     return rec.detect_hardware()

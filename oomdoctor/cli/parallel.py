@@ -16,9 +16,9 @@ from oomdoctor.configs import (MODEL_PROTOCOL, NODE_STRATEGY_CHOICES, PRECISIONS
 
 # --- parallel, split, recommend, smoke (section owned by the multi-GPU modules' author) ---
 # Choices spelled out here so that --help never imports torch; tests/test_parallel.py checks
-# them against oomdoctor.parallel.STRATEGIES and oomdoctor.recommend.LINKS.
+# them against oomdoctor.plans.parallel.STRATEGIES and oomdoctor.plans.recommend.LINKS.
 LINK_CHOICES = ("pcie-no-p2p", "pcie", "nvlink")
-INTER_NODE_CHOICES = ("ib", "ethernet")          # oomdoctor.recommend.INTER_NODE_GBPS
+INTER_NODE_CHOICES = ("ib", "ethernet")          # oomdoctor.plans.recommend.INTER_NODE_GBPS
 _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default=True,
                       help="Machines, each with --num-gpus GPUs (plans and launch lines for "
                            "several nodes).")
@@ -48,9 +48,9 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
 
     Exit codes: 0 some strategy fits, 1 none fits, 2 usage error, 3 model file error.
     """
-    from oomdoctor import parallel as par
-    from oomdoctor.loader import ModelFileError
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.plans import parallel as par
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.sim.trace import TraceConfig
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     n = _num_gpus(num_gpus)
@@ -90,9 +90,9 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
 
     Exit codes: 0 both stages fit, 1 a stage does not fit, 2 usage error, 3 model file error.
     """
-    from oomdoctor import parallel as par
-    from oomdoctor.loader import ModelFileError
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.plans import parallel as par
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.sim.trace import TraceConfig
     if num_gpus not in (None, 2):
         raise click.UsageError(f"the naive split uses exactly 2 GPUs (got --gpus {num_gpus}); "
                                "for more GPUs use `oomdoctor parallel --strategy zero3`")
@@ -160,11 +160,11 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     Exit codes: 0 a configuration fits, 1 nothing fits (the output says what would), 2 usage
     error, 3 model file error.
     """
-    from oomdoctor import probe as probe_mod
-    from oomdoctor import recommend as rec
-    from oomdoctor.loader import ModelFileError
-    from oomdoctor.parallel import parse_strategy
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.plans import probe as probe_mod
+    from oomdoctor.plans import recommend as rec
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.plans.parallel import parse_strategy
+    from oomdoctor.sim.trace import TraceConfig
     detected = _detect_gpus(gpu_name, memory, num_gpus)
     if detected is not None:
         gpu_name = gpu_name or detected[0].name
@@ -198,8 +198,8 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     else:
         click.echo(rec.render_text(result))
         if smoked is not None:
-            from oomdoctor import smoke as smoke_mod
-            from oomdoctor import smoke_nodes
+            from oomdoctor.runs import smoke as smoke_mod
+            from oomdoctor.runs import smoke_nodes
             click.echo("\n" + (smoke_nodes.render_text(smoked) if result.best.nodes > 1
                                else smoke_mod.render_text(smoked)))
     if smoked is not None and not smoked.ok:
@@ -210,14 +210,14 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
 def _host_ram(text, local):
     """Each node's RAM for the offload plans: --host-ram, else this machine's when the plan is
     for its own GPUs, else unknown."""
-    from oomdoctor.gpus import parse_size
+    from oomdoctor.sim.gpus import parse_size
     if text:
         try:
             return parse_size(text), "--host-ram"
         except ValueError as e:
             raise click.UsageError(f"--host-ram {text}: {e}") from None
     if local:
-        from oomdoctor.recommend.offload import local_host_ram
+        from oomdoctor.plans.recommend.offload import local_host_ram
         ram = local_host_ram()
         return ram, "this machine's MemTotal" if ram else ""
     return None, ""
@@ -258,9 +258,9 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
     Exit codes: 0 passed, 1 failed (OOM, peak >10% off the prediction, loss not finite or
     not moving, or the run could not start), 2 usage error, 3 model file error.
     """
-    from oomdoctor import smoke as smoke_mod
-    from oomdoctor.loader import ModelFileError
-    from oomdoctor.parallel import parse_strategy
+    from oomdoctor.runs import smoke as smoke_mod
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.plans.parallel import parse_strategy
     strategy = parse_strategy(strategy)
     if strategy == "hsdp" and nodes < 2:
         raise click.UsageError("hsdp (hybrid sharding) spans several nodes: add --nodes N, or "
@@ -300,9 +300,9 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
 def _smoke_nodes(model_file, strategy, nodes, per_node, batch_size, grad_accum, precision,
                  checkpointing, checkpoint_class, steps, optimizer, cpu_batch, as_json, debug):
     """smoke --nodes N: the plan's ranks as gloo processes on this machine (exits)."""
-    from oomdoctor import smoke as smoke_mod
-    from oomdoctor import smoke_nodes
-    from oomdoctor.loader import ModelFileError
+    from oomdoctor.runs import smoke as smoke_mod
+    from oomdoctor.runs import smoke_nodes
+    from oomdoctor.models.spec import ModelFileError
     try:
         spec = _load_model(model_file)
         cfg = smoke_mod.SmokeConfig(strategy, nodes * per_node, precision, checkpointing,

@@ -38,9 +38,9 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
 
     Exit codes: 0 fits, 1 does not fit, 2 usage error, 3 model file error.
     """
-    from oomdoctor import estimate as estimate_mod
-    from oomdoctor.loader import ModelFileError
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.plans import estimate as estimate_mod
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.sim.trace import TraceConfig
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     try:
@@ -48,7 +48,7 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                           optimizer, not no_cuda_emulation, zero_grad=zero_grad)
         if strategy != "single":
-            from oomdoctor import parallel as par
+            from oomdoctor.plans import parallel as par
             report = par.estimate_strategies(spec, cfg, budget, num_gpus, [strategy], alloc,
                                              progress=lambda m: click.echo(m, err=True))
             if report.errors:
@@ -122,11 +122,11 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
     Exit codes: 0 something fits, 1 nothing fits, 2 usage error, 3 model file error,
     4 --device cuda[:i] and no such GPU here.
     """
-    from oomdoctor import probe as probe_mod
-    from oomdoctor.loader import ModelFileError
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.plans import probe as probe_mod
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.sim.trace import TraceConfig
     if device:     # before minutes of simulation: is the device there at all?
-        from oomdoctor import measure
+        from oomdoctor.runs import measure
         try:
             measure.TorchRunner(device)
         except measure.NoDeviceError as e:
@@ -171,7 +171,7 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
                                    jobs, debug)
     smoke = None
     if run_smoke and best is not None:
-        from oomdoctor import smoke as smoke_mod
+        from oomdoctor.runs import smoke as smoke_mod
         smoke = _smoke_run(spec, smoke_mod.SmokeConfig(
             "single", 1, best.precision, best.checkpointing, checkpoint_class,
             best.max_batch_size, grad_accum, optimizer=optimizer), budget, alloc, debug)
@@ -187,7 +187,7 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
         if strategy == "single":
             click.echo(probe_mod.render_recommendation(result))
         if plan is not None:
-            from oomdoctor import recommend as rec
+            from oomdoctor.plans import recommend as rec
             scope = ("at the recommended precision (all precisions and strategies: "
                      "`oomdoctor recommend`)" if best is not None
                      else "every precision, since none fits one card")
@@ -205,9 +205,9 @@ def _multi_gpu_plan(spec, best, budget, alloc, base, num_gpus, detected, target_
     checkpointing (``best``), planned across every strategy (recommend.recommend, restricted)."""
     from dataclasses import replace as dc_replace
 
-    from oomdoctor import probe as probe_mod
-    from oomdoctor import recommend as rec
-    from oomdoctor.loader import ModelFileError
+    from oomdoctor.plans import probe as probe_mod
+    from oomdoctor.plans import recommend as rec
+    from oomdoctor.models.spec import ModelFileError
     # Nothing fits one card: plan every precision (sharding or the split may still fit).
     precisions = [best.precision] if best is not None else None
     checkpointing = [best.checkpointing] if best is not None else None
@@ -232,7 +232,7 @@ def _measure_probe(spec, base, predicted, device, max_batch, as_json, debug):
 
     from tabulate import tabulate
 
-    from oomdoctor import measure
+    from oomdoctor.runs import measure
     runs = []
     try:
         for r in predicted.results:
@@ -262,9 +262,9 @@ def _longest_context(model_file, precisions, checkpointing, batch_size, budget, 
                      as_json, debug):
     """`probe --seq-len max`: the longest sequence per configuration at one batch size (by
     default the card's AMP type, with and without checkpointing)."""
-    from oomdoctor import context
-    from oomdoctor.loader import ModelFileError
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.plans import context
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.sim.trace import TraceConfig
     amp = "bf16" if budget.gpu.bf16 else "fp16"
     try:
         configs = [(p, ck) for p in (precisions or (amp,))

@@ -7,12 +7,12 @@ from oomdoctor.cli.options import _die, _progress
 
 def _smoke_best(spec, best, budget, alloc, checkpoint_class, optimizer, debug):
     """recommend --smoke: a few real steps of the recommended configuration."""
-    from oomdoctor import smoke as smoke_mod
+    from oomdoctor.runs import smoke as smoke_mod
     cfg = smoke_mod.SmokeConfig(best.strategy, best.num_gpus, best.precision,
                                 best.checkpointing, checkpoint_class, best.micro_batch,
                                 best.grad_accum, optimizer=optimizer, nodes=best.nodes)
     if best.nodes > 1:          # the nodes' ranks as gloo processes on this machine
-        from oomdoctor import smoke_nodes
+        from oomdoctor.runs import smoke_nodes
         try:
             return smoke_nodes.run_nodes_smoke(spec, cfg, best.nodes,
                                                best.num_gpus // best.nodes, _progress)
@@ -23,7 +23,7 @@ def _smoke_best(spec, best, budget, alloc, checkpoint_class, optimizer, debug):
 
 def _smoke_run(spec, cfg, budget, alloc, debug):
     """Run a smoke configuration against its prediction (probe --smoke, recommend --smoke)."""
-    from oomdoctor import smoke as smoke_mod
+    from oomdoctor.runs import smoke as smoke_mod
     try:
         cfg, prediction = _smoke_prediction(spec, cfg, budget, alloc)
         return smoke_mod.run_smoke(spec, cfg, prediction, progress=_progress)
@@ -37,8 +37,8 @@ def _smoke_prediction(spec, cfg, budget, alloc):
 
     import torch
 
-    from oomdoctor import parallel as par
-    from oomdoctor.trace import TraceConfig
+    from oomdoctor.plans import parallel as par
+    from oomdoctor.sim.trace import TraceConfig
     have_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= cfg.num_gpus
     tcfg = TraceConfig(cfg.micro_batch, cfg.precision, cfg.checkpointing, cfg.checkpoint_class,
                        cfg.grad_accum, cfg.optimizer)
@@ -50,7 +50,7 @@ def _smoke_prediction(spec, cfg, budget, alloc):
     if not have_cuda:
         return cfg, None
     _progress("predicting the per-GPU peaks to compare with")
-    from oomdoctor.estimate import trace_for
+    from oomdoctor.plans.estimate import trace_for
     trace = trace_for(spec, tcfg, budget.gpu)
     sizes = None
     if cfg.strategy == "dp":      # GPU 0 holds the whole batch: its sizes from a second trace

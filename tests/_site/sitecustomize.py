@@ -11,7 +11,7 @@ loads is enough; the models oomdoctor builds by name are pure Python and never c
 tests/conftest.py puts this folder on sys.path and PYTHONPATH, so the test process and every
 process it starts (CLI subprocesses, spawned ranks) load it. It acts only on the first import of
 torchvision, and only when the extension does not load. oomdoctor itself reports such a
-torchvision as not loading (oomdoctor.sources).
+torchvision as not loading (oomdoctor.models.huggingface).
 """
 import importlib.abc
 import importlib.util

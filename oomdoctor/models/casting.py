@@ -1,0 +1,33 @@
+"""Casting a model and a batch to another dtype in ways fake tensors allow (pure bf16)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` that keeps tied weights tied. (Module.to swaps tensors in place for
+    fake tensors, which refuses tensors that have weakrefs; rebuilding the Parameters avoids it.)"""
+    memo: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for store, wrap in ((mod._parameters, True), (mod._buffers, False)):
+            for name, t in store.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                if id(t) not in memo:
+                    new = t.detach().to(dtype)
+                    memo[id(t)] = torch.nn.Parameter(new, t.requires_grad) if wrap else new
+                store[name] = memo[id(t)]
+
+
+def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
+    """A batch (tensor, tuple/list or dict) with its floating tensors cast to ``dtype``
+    (pure bf16 feeds bf16 inputs); integer tensors such as token ids are left alone."""
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    if isinstance(batch, dict):
+        return {k: cast(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(cast(t) for t in batch)
+    return cast(batch)

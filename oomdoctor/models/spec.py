@@ -1,0 +1,50 @@
+"""The model-file protocol's types: a loaded model (:class:`ModelSpec`) and its errors.
+
+Every model source (a model file, a Hugging Face id or config, a timm/torchvision name) returns
+a ``ModelSpec``; everything downstream takes one. Its errors are one-line messages naming the
+file, the function and the fix (the CLI exits 3 on them).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+class ModelFileError(Exception):
+    """The model file is missing, broken, or does not follow the protocol."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The protocol's functions, loaded from one file."""
+
+    path: str
+    build_model: Callable[[], torch.nn.Module]
+    make_batch: Callable[[int], Any]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None
+    label: str | None = None           # the name to show, when not the file's (Hub ids, configs)
+    adapters: Any = None               # LoRA / 4-bit weights (oomdoctor.models.adapters.Adapters)
+    origin: tuple | None = None        # load_model's arguments, to rebuild it in a new process
+
+    @property
+    def name(self) -> str:
+        base = self.label or os.path.splitext(os.path.basename(self.path))[0]
+        return base + (self.adapters.label if self.adapters is not None else "")
+
+
+
+class DataDependentError(ModelFileError):
+    """The step asked a question only real data can answer (``.item()``, ``bool(t)``, a
+    data-dependent shape). The trace retries with the batch's real values (oomdoctor.sim.values)
+    before this reaches the user."""
+
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, for one-line errors."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"

@@ -1,0 +1,175 @@
+"""One training configuration's model, batch, loss and optimizer, from a :class:`ModelSpec`.
+
+The same calls build what the trace, the measured probe and the smoke run train: the model in
+train mode (pure bf16, LoRA/4-bit weights, checkpointed blocks as configured), the batch, the
+protocol's loss and the optimizer. A failure inside the user's functions becomes a one-line
+:class:`ModelFileError` that names the function and the fix.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from oomdoctor.models.casting import cast_floats, to_dtype
+from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec, first_line
+
+
+def build_checked_model(spec: ModelSpec) -> torch.nn.Module:
+    """Call ``build_model()`` and check what it returns."""
+    model = _call(spec, "build_model", spec.build_model)
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(f"{spec.path}: build_model() returned {type(model).__name__}, "
+                             "expected a torch.nn.Module; return the model instance")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ModelFileError(f"{spec.path}: build_model() returned a model with no trainable "
+                             "parameters; there is nothing to train (set requires_grad=True on "
+                             "the parameters to fine-tune)")
+    return model
+
+
+def make_checked_batch(spec: ModelSpec, batch_size: int) -> Any:
+    """Call ``make_batch(batch_size)`` and check it returns tensors."""
+    batch = _call(spec, "make_batch", spec.make_batch, batch_size)
+    leaves = batch.values() if isinstance(batch, dict) else (
+        batch if isinstance(batch, (tuple, list)) else [batch])
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        raise ModelFileError(f"{spec.path}: make_batch({batch_size}) returned "
+                             f"{_describe(batch)}; return a tensor, a tuple of tensors or a dict "
+                             "of tensors")
+    return batch
+
+
+def compute_loss(spec: ModelSpec, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The protocol's loss: ``loss_fn(model, batch)`` or the model's own output."""
+    if spec.loss_fn is not None:
+        out = _call(spec, "loss_fn", spec.loss_fn, model, batch)
+        where = "loss_fn(model, batch)"
+    else:
+        if isinstance(batch, dict):
+            how, args, kwargs = (f"model(**batch) with the keys {', '.join(map(str, batch))}",
+                                 (), batch)
+        elif isinstance(batch, (tuple, list)):
+            how, args, kwargs = f"model(*batch) with {len(batch)} tensors", tuple(batch), {}
+        else:
+            how, args, kwargs = "model(batch) with one tensor", (batch,), {}
+        try:
+            inspect.signature(model.forward).bind(*args, **kwargs)
+        except TypeError as e:
+            # The batch does not fit forward's signature: say how oomdoctor called it.
+            raise ModelFileError(
+                f"{spec.path}: without loss_fn, oomdoctor calls {how} (what make_batch "
+                f"returns), which forward does not take ({e}); define loss_fn(model, batch) "
+                "to call the model your way and return the loss") from e
+        except ValueError:          # no signature to check (a builtin): just call it
+            pass
+        out = _call(spec, "model.forward", lambda: model(*args, **kwargs))
+        where = "the model's output"
+        if not isinstance(out, torch.Tensor) and hasattr(out, "loss"):
+            out = out.loss
+    if not isinstance(out, torch.Tensor):
+        raise ModelFileError(f"{spec.path}: {where} is {_describe(out)}, not a tensor; define "
+                             "loss_fn(model, batch) returning a scalar loss")
+    if out.dim() != 0:
+        raise ModelFileError(f"{spec.path}: {where} has shape {tuple(out.shape)}, expected a "
+                             "scalar loss; reduce it (e.g. .mean()) or define loss_fn(model, batch)")
+    return out
+
+
+def make_optimizer(spec: ModelSpec, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The file's optimizer, or AdamW over the trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if spec.make_optimizer is None:
+        return torch.optim.AdamW(params, lr=1e-4)
+    opt = _call(spec, "make_optimizer", spec.make_optimizer, model.parameters())
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ModelFileError(f"{spec.path}: make_optimizer(params) returned "
+                             f"{_describe(opt)}; return a torch.optim.Optimizer")
+    return opt
+
+
+def make_configured_optimizer(spec: ModelSpec, model: torch.nn.Module,
+                              override: str | None = None) -> torch.optim.Optimizer:
+    """The ``--optimizer`` override if given, else the file's optimizer (or AdamW)."""
+    if override:
+        from oomdoctor.models import optimizers
+        return optimizers.build_optimizer(override, model)
+    return make_optimizer(spec, model)
+
+
+
+def build_for_training(spec: ModelSpec, precision: str = "fp32", checkpointing: bool = False,
+                       checkpoint_class: str | None = None, *, preserve_rng_state: bool = True,
+                       notes: list[str] | None = None
+                       ) -> tuple[torch.nn.Module, tuple[str, ...]]:
+    """The file's model as a configuration trains it, under the caller's device or fake-tensor
+    context: in train mode, cast to bf16 for pure bf16, LoRA/4-bit weights if the spec asks,
+    repeated blocks checkpointed. Returns the model and the checkpointed blocks' names; what
+    the adapters did is appended to ``notes``."""
+    model = build_checked_model(spec)
+    model.train()
+    if precision == "bf16-pure":
+        to_dtype(model, torch.bfloat16)
+    if spec.adapters is not None:
+        from oomdoctor.models import adapters
+        model, said = adapters.adapt(model, spec.adapters, precision)
+        if notes is not None:
+            notes += said
+    checkpointed: tuple[str, ...] = ()
+    if checkpointing:
+        from oomdoctor.models.checkpointing import apply_checkpointing
+        checkpointed = apply_checkpointing(model, checkpoint_class,
+                                           preserve_rng_state=preserve_rng_state)
+    return model, checkpointed
+
+
+def make_configured_batch(spec: ModelSpec, batch_size: int, precision: str = "fp32") -> Any:
+    """The file's batch; pure bf16 feeds bf16 inputs."""
+    batch = make_checked_batch(spec, batch_size)
+    return cast_floats(batch, torch.bfloat16) if precision == "bf16-pure" else batch
+
+
+# Errors raised by fake tensors when the file does something only real data can answer.
+_DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException",
+                   "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
+
+
+# What moving a fake/meta tensor to CUDA raises: a CPU-only build, or a meta tensor's copy.
+_TO_CUDA_TEXT = ("Torch not compiled with CUDA enabled", "Cannot copy out of meta tensor",
+                 "Found no NVIDIA driver")
+
+_DATA_DEPENDENT_TEXT = ("data-dependent", "item()", "on meta tensors", "register_meta",
+                        "nonzero", "masked_select", "unique")
+
+
+def _call(spec: ModelSpec, name: str, fn: Callable, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except ModelFileError:
+        raise
+    except Exception as e:
+        kind = type(e).__name__
+        text = str(e)
+        # Fake CPU tensors raise DataDependentOutputException & co; meta tensors raise
+        # "Tensor.item() cannot be called on meta tensors" or an unimplemented meta kernel
+        # for ops whose output shape depends on the data (nonzero, masked_select, unique).
+        if any(s in text for s in _TO_CUDA_TEXT):
+            raise ModelFileError(
+                f"{spec.path}: {name} moves tensors to the GPU ({kind}: {first_line(e)}); "
+                "oomdoctor places the model and the batch itself (on fake tensors, or on the "
+                "GPU with --device cuda): remove .cuda() / .to('cuda') / device='cuda' from "
+                "build_model and make_batch") from e
+        if kind in _DATA_DEPENDENT or any(s in text for s in _DATA_DEPENDENT_TEXT):
+            raise DataDependentError(
+                f"{spec.path}: {name} uses a value computed from tensor data ({kind}: "
+                f"{first_line(e)}), which a fake-tensor trace cannot follow; remove "
+                ".item()/.tolist()/data-dependent shapes from the training step") from e
+        # the CLI adds "(--debug for the traceback)" to every such error
+        raise ModelFileError(f"{spec.path}: {name} raised {kind}: {first_line(e)}") from e
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, (tuple, list)):
+        return f"a {type(obj).__name__} of {', '.join(type(x).__name__ for x in obj[:4]) or 'nothing'}"
+    return "None" if obj is None else f"a {type(obj).__name__}"

@@ -1,0 +1,262 @@
+"""Peak GPU memory of one training configuration: trace, add CUDA's extras, replay the allocator.
+
+    oomdoctor estimate sample_models/gpt2_small.py --batch-size 8 --precision bf16 --json
+
+The trace (:mod:`oomdoctor.sim.trace`) gives every tensor storage the step allocates and frees, in
+order. Here we add what only exists on a CUDA device - cuBLAS workspaces, allocated through the
+caching allocator by the first matmul of the forward thread and of autograd's backward thread -
+replay the sequence through :mod:`oomdoctor.sim.allocator` under the card's budget, and attribute the
+peak to categories. The card's CUDA context lives outside the allocator and is added on top.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from oomdoctor.sim import rocm
+from oomdoctor.sim.allocator import AllocatorConfig, ReplayResult, replay
+from oomdoctor.sim.gpus import GpuProfile
+from oomdoctor.models.spec import ModelSpec
+from oomdoctor.sim.trace import Category, Trace, TraceConfig, trace_training
+from oomdoctor.sim.workspaces import workspace_marks
+
+# The JSON contract's breakdown keys, in display order.
+BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
+                  "allocator_overhead", "cuda_context")
+_CATEGORY_KEY = {
+    Category.PARAMETERS: "parameters", Category.BUFFERS: "parameters",
+    Category.GRADIENTS: "gradients", Category.OPTIMIZER_STATE: "optimizer_state",
+    Category.ACTIVATIONS: "activations", Category.INPUTS: "activations",
+    Category.TEMPORARIES: "temporaries",
+}
+DEFAULT_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the allocator may reserve on one card."""
+
+    gpu: GpuProfile
+    margin: float = DEFAULT_MARGIN       # safety margin, a fraction of the card's capacity
+    context_bytes: int | None = None     # None: the profile's CUDA-context estimate
+    other_bytes: int = 0                 # memory other processes hold on the card
+
+    @property
+    def cuda_context_bytes(self) -> int:
+        return self.gpu.context_bytes if self.context_bytes is None else self.context_bytes
+
+    @property
+    def limit_bytes(self) -> int:
+        # Never negative: a card whose overheads exceed it has nothing left for the allocator.
+        return max(0, self.gpu.total_bytes - self.cuda_context_bytes - self.other_bytes
+                   - int(self.margin * self.gpu.total_bytes))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One configuration's predicted peak, with the numbers behind it. Bytes are ints."""
+
+    model: str
+    batch_size: int
+    precision: str
+    checkpointing: bool
+    grad_accum: int
+    effective_batch_size: int
+    gpu: str
+    device_total_bytes: int
+    budget_bytes: int                   # what the allocator may reserve (capacity - context - other - margin)
+    peak_allocated_bytes: int           # torch.cuda.max_memory_allocated()
+    peak_reserved_bytes: int            # torch.cuda.max_memory_reserved()
+    fits: bool
+    breakdown: dict[str, int]           # at the peak; sums to peak_reserved + cuda_context
+    peak_phase: str
+    peak_iteration: int
+    num_parameters: int
+    num_trainable_parameters: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    allocator: str                      # PYTORCH_CUDA_ALLOC_CONF the replay used
+    num_alloc_retries: int
+    top_activations: tuple[tuple[str, int], ...] = ()   # (module, bytes) live at the peak
+    notes: tuple[str, ...] = ()
+    other_bytes: int = 0                # memory other processes hold (--other), in the budget
+
+    @property
+    def device_peak_bytes(self) -> int:
+        """What nvidia-smi would show at the peak: reserved + CUDA context."""
+        return self.peak_reserved_bytes + self.breakdown["cuda_context"]
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["top_activations"] = [{"module": m, "bytes": b} for m, b in self.top_activations]
+        d["notes"] = list(self.notes)
+        return d
+
+
+def allocator_conf_string(cfg: AllocatorConfig) -> str:
+    parts = []
+    if cfg.expandable_segments:
+        parts.append("expandable_segments:True")
+    if cfg.max_split_size is not None:
+        parts.append(f"max_split_size_mb:{cfg.max_split_size // 2**20}")
+    return ",".join(parts)
+
+
+@dataclass(frozen=True)
+class DeviceEvents:
+    """The trace's events as the CUDA allocator sees them, with cuBLAS workspaces added."""
+
+    events: list[tuple[bool, int, int]]
+    trace_index: list[int]          # for each device event, the trace event index it follows
+    workspace_handles: frozenset[int] = field(default_factory=frozenset)
+
+
+def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None) -> DeviceEvents:
+    """Insert one BLAS workspace before the first forward and one before the first backward
+    that run a matmul (each thread's handle gets its own, kept for the process's life; see
+    :mod:`oomdoctor.sim.workspaces`). ``sizes`` replaces the trace's event sizes (the probe's
+    extrapolation)."""
+    insert_at = {}
+    next_handle = max((h for _, h, _ in trace.events), default=-1) + 1
+    for mark in workspace_marks(trace):
+        insert_at[mark.start] = next_handle
+        next_handle += 1
+    ws = gpu.cublas_workspace_bytes
+    events: list[tuple[bool, int, int]] = []
+    index: list[int] = []
+    for i, (is_alloc, handle, nbytes) in enumerate(trace.events):
+        h = insert_at.get(i)
+        if h is not None:
+            events.append((True, h, ws))
+            index.append(max(i - 1, 0))
+        events.append((is_alloc, handle, nbytes if sizes is None else sizes[i]))
+        index.append(i)
+    return DeviceEvents(events, index, frozenset(insert_at.values()))
+
+
+def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = AllocatorConfig(),
+                   model: str = "", sizes: list[int] | None = None) -> Estimate:
+    """Replay a trace under the budget and explain the peak."""
+    dev = device_events(trace, budget.gpu, sizes)
+    limited = replay(dev.events, alloc, budget.limit_bytes)
+    fits = limited.oom is None
+    # When it does not fit, report what it would need: replay without the limit.
+    result: ReplayResult = limited if fits else replay(dev.events, alloc, None)
+    at = result.peak_allocated_index
+    size_of = {h: n for is_alloc, h, n in dev.events if is_alloc}
+    breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
+    live: dict[int, int] = {}
+    for is_alloc, h, _ in dev.events[:at + 1]:
+        if is_alloc:
+            live[h] = size_of[h]
+        else:
+            live.pop(h, None)
+    by_module: dict[str, int] = {}
+    for h, n in live.items():
+        if h in dev.workspace_handles:
+            breakdown["temporaries"] += n
+            continue
+        s = trace.storages[h]
+        breakdown[_CATEGORY_KEY[s.category]] += n
+        if s.category is Category.ACTIVATIONS and s.module:
+            # Group by the block a storage came from: "transformer.h.3.attn" -> "transformer.h.3"
+            key = ".".join(s.module.split(".")[:3])
+            by_module[key] = by_module.get(key, 0) + n
+    used = sum(breakdown.values())
+    breakdown["allocator_overhead"] = result.peak_reserved_bytes - used
+    breakdown["cuda_context"] = budget.cuda_context_bytes
+    mark = trace.phase_at(dev.trace_index[at]) if dev.trace_index else trace.marks[0]
+    cfg = trace.config
+    notes = list(trace.notes)
+    gpu = budget.gpu
+    if gpu.is_rocm and dev.workspace_handles:
+        lib = "hipBLASLt" if rocm.prefers_hipblaslt(gpu.arch) else "hipBLAS"
+        notes.append(f"ROCm ({gpu.arch}): {len(dev.workspace_handles)} x "
+                     f"{gpu.cublas_workspace_bytes // 2**20} MiB {lib} workspace from the caching "
+                     "allocator, one per thread that runs a matmul (PyTorch's default BLAS "
+                     "library on this target)")
+    if not fits and limited.oom is not None:
+        notes.append(f"out of memory in the {trace.phase_at(dev.trace_index[limited.oom_index]).phase.value}"
+                     f" of step {trace.phase_at(dev.trace_index[limited.oom_index]).iteration + 1}")
+    return Estimate(
+        model=model, batch_size=cfg.batch_size, precision=cfg.precision,
+        checkpointing=cfg.checkpointing, grad_accum=cfg.grad_accum,
+        effective_batch_size=cfg.batch_size * cfg.grad_accum, gpu=budget.gpu.name,
+        device_total_bytes=budget.gpu.total_bytes, budget_bytes=budget.limit_bytes,
+        peak_allocated_bytes=result.peak_allocated_bytes,
+        peak_reserved_bytes=result.peak_reserved_bytes, fits=fits, breakdown=breakdown,
+        peak_phase=mark.phase.value, peak_iteration=mark.iteration,
+        num_parameters=trace.num_parameters,
+        num_trainable_parameters=trace.num_trainable_parameters,
+        parameter_bytes=trace.parameter_bytes + trace.buffer_bytes,
+        gradient_bytes=trace.gradient_bytes, optimizer_state_bytes=trace.optimizer_state_bytes,
+        allocator=allocator_conf_string(alloc), num_alloc_retries=result.num_alloc_retries,
+        top_activations=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])[:5]),
+        notes=tuple(notes), other_bytes=budget.other_bytes)
+
+
+def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
+              optimizer_from: Trace | None = None, progress=None) -> Trace:
+    """Trace with the SDPA kernel choice of the target card."""
+    return trace_training(spec, replace(cfg, compute_capability=gpu.compute_capability,
+                                        gpu_arch=gpu.arch),
+                          optimizer_from=optimizer_from, progress=progress)
+
+
+def estimate(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
+             alloc: AllocatorConfig = AllocatorConfig(), progress=None) -> Estimate:
+    """Trace ``cfg`` and estimate its peak on ``budget.gpu``. ``progress(message)`` is told
+    which step and phase the trace has reached (see trace.trace_training)."""
+    if cfg.precision in ("bf16", "bf16-pure") and not budget.gpu.bf16:
+        why = (f"{budget.gpu.arch} has no bf16 matrix instructions" if budget.gpu.is_rocm else
+               f"compute capability {budget.gpu.compute_capability[0]}."
+               f"{budget.gpu.compute_capability[1]} < 8.0")
+        raise ValueError(f"{budget.gpu.name} has no bf16 support ({why}); use --precision fp16")
+    return estimate_trace(trace_for(spec, cfg, budget.gpu, progress=progress), budget, alloc,
+                          spec.name)
+
+
+def budget_text(e: Estimate) -> str:
+    """'22.12 GiB budget (23.69 GiB card - 0.39 GiB CUDA context - 1.18 GiB margin)'."""
+    from oomdoctor.sim.allocator import format_size
+    context = e.breakdown["cuda_context"]
+    margin = e.device_total_bytes - context - e.other_bytes - e.budget_bytes
+    other = f" - {format_size(e.other_bytes)} other processes" if e.other_bytes else ""
+    return (f"{format_size(e.budget_bytes)} budget ({format_size(e.device_total_bytes)} card - "
+            f"{format_size(context)} CUDA context{other} - {format_size(max(margin, 0))} margin)")
+
+
+def render_text(e: Estimate) -> str:
+    """A terminal report of one estimate."""
+    from tabulate import tabulate
+
+    from oomdoctor.sim.allocator import format_size
+
+    accum = f", {e.grad_accum} micro-batches per step" if e.grad_accum > 1 else ""
+    head = (f"{e.model}: batch {e.batch_size}{accum} (effective {e.effective_batch_size}), "
+            f"{e.precision}{', checkpointing' if e.checkpointing else ''} on {e.gpu} "
+            f"({format_size(e.device_total_bytes)})")
+    verdict = (f"FITS: peak {format_size(e.peak_reserved_bytes)} reserved" if e.fits else
+               f"DOES NOT FIT: needs {format_size(e.peak_reserved_bytes)} reserved") + \
+        f" of the {budget_text(e)}; {format_size(e.device_peak_bytes)} on the card with the context"
+    rows = [(k.replace("_", " "), format_size(v),
+             f"{100 * v / max(e.device_peak_bytes, 1):.1f}%") for k, v in e.breakdown.items()]
+    rows.append(("total on the card", format_size(e.device_peak_bytes), "100.0%"))
+    lines = [head, verdict, "",
+             f"peak allocated {format_size(e.peak_allocated_bytes)} "
+             f"(torch.cuda.max_memory_allocated), reserved {format_size(e.peak_reserved_bytes)} "
+             f"(max_memory_reserved), in the {e.peak_phase} of step {e.peak_iteration + 1}",
+             f"budget for the allocator {format_size(e.budget_bytes)} (capacity - CUDA context "
+             "- safety margin)", "",
+             tabulate(rows, headers=("at the peak", "bytes", "share"),
+                      colalign=("left", "right", "right")), ""]
+    lines.append(f"{e.num_parameters:,} parameters ({e.num_trainable_parameters:,} trainable): "
+                 f"weights {format_size(e.parameter_bytes)}, gradients "
+                 f"{format_size(e.gradient_bytes)}, optimizer state "
+                 f"{format_size(e.optimizer_state_bytes)}")
+    if e.top_activations:
+        lines.append("largest activations at the peak: " + ", ".join(
+            f"{m or '(top level)'} {format_size(b)}" for m, b in e.top_activations))
+    lines += [f"note: {n}" for n in e.notes]
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The `parallel` and `split` commands' library entry points: every strategy, or the best split."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Iterable
+
+from oomdoctor.sim.allocator import AllocatorConfig
+from oomdoctor.plans.estimate import Budget, trace_for
+from oomdoctor.models.spec import ModelSpec
+from oomdoctor.plans.parallel.estimator import estimate_strategy
+from oomdoctor.plans.parallel.layout import model_layout
+from oomdoctor.plans.parallel.results import Partition, StrategyEstimate
+from oomdoctor.plans.parallel.strategy import STRATEGIES, Strategy, parse_strategy
+from oomdoctor.plans.parallel.timeline import Sizes
+from oomdoctor.sim.trace import TraceConfig
+
+
+Progress = Callable[[str], None]
+# Among strategies that fit at the same samples per step, the one to prefer: least
+# communication first (DDP), then more sharding, then DataParallel (one process, GPU 0 gathers)
+# and the naive split (one GPU busy at a time). `oomdoctor recommend` ranks by step time.
+PREFERENCE = ("ddp", "zero1", "zero2", "zero3", "dp", "pipeline2", "single")
+
+
+@dataclass(frozen=True)
+class ParallelReport:
+    """Every requested strategy at one configuration."""
+
+    model: str
+    gpu: str
+    num_gpus: int
+    device_total_bytes: int
+    budget_bytes: int
+    micro_batch: int
+    precision: str
+    checkpointing: bool
+    num_parameters: int
+    estimates: tuple[StrategyEstimate, ...]
+    errors: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def fitting(self) -> tuple[str, ...]:
+        return tuple(e.strategy for e in self.estimates if e.fits)
+
+    @property
+    def not_fitting(self) -> tuple[str, ...]:
+        return tuple(e.strategy for e in self.estimates if not e.fits)
+
+    @property
+    def best(self) -> str | None:
+        """The fitting strategy that trains the most samples per step with the least
+        communication and idle time (PREFERENCE); None when nothing fits."""
+        fit = [e for e in self.estimates if e.fits]
+        if not fit:
+            return None
+        return min(fit, key=lambda e: (-e.effective_batch,
+                                       PREFERENCE.index(e.strategy)
+                                       if e.strategy in PREFERENCE else len(PREFERENCE))).strategy
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "gpu": self.gpu, "num_gpus": self.num_gpus,
+                "device_total_bytes": self.device_total_bytes, "budget_bytes": self.budget_bytes,
+                "micro_batch": self.micro_batch, "precision": self.precision,
+                "checkpointing": self.checkpointing, "num_parameters": self.num_parameters,
+                "strategies": [e.to_json() for e in self.estimates],
+                "errors": [{"strategy": s, "error": m} for s, m in self.errors],
+                "fits": list(self.fitting), "does_not_fit": list(self.not_fitting),
+                "best": self.best}
+
+
+def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_gpus: int,
+                        strategies: Iterable[str] = STRATEGIES,
+                        alloc: AllocatorConfig = AllocatorConfig(), bucket_view: bool = False,
+                        progress: Progress = lambda _: None) -> ParallelReport:
+    """Trace ``cfg`` (its batch_size is the micro-batch per GPU) and estimate every strategy."""
+    if cfg.precision in ("bf16", "bf16-pure") and not budget.gpu.bf16:
+        raise ValueError(f"{budget.gpu.name} has no bf16 support; use --precision fp16")
+    names = [parse_strategy(s) for s in strategies]
+    progress(f"tracing {spec.name} at micro-batch {cfg.batch_size} ({cfg.precision}"
+             f"{', checkpointing' if cfg.checkpointing else ''})")
+    trace = trace_for(spec, cfg, budget.gpu)
+    sizes = Sizes.of(trace)
+    if "dp" in names and num_gpus > 1:
+        progress(f"tracing micro-batch {cfg.batch_size * num_gpus} for DataParallel's GPU 0")
+        big = trace_for(spec, replace(cfg, batch_size=cfg.batch_size * num_gpus), budget.gpu)
+        sizes = Sizes.affine(trace, big) or sizes
+    progress("laying out blocks, block inputs and FLOPs")
+    layout = model_layout(spec, cfg.precision)
+    out, errors = [], []
+    for name in names:
+        if name == "pipeline2" and num_gpus != 2:
+            errors.append((name, "the naive split uses exactly 2 GPUs"))
+            continue
+        n = 1 if name == "single" else num_gpus
+        progress(f"{name}: replaying {n} GPU(s)")
+        try:
+            out.append(estimate_strategy(trace, layout, Strategy(name, n, bucket_view), budget,
+                                         alloc, sizes, grad_accum=cfg.grad_accum))
+        except ValueError as e:
+            errors.append((name, str(e)))
+    return ParallelReport(spec.name, budget.gpu.name, num_gpus, budget.gpu.total_bytes,
+                          budget.limit_bytes, cfg.batch_size, cfg.precision, cfg.checkpointing,
+                          layout.num_parameters, tuple(out), tuple(errors))
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """The `split` command's result: the partition and both stages' memory."""
+
+    estimate: StrategyEstimate
+    partition: Partition
+    layout_blocks: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.partition
+        return {"model": self.estimate.model, "gpu": self.estimate.gpu,
+                "micro_batch": self.estimate.micro_batch,
+                "precision": self.estimate.precision,
+                "checkpointing": self.estimate.checkpointing,
+                "fits": self.estimate.fits,
+                "stages": [{"gpu": k, "modules": list(p.stages[k]),
+                            "utilisation": p.utilisation[k],
+                            **asdict(self.estimate.gpus[k])} for k in range(2)],
+                "main_device": p.main_stage, "device_map": p.device_map,
+                "boundary_bytes": p.boundary_bytes, "notes": list(self.estimate.notes)}
+
+
+def plan_split(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
+               alloc: AllocatorConfig = AllocatorConfig(),
+               progress: Progress = lambda _: None) -> SplitPlan:
+    """Trace ``cfg`` and find the two-GPU split whose larger stage peak is smallest."""
+    if cfg.precision in ("bf16", "bf16-pure") and not budget.gpu.bf16:
+        raise ValueError(f"{budget.gpu.name} has no bf16 support; use --precision fp16")
+    progress(f"tracing {spec.name} at batch {cfg.batch_size}")
+    trace = trace_for(spec, cfg, budget.gpu)
+    progress("laying out blocks and what crosses between them")
+    layout = model_layout(spec, cfg.precision)
+    progress(f"trying {max(len(layout.blocks) - 1, 0)} cuts")
+    e = estimate_strategy(trace, layout, Strategy("pipeline2", 2), budget, alloc,
+                          grad_accum=cfg.grad_accum)
+    assert e.partition is not None
+    return SplitPlan(e, e.partition, layout.blocks)

@@ -1,0 +1,53 @@
+"""Parameter-efficient fine-tuning as a remedy: when full fine-tuning fits nowhere, what LoRA and
+QLoRA need on one card, traced with the real peft and bitsandbytes (oomdoctor.models.adapters).
+
+The configuration is the recipes': rank 16, AMP in the card's 16-bit type, activation
+checkpointing, micro-batch 1 (reach the batch with gradient accumulation). LoRA is traced first;
+QLoRA (nf4) only when LoRA does not fit - one or two traces, not a search.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from oomdoctor.sim.allocator import AllocatorConfig
+from oomdoctor.plans.estimate import Budget, estimate
+from oomdoctor.models.spec import ModelFileError, ModelSpec
+from oomdoctor.plans.recommend.facts import _Facts
+from oomdoctor.plans.recommend.machine import Hardware
+from oomdoctor.sim.trace import TraceConfig
+
+RANK = 16
+
+
+def adapter_alternative(spec: ModelSpec, facts: _Facts, hw: Hardware, budget: Budget,
+                        base: TraceConfig, alloc: AllocatorConfig, progress) -> str:
+    """One line for "what would fit": LoRA's (else QLoRA's) traced peak on one GPU."""
+    from oomdoctor.models.adapters import Adapters, missing_library
+    try:
+        import peft  # noqa: F401  (the trace needs it; say so here rather than fail there)
+    except ImportError as e:
+        frozen = facts.num_parameters * 2
+        return (f"train adapters instead (LoRA): frozen bf16 weights are {frozen / 2**30:.1f} "
+                "GiB, with gradients and optimizer state only for the adapters; "
+                + missing_library("peft", "tracing it (--lora 16)", e))
+    amp = "bf16" if hw.gpu.bf16 else "fp16"
+    cfg = dataclasses.replace(base, batch_size=1, precision=amp, checkpointing=True,
+                              grad_accum=1)
+    tried = []
+    for quantize in (None, "nf4"):
+        adapted = dataclasses.replace(spec, adapters=Adapters(RANK, quantize=quantize))
+        kind = "QLoRA (nf4)" if quantize else "LoRA"
+        progress(f"tracing {kind} r{RANK} at micro-batch 1 ({amp}, checkpointing)")
+        try:
+            e = estimate(adapted, cfg, budget, alloc)
+        except ModelFileError as err:
+            return f"train adapters instead (LoRA/QLoRA): could not be traced here ({err})"
+        flags = f"--lora {RANK}" + (f" --quantize {quantize}" if quantize else "")
+        tried.append(f"{kind} {e.peak_reserved_bytes / 2**30:.1f} GiB")
+        if e.fits:
+            return (f"train adapters instead: {kind} r{RANK} ({amp}, checkpointing, "
+                    f"micro-batch 1) needs {e.peak_reserved_bytes / 2**30:.1f} GiB on one "
+                    f"{hw.gpu.name} (traced with peft/bitsandbytes); find its largest batch "
+                    f"with `oomdoctor probe {spec.path} {flags}`; it changes what is trained")
+    return (f"train adapters instead: does not fit one {hw.gpu.name} either at micro-batch 1 "
+            f"with checkpointing ({', '.join(tried)} reserved)")

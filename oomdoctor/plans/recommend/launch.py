@@ -1,0 +1,224 @@
+"""What to run: the launch line and its environment, the training-loop snippet, quality notes."""
+from __future__ import annotations
+
+from oomdoctor.models.spec import ModelSpec
+from oomdoctor.plans.parallel import Strategy
+from oomdoctor.plans.recommend.facts import _Facts
+from oomdoctor.plans.recommend.machine import Hardware
+from oomdoctor.plans.recommend.node_launch import sbatch_script, torchrun_lines
+from oomdoctor.plans.recommend.records import Candidate, Launch
+
+
+def _launch(c: Candidate, hw: Hardware, spec: ModelSpec, facts: _Facts) -> Launch:
+    st = Strategy(c.strategy, c.num_gpus, nodes=c.nodes) if c.strategy != "pipeline2" else \
+        Strategy("pipeline2", 2)
+    if c.nodes > 1:
+        return _node_launch(c, st, hw, facts)
+    procs = st.processes
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           "OMP_NUM_THREADS": str(max(1, hw.cores // procs))}
+    gpus = ",".join(str(i) for i in range(c.num_gpus))
+    env["CUDA_VISIBLE_DEVICES"] = gpus
+    args = f"train.py --batch-size {c.micro_batch} --grad-accum {c.grad_accum}"
+    if procs > 1:
+        command = f"torchrun --standalone --nproc_per_node={procs} {args}"
+    else:
+        command = f"python {args}"
+    # Planned on another machine (a laptop, CI), the core count is this machine's, not the
+    # training server's: say so rather than print a number that looks measured.
+    env_note = "" if hw.detected else (
+        f"(OMP_NUM_THREADS={env['OMP_NUM_THREADS']} is this machine's {hw.cores} cores / {procs} "
+        f"process{'es' if procs > 1 else ''}; on the training server use its cores / {procs})")
+    return Launch(command, env, snippet(c, facts.blocks_parent, facts.has_batchnorm,
+                                        no_p2p=hw.link == "pcie-no-p2p"),
+                  quality_notes(c, facts), env_note)
+
+
+def _node_launch(c: Candidate, st: Strategy, hw: Hardware, facts: _Facts) -> Launch:
+    """Several nodes: the line for each node (node 0 first) and a SLURM script."""
+    g = st.per_node
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           "OMP_NUM_THREADS": str(max(1, hw.cores // g))}
+    args = f"train.py --batch-size {c.micro_batch} --grad-accum {c.grad_accum}"
+    lines = torchrun_lines(st.nodes, g, args)
+    note = (f"run line i on node i; HOST is node 0's address, reachable from every node "
+            f"(NCCL_SOCKET_IFNAME picks the interface if there are several); "
+            f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} is "
+            + ("this machine's" if hw.detected else "this machine's, not the nodes'")
+            + f" {hw.cores} cores / {g} processes")
+    return Launch(lines[0], env, snippet(c, facts.blocks_parent, facts.has_batchnorm),
+                  quality_notes(c, facts), note, lines, sbatch_script(st.nodes, g, args, env))
+
+
+def hsdp_lines(nodes: int, per_node: int, blocks: str) -> list[str]:
+    """FSDP2 hybrid sharding: a 2-D mesh, replicas across nodes (dim 0), shards within a node
+    (dim 1) - fully_shard with a 2-D mesh is HSDP (torch/distributed/fsdp/_fully_shard/
+    _fully_shard.py, the ``mesh`` argument); FSDP1 spells it ShardingStrategy.HYBRID_SHARD."""
+    return ["from torch.distributed.device_mesh import init_device_mesh",
+            "from torch.distributed.fsdp import fully_shard   # FSDP2, torch >= 2.6",
+            f"mesh = init_device_mesh('cuda', ({nodes}, {per_node}),   # (nodes, GPUs per node)",
+            "                        mesh_dim_names=('replicate', 'shard'))",
+            "model.to(device)",
+            f"for block in {blocks}:         # shard within the node, replicate across",
+            "    fully_shard(block, mesh=mesh)",
+            "fully_shard(model, mesh=mesh)",
+            "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
+
+
+def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: bool = False) -> str:
+    """The training-loop changes for this configuration, as a short code sketch."""
+    distributed = c.strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp")
+    lines = ["import os, torch"]
+    if not distributed:
+        lines.append("from torch.utils.data import DataLoader")
+    if distributed:
+        lines += ["import torch.distributed as dist",
+                  "from torch.utils.data import DataLoader, DistributedSampler",
+                  "dist.init_process_group('nccl')                  # torchrun sets RANK etc.",
+                  "local_rank = int(os.environ['LOCAL_RANK'])",
+                  "torch.cuda.set_device(local_rank)",
+                  "device = torch.device('cuda', local_rank)"]
+    elif c.strategy == "pipeline2":
+        lines += ["from accelerate import dispatch_model",
+                  "import json"]
+    else:
+        lines += ["device = torch.device('cuda', 0)"]
+    lines.append("model = build_model()")
+    if c.precision == "bf16-pure":
+        lines.append("model = model.to(torch.bfloat16)             # pure bf16: weights too")
+    where = f"model.{blocks}" if blocks else "model.layers"
+    if c.checkpointing:
+        lines += ["from torch.utils.checkpoint import checkpoint",
+                  "class Checkpointed(torch.nn.Module):           # recompute in backward",
+                  "    def __init__(self, block):",
+                  "        super().__init__()",
+                  "        self.block = block",
+                  "    def forward(self, *args, **kwargs):",
+                  "        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)",
+                  f"for i, block in enumerate({where}):",
+                  f"    {where}[i] = Checkpointed(block)"]
+    if distributed and batchnorm and c.num_gpus > 1:
+        lines.append("model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # global BN")
+    ddp = ["model = torch.nn.parallel.DistributedDataParallel(",     # ZeRO-1 is DDP + sharded Adam
+           "    model.to(device), device_ids=[local_rank], gradient_as_bucket_view=True)"]
+    if c.strategy == "ddp":
+        lines += [*ddp, "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
+    elif c.strategy == "zero1":
+        lines += ["from torch.distributed.optim import ZeroRedundancyOptimizer", *ddp,
+                  "opt = ZeroRedundancyOptimizer(model.parameters(),",
+                  "                              optimizer_class=torch.optim.AdamW, lr=lr)"]
+    elif c.strategy == "hsdp":
+        lines += hsdp_lines(c.nodes, c.num_gpus // c.nodes, where)
+    elif c.strategy in ("zero2", "zero3"):
+        reshard = "True" if c.strategy == "zero3" else "False"
+        lines += ["from torch.distributed.fsdp import fully_shard   # FSDP2, torch >= 2.6",
+                  "model.to(device)",
+                  f"for block in {where}:         # each block; embeddings and head too",
+                  f"    fully_shard(block, reshard_after_forward={reshard})",
+                  f"fully_shard(model, reshard_after_forward={reshard})",
+                  "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
+    elif c.strategy == "dp":
+        lines += ["# prefer DDP (torchrun, one process per GPU); DataParallel loads GPU 0"]
+        if no_p2p:
+            # DataParallel copies weights and gathers outputs GPU to GPU every step
+            # (broadcast_coalesced); on boards without P2P that path is known to hang or crawl.
+            lines += ["# this board has no GPU-to-GPU P2P: DataParallel's per-step broadcast",
+                      "# (broadcast_coalesced) can hang or crawl here - DDP does not need P2P"]
+        lines += ["model = torch.nn.DataParallel(model.to(device))",
+                  "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
+    elif c.strategy == "pipeline2":
+        lines += ["# map from: oomdoctor split model.py --gpus 2 --device-map map.json",
+                  "plan = json.load(open('map.json'))",
+                  "model = dispatch_model(model, device_map=plan['device_map'],",
+                  "                       main_device=plan['main_device'])",
+                  "device = torch.device('cuda', plan['main_device'])   # inputs go here",
+                  "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
+    else:
+        lines += ["model.to(device)", "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
+    amp = {"fp16": "torch.float16", "bf16": "torch.bfloat16"}.get(c.precision)
+    if c.precision == "fp16":
+        lines.append("scaler = torch.amp.GradScaler('cuda')")
+    if distributed:
+        lines += ["sampler = DistributedSampler(dataset, shuffle=True)",
+                  f"loader = DataLoader(dataset, batch_size={c.micro_batch}, sampler=sampler,",
+                  "                    num_workers=4, pin_memory=True)"]
+    elif c.strategy == "dp":
+        # DataParallel scatters each loader batch over the GPUs: the loader's batch is the
+        # per-GPU micro-batch times the GPUs (torch/nn/parallel/data_parallel.py, scatter).
+        lines.append(f"loader = DataLoader(dataset, batch_size={c.micro_batch * c.num_gpus}, "
+                     f"shuffle=True,   # {c.micro_batch} per GPU x {c.num_gpus} GPUs")
+        lines.append("                    num_workers=4, pin_memory=True)")
+    else:
+        lines.append(f"loader = DataLoader(dataset, batch_size={c.micro_batch}, shuffle=True, "
+                     "num_workers=4, pin_memory=True)")
+    lines += [f"K = {c.grad_accum}                             # micro-batches per step",
+              "for epoch in range(epochs):"]
+    if distributed:
+        lines.append("    sampler.set_epoch(epoch)                    # a new shuffle per epoch")
+    lines += ["    for i, batch in enumerate(loader):",
+              "        batch = [t.to(device, non_blocking=True) for t in batch]",
+              "        last = (i + 1) % K == 0"]
+    sync = "model.no_sync() if not last else contextlib.nullcontext()" \
+        if c.strategy in ("ddp", "zero1") else None
+    indent = "        "
+    if c.strategy == "hsdp":
+        lines.append("        model.set_requires_all_reduce(last)  # across nodes: last only")
+    if sync:
+        lines.append(f"{indent}with {sync}:      # skip the all-reduce until the last")
+        indent += "    "
+    if amp:
+        lines.append(f"{indent}with torch.autocast('cuda', dtype={amp}):")
+        lines.append(f"{indent}    loss = loss_fn(model, batch) / K")
+    else:
+        lines.append(f"{indent}loss = loss_fn(model, batch) / K")
+    lines.append(f"{indent}{'scaler.scale(loss)' if c.precision == 'fp16' else 'loss'}.backward()")
+    lines += ["        if last:"]
+    if c.precision == "fp16":
+        lines += ["            scaler.step(opt)", "            scaler.update()"]
+    else:
+        lines.append("            opt.step()")
+    lines.append("            opt.zero_grad(set_to_none=True)")
+    if sync:
+        lines.insert(1, "import contextlib")
+    return "\n".join(lines)
+
+
+def quality_notes(c: Candidate, facts: _Facts | None = None) -> tuple[str, ...]:
+    """What the configuration changes in training quality, in the users' terms."""
+    e = c.effective_batch
+    notes = [f"effective batch {e} = micro-batch {c.micro_batch} x {c.grad_accum} accumulation "
+             f"x {Strategy(c.strategy, c.num_gpus, nodes=c.nodes).data_parallel} data-parallel "
+             "GPU(s). If your "
+             f"learning rate was tuned at batch B, scale it with {e}/B: linearly for SGD (Goyal "
+             "et al. 2017, with a few epochs of warm-up), about the square root for Adam/AdamW",
+             "gradient accumulation: practically neutral - the summed gradient equals the large "
+             "batch's up to float rounding"
+             + (" (BatchNorm sees micro-batches only: statistics from "
+                f"{c.micro_batch} samples; use SyncBatchNorm or GroupNorm)"
+                if facts is not None and getattr(facts, "has_batchnorm", False)
+                and c.grad_accum > 1 else ""),
+             ]
+    if c.precision in ("fp16", "bf16"):
+        notes.append(f"{c.precision} AMP: practically neutral (weights, gradients and optimizer "
+                     "state stay fp32" + ("; keep the GradScaler - fp16 gradients underflow "
+                                          "without it)" if c.precision == "fp16" else ")"))
+    elif c.precision == "bf16-pure":
+        notes.append("pure bf16 is not neutral: weights and Adam moments keep 8 mantissa bits, "
+                     "so updates smaller than ~1/256 of a weight are lost; prefer AMP if it "
+                     "fits, or an optimizer with fp32 master weights / Kahan summation")
+    else:
+        notes.append("fp32: numerics unchanged")
+    if c.checkpointing:
+        notes.append("activation checkpointing: numerically identical (the forward is re-run, "
+                     "about +1/3 compute; dropout RNG state is restored)")
+    notes.append("a smaller effective batch is not neutral: noisier gradients, retune the "
+                 "learning rate - which is why the plan keeps the batch you asked for")
+    if c.strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp"):
+        notes.append("data parallelism is neutral in theory: every rank sees a different shard "
+                     "(DistributedSampler + set_epoch), gradients are averaged")
+        if facts is not None and getattr(facts, "has_batchnorm", False) and c.num_gpus > 1:
+            notes.append(f"BatchNorm: without SyncBatchNorm each GPU normalises over its own "
+                         f"{c.micro_batch} samples, not the global batch; the snippet converts "
+                         "it (one all-reduce per BN layer in the forward, a little slower). "
+                         "With large micro-batches plain BatchNorm is usually fine")
+    return tuple(notes)

@@ -1,0 +1,491 @@
+"""What CUDA does differently from a CPU trace, applied to fake CPU tensors.
+
+A CPU-only PyTorch cannot make fake ``cuda`` tensors (see docs/simulator.md), so the trace runs
+on fake CPU tensors and this module makes the CPU behave, memory-wise, like CUDA:
+
+- :class:`CudaAutocast` applies CUDA's autocast op policy (``aten/src/ATen/autocast_mode.cpp``,
+  the ``KERNEL_CUDA`` registrations) and its weight cast cache. CPU autocast has other lists.
+- :class:`CudaKernels` replaces ``scaled_dot_product_attention`` with the fused kernel CUDA would
+  pick (flash or memory-efficient: they save ``out`` + ``logsumexp``, never the T x T matrix)
+  and ``dropout`` with CUDA's fused ``native_dropout`` (a 1-byte bool mask; the CPU path keeps a
+  mask in the input's dtype).
+- :func:`cuda_optimizer_defaults` switches optimizers to the ``foreach`` implementation that
+  ``torch/optim/optimizer.py::_default_to_fused_or_foreach`` picks for CUDA tensors.
+- :func:`fused_optimizers_on_meta` lets ``fused=True`` optimizers run their fused ATen kernels
+  (``_fused_adam(w)_``, ``_fused_sgd_``) on the meta device, where torch's device check refuses.
+- :class:`GradScalerEmulation` does what ``torch.amp.GradScaler`` does to memory without its
+  ``found_inf.item()`` sync, which a fake tensor cannot answer.
+- :class:`CudaKernels` also runs ``torch.lstm``/``gru``/``rnn_*`` as cuDNN's fused call
+  (:mod:`oomdoctor.sim.rnn`).
+
+Checkpointing (which blocks, and wrapping them) is :mod:`oomdoctor.models.checkpointing`; checkpoints
+recompute under these modes through :mod:`oomdoctor.sim.recompute`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import types
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from oomdoctor.models import adapters
+from oomdoctor.sim import recompute, rnn, rocm
+
+# CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
+# torch.nn.functional.*). Source: the KERNEL_CUDA(..., lower_precision_fp / fp32 /
+# fp32_set_opt_dtype / promote) registrations in aten/src/ATen/autocast_mode.cpp; the tests
+# check these sets against torch/testing/_internal/autocast_test_lists.py (CUDA lists).
+LOWER_PRECISION = frozenset({
+    "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d", "convolution", "cudnn_convolution",
+    "cudnn_convolution_transpose", "prelu", "addmm", "addmv", "addr", "matmul", "__matmul__",
+    "__rmatmul__", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm",
+    "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
+    "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "scaled_dot_product_attention",
+})
+FP32 = frozenset({
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+    "reciprocal", "rsqrt", "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus",
+    "layer_norm", "native_layer_norm", "group_norm", "rms_norm", "frobenius_norm",
+    "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss",
+    "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss",
+    "huber_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
+    "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+    "interpolate", "upsample", "upsample_nearest", "upsample_bilinear",
+})
+# Run in fp32 unless the caller passed a dtype: CUDA passes dtype=float32 to the op instead of
+# copying the input (the WrapFunction for CastPolicy::fp32_set_opt_dtype).
+FP32_SET_OPT_DTYPE = frozenset({"prod", "softmax", "log_softmax", "cumprod", "cumsum",
+                                "linalg_vector_norm", "linalg_matrix_norm", "sum", "norm"})
+PROMOTE = frozenset({"addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot",
+                     "grid_sampler", "grid_sample", "index_put", "scatter_add", "tensordot",
+                     "cat", "stack", "index_copy"})
+
+# Our modes that are active, outermost first: a checkpointed block re-enters them when it
+# recomputes during backward, as torch.utils.checkpoint re-enters real autocast.
+_ACTIVE: list[TorchFunctionMode] = []
+
+
+def _eligible(t: Any) -> bool:
+    # autocast casts floating tensors except float64 (is_eligible in autocast_mode.h)
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+
+class _OurMode(TorchFunctionMode):
+    def __enter__(self):
+        if not _ACTIVE:         # checkpoints recompute under these modes (oomdoctor.sim.recompute)
+            recompute.install(lambda: list(_ACTIVE), _reenter)
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        # Remove the innermost entry: a mode re-entered by _passthrough is on the list twice,
+        # and the outer order must survive for checkpoint recomputation to replay it.
+        del _ACTIVE[len(_ACTIVE) - 1 - _ACTIVE[::-1].index(self)]
+        if not _ACTIVE:
+            recompute.uninstall()
+        return super().__exit__(*exc)
+
+    def _passthrough(self, func, args, kwargs):
+        """Run ``func`` with this mode still watching the calls inside it.
+
+        A mode is switched off while it handles a call, so a Python composite such as
+        ``F.multi_head_attention_forward`` (nn.MultiheadAttention, torchvision's ViT) would hide
+        the ``linear`` and ``scaled_dot_product_attention`` calls it makes. For Python functions
+        of torch.nn.functional we run a copy whose ``has_torch_function*`` checks say no (so it
+        does not hand itself back to us) with the mode re-entered."""
+        inner = _transparent(func)
+        if inner is None:
+            return func(*args, **kwargs)
+        with self:
+            return inner(*args, **kwargs)
+
+
+class CudaAutocast(_OurMode):
+    """``torch.autocast("cuda", dtype)`` for fake CPU tensors.
+
+    Casts are ordinary autograd-recorded ``.to`` calls made before the op, so autograd saves the
+    16-bit copies, as CUDA autocast does. Casts of leaf tensors that require grad (the weights)
+    are cached until the outermost autocast region exits (``cached_cast`` in autocast_mode.cpp),
+    so a weight used twice is cast once; frozen weights are cast on every use.
+    """
+
+    _depth = 0
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def __enter__(self):
+        CudaAutocast._depth += 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        CudaAutocast._depth -= 1
+        if CudaAutocast._depth == 0:
+            self.cache.clear()   # torch.clear_autocast_cache() on leaving the outermost region
+        return super().__exit__(*exc)
+
+    def _to_lower(self, t: Any) -> Any:
+        if not _eligible(t) or t.dtype == self.dtype:
+            return t
+        if t.requires_grad and t.is_leaf and not t._is_view() and t.dtype == torch.float32:
+            cached = self.cache.get(id(t))
+            if cached is None:
+                cached = self.cache[id(t)] = t.to(self.dtype)
+            return cached
+        return t.to(self.dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in LOWER_PRECISION:
+            args, kwargs = tree_map(self._to_lower, (args, kwargs))
+        elif name in FP32:
+            args, kwargs = tree_map(_to_fp32, (args, kwargs))
+        elif name == "cross_entropy":
+            return _cross_entropy(func, args, kwargs)
+        elif name in FP32_SET_OPT_DTYPE:
+            if kwargs.get("dtype") is None and any(
+                    _eligible(a) and a.dtype != torch.float32 for a in args[:1]):
+                if name in ("softmax", "log_softmax") and args[0].dtype == torch.float16:
+                    out = _half_to_float_softmax(name, args, kwargs)
+                    if out is not None:
+                        return out
+                kwargs = {**kwargs, "dtype": torch.float32}
+        elif name in PROMOTE:
+            floats = [a for a in _flat(args) if _eligible(a)]
+            if len({a.dtype for a in floats}) > 1:
+                widest = torch.float32 if any(a.dtype == torch.float32 for a in floats) \
+                    else floats[0].dtype
+                args, kwargs = tree_map(lambda t: t.to(widest) if _eligible(t) else t,
+                                        (args, kwargs))
+        else:
+            return self._passthrough(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+_TRANSPARENT: dict[Any, Any] = {}
+
+
+def _no_torch_function(*_args: Any, **_kwargs: Any) -> bool:
+    return False
+
+
+def _transparent(func: Any) -> Any:
+    if func in _TRANSPARENT:
+        return _TRANSPARENT[func]
+    inner = None
+    # Only functions written in torch/nn/functional.py itself, whose own code makes the
+    # has_torch_function* check (wrappers such as boolean_dispatch live elsewhere and would
+    # keep handing the call back to us).
+    if (isinstance(func, types.FunctionType)
+            and func.__globals__ is torch.nn.functional.__dict__
+            and any(n.startswith("has_torch_function") for n in func.__code__.co_names)):
+        env = dict(func.__globals__, has_torch_function=_no_torch_function,
+                   has_torch_function_unary=_no_torch_function,
+                   has_torch_function_variadic=_no_torch_function)
+        inner = types.FunctionType(func.__code__, env, func.__name__, func.__defaults__,
+                                   func.__closure__)
+        inner.__kwdefaults__ = func.__kwdefaults__
+    _TRANSPARENT[func] = inner
+    return inner
+
+
+def _half_to_float_softmax(name: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """fp16 softmax/log_softmax with dtype=float32 as CUDA runs it: SoftMax.cpp reads the half
+    input directly (``half_to_float``) when ``input.is_cuda()``; the CPU would first copy the
+    input to fp32. (bf16 takes the copy on CUDA too.)"""
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if not isinstance(dim, int):
+        return None
+    op = torch.ops.aten._softmax if name == "softmax" else torch.ops.aten._log_softmax
+    return op(args[0], dim, True)
+
+
+def _cross_entropy(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``F.cross_entropy`` under CUDA autocast. ``cross_entropy_loss`` has no autocast rule; its
+    composite (LossNLL.cpp) calls ``log_softmax(self, 1, self.scalar_type())`` - an explicit
+    dtype, so the log-probabilities stay 16-bit - and ``nll_loss`` (fp32 policy) casts them to
+    fp32: 2 + 4 bytes per logit are saved for backward. Label smoothing and probability
+    targets are left to the op (with the logits cast to fp32)."""
+    names = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+             "label_smoothing")
+    b = {"weight": None, "ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0,
+         **dict(zip(names, args)), **kwargs}
+    x, target = b["input"], b["target"]
+    if (not _eligible(x) or x.dtype == torch.float32 or b["label_smoothing"]
+            or target.is_floating_point() or b.get("size_average") is not None
+            or b.get("reduce") is not None):
+        args, kwargs = tree_map(_to_fp32, (args, kwargs))
+        return func(*args, **kwargs)
+    logp = torch.log_softmax(x, 1 if x.dim() > 1 else 0, dtype=x.dtype)
+    weight = b["weight"].float() if isinstance(b["weight"], torch.Tensor) else None
+    return torch.nn.functional.nll_loss(logp.float(), target, weight,
+                                        ignore_index=b["ignore_index"], reduction=b["reduction"])
+
+
+def _to_fp16(t: Any) -> Any:
+    return t.to(torch.float16) if _eligible(t) and t.dtype != torch.float16 else t
+
+
+def _to_fp32(t: Any) -> Any:
+    return t.to(torch.float32) if _eligible(t) and t.dtype != torch.float32 else t
+
+
+def _flat(args: Any) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out.extend(a)
+        else:
+            out.append(a)
+    return out
+
+
+def sdpa_kernel(q: torch.Tensor, attn_mask: Any, dropout_p: float,
+                compute_capability: tuple[int, int], arch: str = "",
+                k: torch.Tensor | None = None) -> str:
+    """The kernel CUDA's ``select_sdp_backend`` (sdp_utils.cpp) would pick: flash, efficient
+    or math. Flash needs sm80+, fp16/bf16, no explicit mask, head dim <= 256; memory-efficient
+    works from sm50 in fp32/fp16 (bf16 from sm80) with masks; head dims not a multiple of 8 are
+    padded by SDPA since 2.1, so they do not force the math path. An AMD ``arch`` (gfx90a)
+    asks ROCm's AOTriton rules instead (:func:`oomdoctor.sim.rocm.sdpa_kernel`)."""
+    head_dim = q.shape[-1]
+    if arch:
+        mask_dtype = (str(attn_mask.dtype).removeprefix("torch.")
+                      if isinstance(attn_mask, torch.Tensor) else None)
+        same_heads = k is None or k.shape[-3:-2] == q.shape[-3:-2]
+        return rocm.sdpa_kernel(arch, str(q.dtype).removeprefix("torch."),
+                                attn_mask is not None, mask_dtype, head_dim, same_heads)
+    sm = compute_capability
+    # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89: no flash backward for
+    # head dims above 192 on consumer Ampere/Ada.
+    big_head_on_consumer = sm in ((8, 6), (8, 9)) and head_dim > 192 and q.requires_grad
+    if (sm >= (8, 0) and q.dtype in (torch.float16, torch.bfloat16) and attn_mask is None
+            and head_dim <= 256 and not big_head_on_consumer):
+        return "flash"
+    if sm >= (5, 0) and (q.dtype != torch.bfloat16 or sm >= (8, 0)) and head_dim <= 512:
+        return "efficient"
+    return "math"
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Memory-faithful stand-in for CUDA's fused attention on fake tensors.
+
+    Forward allocates ``out`` and the fp32 ``logsumexp`` and saves q, k, v, out, lse (what
+    ``_scaled_dot_product_flash_attention`` / ``_efficient_attention_forward`` save; flash's lse
+    is (B, H, T), memory-efficient pads T to a multiple of 32). Backward allocates dq, dk, dv and
+    the fp32 scratch the kernels use: flash-attention-2 keeps a dq accumulator (B, H, T128, D)
+    and softmax_d (B, H, T128) with T rounded up to 128; memory-efficient keeps delta (B, H, T).
+    On ROCm (``rocm``) both are AOTriton kernels: lse (B, H, T) unpadded, and backward scratch
+    softmax_d and delta, two (B, H, T) fp32 vectors, with no dq accumulator (mha_bwd_aot).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, kernel, rocm_kernels=False):
+        if q.dim() == 4:
+            # The kernels allocate (B, T, H, D) and return it transposed to (B, H, T, D), so the
+            # model's usual `y.transpose(1, 2).contiguous()` is free (attention.cu).
+            b, h, t, _ = q.shape
+            out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
+        else:
+            out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+        t = q.shape[-2]
+        lse_t = t if kernel == "flash" or rocm_kernels else math.ceil(t / 32) * 32
+        lse = q.new_empty(q.shape[:-2] + (lse_t,), dtype=torch.float32)
+        ctx.kernel = kernel
+        ctx.rocm_kernels = rocm_kernels
+        ctx.save_for_backward(q, k, v, out, lse, mask if isinstance(mask, torch.Tensor) else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        t = q.shape[-2]
+        if ctx.rocm_kernels:
+            scratch = [q.new_empty(q.shape[:-2] + (t,), dtype=torch.float32) for _ in range(2)]
+        elif ctx.kernel == "flash":
+            t128 = math.ceil(t / 128) * 128
+            scratch = [q.new_empty(q.shape[:-2] + (t128, q.shape[-1]), dtype=torch.float32),
+                       q.new_empty(q.shape[:-2] + (t128,), dtype=torch.float32)]
+        else:
+            scratch = [q.new_empty(q.shape[:-2] + (t,), dtype=torch.float32)]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        del scratch
+        return dq, dk, dv, None, None, None
+
+
+class CudaKernels(_OurMode):
+    """Pick CUDA's kernels where their memory differs from the CPU's: fused SDPA, fused dropout."""
+
+    def __init__(self, compute_capability: tuple[int, int], notes: list[str] | None = None,
+                 arch: str = ""):
+        super().__init__()
+        self.cc = compute_capability
+        self.arch = arch            # an AMD target: ROCm's kernels (oomdoctor.sim.rocm)
+        self.notes = notes if notes is not None else []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "scaled_dot_product_attention":
+            return self._sdpa(func, args, kwargs)
+        if name == "dropout":
+            return self._dropout(func, args, kwargs)
+        if name == "gemm_4bit.default":              # bitsandbytes' 4-bit matmul
+            return adapters.gemm_4bit_as_cuda(func, args, kwargs)
+        if name.removesuffix(".default") in adapters.INT8_OPS and "bitsandbytes" in (
+                getattr(func, "namespace", None), getattr(func, "_qualified_op_name", "")[:12]):
+            return adapters.int8_as_cuda(name, args, kwargs)
+        if name in rnn.FUNCTIONS:        # nn.LSTM/GRU/RNN: cuDNN's one fused call
+            # Under CUDA autocast, _cudnn_rnn runs in fp16 whatever the autocast dtype, with a
+            # fresh fp16 flat copy of the weights each call (aten/src/ATen/cudnn/
+            # AutocastRNN.cpp, _cudnn_rnn_cast_reflatten: kHalf is hard-coded).
+            amp = any(isinstance(m, CudaAutocast) for m in _ACTIVE)
+            return rnn.run(func, name, args, kwargs, self.notes, _to_fp16 if amp else None)
+        if name in ("_pack_padded_sequence", "cpu"):
+            return rnn.with_real_lengths(func, name, args, kwargs)
+        return self._passthrough(func, args, kwargs)
+
+    def _sdpa(self, func, args, kwargs):
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                 "enable_gqa")
+        bound = dict(zip(names, args), **kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        mask = bound.get("attn_mask")
+        kernel = sdpa_kernel(q, mask, bound.get("dropout_p", 0.0), self.cc, self.arch, k)
+        dtype = str(q.dtype).removeprefix("torch.")
+        if self.arch:
+            self.notes.append(f"scaled_dot_product_attention: ROCm would use the {kernel} kernel "
+                              f"({self.arch}, AOTriton, {dtype})")
+        else:
+            self.notes.append(f"scaled_dot_product_attention: CUDA would use the {kernel} kernel "
+                              f"(sm{self.cc[0]}{self.cc[1]}, {dtype})")
+        if kernel == "math" or k.shape[-3:-2] != q.shape[-3:-2]:
+            return func(*args, **kwargs)
+        return _FusedAttention.apply(q, k, v, mask, kernel, bool(self.arch))
+
+    def _dropout(self, func, args, kwargs):
+        names = ("input", "p", "training", "inplace")
+        bound = {"p": 0.5, "training": True, "inplace": False, **dict(zip(names, args)),
+                 **kwargs}
+        x, p = bound["input"], bound["p"]
+        if not bound["training"] or bound["inplace"] or not 0 < p < 1 or x.numel() == 0:
+            return func(*args, **kwargs)
+        # CUDA's dropout takes the fused path (is_fused_kernel_acceptable in Dropout.cpp):
+        # native_dropout saves a bool mask; the CPU path saves a float mask.
+        out, _mask = torch.native_dropout(x, p, True)
+        return out
+
+
+@contextlib.contextmanager
+def _reenter(modes: list[TorchFunctionMode]):
+    with contextlib.ExitStack() as stack:
+        if not _ACTIVE:
+            for m in modes:
+                stack.enter_context(m)
+        yield
+
+
+def cuda_optimizer_defaults(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Use the implementation CUDA would: ``foreach`` when the user left it unset."""
+    notes = []
+    for group in optimizer.param_groups:
+        if ("foreach" in group and group["foreach"] is None and not group.get("fused")
+                and not group.get("differentiable")):
+            group["foreach"] = True
+            # what its step() made is added once the trace has stepped (oomdoctor.sim.trace)
+            notes.append(f"{type(optimizer).__name__}: foreach implementation, the CUDA default")
+    return notes
+
+
+
+
+@contextlib.contextmanager
+def fused_optimizers_on_meta():
+    """Let ``fused=True`` optimizers step on the meta device, as they would on CUDA.
+
+    ``torch/optim/optimizer.py::_device_dtype_check_for_fused`` accepts only the devices in
+    ``torch.utils._foreach_utils._get_fused_kernels_supported_devices()`` (cuda, cpu, ...), so
+    a meta trace of ``AdamW(fused=True)`` raised before stepping. The fused kernels themselves
+    have meta implementations: they update params, ``exp_avg`` and ``exp_avg_sq`` in place and
+    allocate nothing (``aten/src/ATen/native/cuda/fused_adamw_impl.cu``), so the only memory
+    is the state ``_init_group`` creates - what CUDA allocates too. While active, "meta" counts
+    as a supported device wherever CUDA does (not for Adagrad, whose fused kernel is CPU-only:
+    it passes ``cuda_unsupported=True`` and torch removes "cuda" - then "meta" goes too)."""
+    import torch.optim.optimizer as optim_mod
+    real = optim_mod._get_fused_kernels_supported_devices
+
+    class _Devices(list):
+        def remove(self, item):            # cuda_unsupported: meta stands for cuda here
+            super().remove(item)
+            if item == "cuda" and "meta" in self:
+                super().remove("meta")
+
+    optim_mod._get_fused_kernels_supported_devices = lambda: _Devices(real() + ["meta"])
+    try:
+        yield
+    finally:
+        optim_mod._get_fused_kernels_supported_devices = real
+
+
+@contextlib.contextmanager
+def paged_optimizers_on_meta(optimizer: torch.optim.Optimizer):
+    """Let bitsandbytes' paged optimizers (``PagedAdamW8bit``, ``PagedAdamW32bit``,
+    ``PagedLion8bit``, ...) make their state on the meta device.
+
+    Their state buffers of 1e5 elements or more come from ``bitsandbytes.functional.get_paged``:
+    ``cudaMallocManaged`` unified memory, outside PyTorch's caching allocator, which the CUDA
+    driver migrates to host RAM when the GPU runs short (``bitsandbytes/optim/optimizer.py``
+    ``get_state_buffer``). Here they are meta tensors marked ``is_paged`` (the trace keeps them
+    out of the allocator's bytes, see stepping.host_state); filling and prefetching them, which
+    call into the CUDA library, do nothing to memory and are skipped."""
+    import sys
+    F = sys.modules.get("bitsandbytes.functional")
+    if F is None or not getattr(optimizer, "is_paged", False):
+        yield
+        return
+
+    def get_paged(*shape, dtype=torch.float32, device=None):
+        out = torch.zeros(shape, dtype=dtype, device="meta")
+        out.is_paged = True
+        return out
+
+    saved = {name: getattr(F, name) for name in ("get_paged", "fill", "prefetch_tensor")}
+    F.get_paged = get_paged
+    F.fill = lambda A, value, device=None, prefetch=True: None
+    F.prefetch_tensor = lambda A, to_cpu=False: None
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(F, name, fn)
+
+
+class GradScalerEmulation:
+    """``torch.amp.GradScaler`` for fp16 AMP, memory-wise: a scale tensor, the loss scaled by
+    it, grads unscaled in place with a found-inf flag (``_unscale_grads_``). The real scaler
+    calls ``found_inf.item()`` to decide whether to step, which fake tensors cannot answer; we
+    always step (the step that allocates optimizer state is the one that matters)."""
+
+    def setup(self) -> None:
+        self.scale_t = torch.full((), 65536.0)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_t
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        inv_scale = self.scale_t.double().reciprocal().float()
+        found_inf = torch.full((), 0.0)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

@@ -1,0 +1,601 @@
+"""Trace training steps on fake CPU tensors and record every storage allocation and free.
+
+    python -c "from oomdoctor.models.loader import load_model_file; from oomdoctor.sim.trace import *; \
+print(trace_training(load_model_file('sample_models/tiny_mlp.py'), TraceConfig(8)).peak_live_bytes)"
+
+The trace runs the model file's real training step - forward, loss, backward,
+``optimizer.step()``, ``zero_grad(set_to_none=True)`` - for two optimizer steps under
+``FakeTensorMode``: every tensor has the right shape and dtype but no data, so a 7B model traces
+on a laptop. A ``TorchDispatchMode`` sits above the fake mode and sees every ATen op, in eager
+order, after autograd and composite ops have been decomposed - the same ops a CUDA or CPU eager
+run executes. Each op's freshly allocated outputs (outputs without alias information in the op
+schema) are new storages; a weakref finalizer on each storage records its free, which CPython
+runs the moment the last reference dies, exactly when the caching allocator would get the block
+back. The result is an ordered list of (alloc | free, handle, bytes) events that
+:mod:`oomdoctor.sim.allocator` replays, plus what each storage was (parameter, gradient, ...), when
+(phase, iteration) and where (module).
+
+Known limitations:
+- Memory a kernel allocates internally (cuDNN/cuBLAS workspaces, CPU oneDNN scratch) is not an
+  ATen output and is invisible; cuBLAS workspaces are added by :mod:`oomdoctor.plans.estimate`.
+- Tensors created inside custom C++/CUDA extensions that bypass the dispatcher are not seen.
+- Only one stream is modelled.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from oomdoctor.models import adapters
+from oomdoctor.sim import emulate, rnn, values
+from oomdoctor.sim.fusion import Fusion
+from oomdoctor.sim.stepping import (compile_notes, every_step, foreach_measured, host_state,
+                                state_bytes, state_tensors, step_notes, unique_storages)
+from oomdoctor.sim.eager import fake_trace
+from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec
+from oomdoctor.models.training import (build_for_training, compute_loss, make_configured_batch,
+                                       make_configured_optimizer)
+from oomdoctor.configs import PRECISIONS, ZERO_GRAD_MODES  # noqa: F401  (re-exported)
+
+
+class Category(str, Enum):
+    """What a storage holds. Model state first, then what the step creates."""
+
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUTS = "inputs"
+    ACTIVATIONS = "activations"      # made in the forward and still alive when it ends
+    TEMPORARIES = "temporaries"      # everything else: freed within its phase
+
+
+class Phase(str, Enum):
+    SETUP = "setup"          # model.to(device): parameters and buffers
+    DATA = "data"            # make_batch and its move/cast to the device
+    FORWARD = "forward"      # forward + loss (under autocast for AMP)
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"  # (unscale +) optimizer.step()
+    ZERO_GRAD = "zero_grad"
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """One training configuration to trace."""
+
+    batch_size: int
+    precision: str = "fp32"            # fp32 | fp16 (AMP + GradScaler) | bf16 (AMP) | bf16-pure
+    checkpointing: bool = False        # wrap repeated blocks in torch.utils.checkpoint
+    checkpoint_class: str | None = None  # which block class; default: the most repeated one
+    grad_accum: int = 1                # micro-batches per optimizer step
+    optimizer: str | None = None       # override the file's optimizer: adamw, adam, sgd, ...
+    emulate_cuda: bool = True          # apply what CUDA does differently (see emulate.py)
+    compute_capability: tuple[int, int] = (8, 6)  # picks the SDPA kernel CUDA would use
+    gpu_arch: str = ""                 # an AMD target (gfx90a): ROCm's kernels instead of CUDA's
+    steps: int = 2                     # optimizer steps traced (>= 2: the second has state)
+    zero_grad: str = "after-step"      # when gradients go: see ZERO_GRAD_MODES
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose one of "
+                             f"{', '.join(PRECISIONS)}")
+        if self.grad_accum < 1:
+            raise ValueError(f"--grad-accum must be >= 1, got {self.grad_accum}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.zero_grad not in ZERO_GRAD_MODES:
+            raise ValueError(f"unknown zero_grad mode {self.zero_grad!r}; choose one of "
+                             f"{', '.join(ZERO_GRAD_MODES)}")
+
+
+@dataclass
+class Storage:
+    """One storage's life: what, when, where."""
+
+    handle: int
+    nbytes: int
+    category: Category
+    phase: Phase
+    iteration: int
+    module: str
+    op: str
+    t_alloc: int                 # index of its alloc event
+    t_free: int | None = None    # index of its free event; None = alive at the end
+    host: bool = False           # lives on the host on CUDA (Adam's `step` counters)
+
+
+@dataclass(frozen=True)
+class PhaseMark:
+    start: int                   # first event index of the phase
+    phase: Phase
+    iteration: int               # optimizer step (0-based)
+    micro: int                   # micro-batch within the step
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Everything the estimator needs from one traced configuration."""
+
+    config: TraceConfig
+    events: tuple[tuple[bool, int, int], ...]  # (is_alloc, handle, nbytes) in order
+    storages: dict[int, Storage]
+    marks: tuple[PhaseMark, ...]
+    parameter_bytes: int
+    trainable_parameter_bytes: int
+    num_parameters: int
+    num_trainable_parameters: int
+    buffer_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    checkpointed: tuple[str, ...]
+    notes: tuple[str, ...]
+    flops: int = 0
+    raw_events: tuple[tuple[bool, int, int], ...] = ()  # events incl. host-side storages
+
+    def phase_at(self, index: int) -> PhaseMark:
+        """The phase an event index falls in."""
+        found = self.marks[0]
+        for mark in self.marks:
+            if mark.start > index:
+                break
+            found = mark
+        return found
+
+    def live_at(self, index: int) -> list[Storage]:
+        """Storages alive just after event ``index``."""
+        return [s for s in self.storages.values()
+                if s.t_alloc <= index and (s.t_free is None or s.t_free > index) and not s.host]
+
+    @property
+    def peak_live(self) -> tuple[int, int]:
+        """(bytes, event index) of the peak of live bytes, before any allocator rounding."""
+        live = peak = 0
+        at = 0
+        for i, (is_alloc, _, nbytes) in enumerate(self.events):
+            live += nbytes if is_alloc else -nbytes
+            if live > peak:
+                peak, at = live, i
+        return peak, at
+
+    @property
+    def peak_live_bytes(self) -> int:
+        return self.peak_live[0]
+
+
+class _Recorder(TorchDispatchMode):
+    """Sees every ATen op; records fresh output storages and, via weakrefs, their frees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raw: list[tuple[bool, int, int]] = []
+        self.storages: dict[int, Storage] = {}
+        self.live: dict[int, int] = {}          # storage key -> handle
+        self.external: set[int] = set()         # storages made before tracing, not ours
+        self.phase = Phase.SETUP
+        self.iteration = 0
+        self.module_stack: list[str] = []
+        self.closed = False
+        self._next = 0
+        self._fresh: dict[Any, tuple[bool, ...]] = {}
+        self.shadows: values.Shadows | None = None   # real values of the batch, see values.py
+        self.placeholders = 0                  # scalar reads in step() answered with 1
+        self.progress: Callable[[str], None] | None = None   # told each phase (trace_training)
+        self.steps = 0
+        self.fusion = Fusion()                 # compiled step functions (oomdoctor.sim.fusion)
+
+    def fused(self):
+        return self.fusion.region(lambda: len(self.raw))
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def add(self, storage: torch.UntypedStorage, category: Category | None, op: str) -> int:
+        key = storage._cdata
+        handle = self._next
+        self._next += 1
+        nbytes = storage.nbytes()
+        if category is None:
+            category = Category.INPUTS if self.phase is Phase.DATA else Category.TEMPORARIES
+        self.storages[handle] = Storage(
+            handle, nbytes, category, self.phase, self.iteration,
+            self.module_stack[-1] if self.module_stack else "", op, len(self.raw))
+        self.raw.append((True, handle, nbytes))
+        self.live[key] = handle
+        weakref.finalize(storage, self._on_free, key, handle)
+        return handle
+
+    def _on_free(self, key: int, handle: int) -> None:
+        if self.closed or self.live.get(key) != handle:
+            return
+        del self.live[key]
+        s = self.storages[handle]
+        s.t_free = len(self.raw)
+        self.raw.append((False, handle, s.nbytes))
+
+    def handle_of(self, t: torch.Tensor) -> int | None:
+        return self.live.get(t.untyped_storage()._cdata)
+
+    def relabel(self, t: torch.Tensor, category: Category, host: bool = False) -> None:
+        h = self.handle_of(t)
+        if h is not None:
+            self.storages[h].category = category
+            self.storages[h].host = host
+
+    def _fresh_outputs(self, func: Any) -> tuple[bool, ...]:
+        # An output with no alias annotation in the schema (`Tensor` rather than `Tensor(a)`)
+        # is a new allocation; views, in-place and out= ops return existing storages.
+        fresh = self._fresh.get(func)
+        if fresh is None:
+            try:
+                fresh = tuple(r.alias_info is None for r in func._schema.returns)
+            except AttributeError:
+                fresh = ()
+            self._fresh[func] = fresh
+        return fresh
+
+    # -- the mode ----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception:
+            if self.phase is Phase.OPTIMIZER and func in values.SCALAR_READS:
+                # Inside optimizer.step() a scalar read sizes the update, not memory:
+                # Adafactor's relative step and update clipping read p.norm().item() and
+                # update.norm().item() (torch/optim/_adafactor.py) and only multiply by them.
+                self.placeholders += 1
+                return values.placeholder(args[0])
+            # A question the fake/meta tensor cannot answer: the real batch's answer, if the
+            # tensor was computed from the batch alone (see oomdoctor.sim.values).
+            if self.shadows is None:
+                raise
+            answered, value = self.shadows.answer(func, args, kwargs or {})
+            if not answered:
+                raise
+            return value
+        if self.shadows is not None:
+            self.shadows.mirror(func, args, kwargs or {}, out)
+        if self.fusion.depth:
+            self.fusion.note(func, args, kwargs or {}, len(self.raw), self.handle_of)
+        fresh = self._fresh_outputs(func)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for i, o in enumerate(outs):
+            is_fresh = fresh[i] if i < len(fresh) else True
+            for t in tree_leaves(o) if isinstance(o, (tuple, list)) else (o,):
+                if not isinstance(t, torch.Tensor) or t.is_sparse:
+                    continue
+                st = t.untyped_storage()
+                key = st._cdata
+                if key in self.live:
+                    # resize_ and friends can grow a storage in place: a new allocation.
+                    h = self.live[key]
+                    if st.nbytes() > self.storages[h].nbytes:
+                        self._on_free(key, h)
+                        self.add(st, None, func.__name__)
+                    continue
+                if is_fresh:
+                    self.add(st, None, func.__name__)
+                else:
+                    # A view of a storage made before tracing began (not ours to count).
+                    self.external.add(key)
+        return out
+
+
+def _module_hooks(model: torch.nn.Module, rec: _Recorder) -> list:
+    handles = []
+    for name, mod in model.named_modules():
+        def pre(_m, _a, name=name):
+            rec.module_stack.append(name or type(model).__name__)
+
+        def post(_m, _a, _o):
+            if rec.module_stack:
+                rec.module_stack.pop()
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+    return handles
+
+
+@contextlib.contextmanager
+def _phase(rec: _Recorder, marks: list[PhaseMark], phase: Phase, it: int, micro: int
+           ) -> Iterator[None]:
+    if rec.progress is not None:
+        rec.progress(f"step {it + 1}/{rec.steps}: {phase.value}"
+                     + (f" (micro-batch {micro + 1})" if micro else ""))
+    rec.phase = phase
+    rec.iteration = it
+    marks.append(PhaseMark(len(rec.raw), phase, it, micro))
+    yield
+
+
+def _label_gradients(rec: _Recorder, model: torch.nn.Module) -> int:
+    """Label the gradients the backward left and return their bytes (holding no reference:
+    one kept here would outlive zero_grad)."""
+    grads = unique_storages(p.grad for p in model.parameters() if p.grad is not None)
+    for g in grads.values():
+        rec.relabel(g, Category.GRADIENTS)
+    return sum(g.untyped_storage().nbytes() for g in grads.values())
+
+
+def _label_state(rec: _Recorder, cfg: TraceConfig, optimizer: torch.optim.Optimizer) -> None:
+    for k, v in state_tensors(optimizer):
+        rec.relabel(v, Category.OPTIMIZER_STATE, host=host_state(cfg.emulate_cuda, optimizer, k, v))
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer,
+                    scaler: emulate.GradScalerEmulation | None) -> bool:
+    """The loop's step() (stepping.every_step gives it host counters and labels its state);
+    whether it found any gradient to apply."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    found = any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+    with emulate.paged_optimizers_on_meta(optimizer):
+        optimizer.step()
+    return found
+
+
+class SpliceMismatch(Exception):
+    """The optimizer phase of another trace does not line up with this one."""
+
+
+def _splice_optimizer(rec: _Recorder, ref: Trace, marks: list[PhaseMark], virtual: set[int]
+                      ) -> None:
+    """Copy the reference trace's events for the optimizer phase now starting.
+
+    ``optimizer.step()`` touches parameters, gradients and its state - never activations - so
+    its allocations are the same at every batch size; the probe traces it once and splices it
+    into the traces at other batch sizes (a third of a trace's time). It only lines up when
+    everything before it did: same number of events, same next handle."""
+    mark = marks[-1]
+    i = ref.marks.index(mark) if mark in ref.marks else -1
+    if i < 0 or len(rec.raw) != mark.start:
+        raise SpliceMismatch("phase start differs")
+    stop = ref.marks[i + 1].start if i + 1 < len(ref.marks) else len(ref.raw_events)
+    for is_alloc, handle, nbytes in ref.raw_events[mark.start:stop]:
+        if is_alloc:
+            if handle != rec._next:
+                raise SpliceMismatch("handle numbering differs")
+            src = ref.storages[handle]
+            rec.storages[handle] = Storage(handle, nbytes, src.category, src.phase,
+                                           src.iteration, src.module, src.op, len(rec.raw),
+                                           host=src.host)
+            rec._next += 1
+            virtual.add(handle)
+        else:
+            if handle not in virtual:
+                raise SpliceMismatch("the optimizer freed a storage made outside it")
+            virtual.discard(handle)
+            rec.storages[handle].t_free = len(rec.raw)
+        rec.raw.append((is_alloc, handle, nbytes))
+
+
+def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
+                   optimizer_from: Trace | None = None, backend: str = "auto",
+                   progress: Callable[[str], None] | None = None) -> Trace:
+    """Run ``cfg.steps`` optimizer steps of the model file's training loop and record memory
+    (see :func:`_trace_training`).
+
+    When the step asks a question about tensor values (transformers: does the attention mask
+    have padding?), the trace is run once more with the batch's real values mirrored next to
+    it (:mod:`oomdoctor.sim.values`), so the question gets the answer the real batch gives on the
+    GPU. Models that ask nothing pay nothing.
+
+    ``progress(message)``, if given, hears "step 1/2: backward" at each phase of the loop (a
+    long trace - a big model, an RNN's per-timestep loop - can then say where it is).
+    """
+    if spec.make_batch not in _ASKS_ABOUT_VALUES:
+        try:
+            return _trace_training(spec, cfg, fake=fake, optimizer_from=optimizer_from,
+                                   backend=backend, shadows=False, progress=progress)
+        except DataDependentError:
+            if not fake:
+                raise
+        _ASKS_ABOUT_VALUES.add(spec.make_batch)     # the probe's next traces start with values
+        if progress is not None:
+            progress("the step asked about tensor values: tracing again with the batch's "
+                     "real values")
+    return _trace_training(spec, cfg, fake=fake, optimizer_from=optimizer_from,
+                           backend=backend, shadows=True, progress=progress)
+
+
+# Model files whose step asked a data-dependent question (keyed by their make_batch): later
+# traces of the same model mirror the batch's values from the start.
+_ASKS_ABOUT_VALUES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
+                    optimizer_from: Trace | None, backend: str, shadows: bool,
+                    progress: Callable[[str], None] | None = None) -> Trace:
+    """Run ``cfg.steps`` optimizer steps of the model file's training loop and record memory.
+
+    With ``fake=False`` the same loop runs on real CPU tensors (slow; for checks and smoke runs).
+    ``optimizer_from``: take the optimizer steps' events from this trace of the same
+    configuration at another batch size instead of running ``step()`` (raises
+    :class:`SpliceMismatch` when the two traces do not line up).
+    ``backend``: "auto" (meta with the CUDA emulation, fake CPU tensors without), or force
+    "meta" / "fake" (the tests compare the two).
+    """
+    virtual: set[int] = set()
+    notes: list[str] = []
+    # With the CUDA emulation the trace runs on the meta device: it is about 40% faster than
+    # FakeTensorMode, and its kernels' output dtypes are CUDA's (layer/batch-norm statistics
+    # in fp32 for 16-bit inputs, where the CPU keeps them 16-bit). Without the emulation the
+    # trace must follow the CPU's own kernel choices (tests compare it with a real CPU run),
+    # so it uses fake CPU tensors. tests/test_trace.py checks the two agree where CPU and
+    # CUDA do.
+    if backend not in ("auto", "meta", "fake"):
+        raise ValueError(f"unknown trace backend {backend!r}")
+    if not fake:
+        fake_mode = contextlib.nullcontext()
+    elif backend == "meta" or (backend == "auto" and cfg.emulate_cuda):
+        fake_mode = torch.device("meta")
+    else:
+        fake_mode = FakeTensorMode()
+    # Cyclic garbage would otherwise be freed whenever the collector happens to run; collect
+    # first so the trace starts clean and frees stay tied to reference counts.
+    gc.collect()
+    torch.manual_seed(0)
+    on_meta = isinstance(fake_mode, torch.device)
+    compiled: list[tuple[str, str]] = []
+    recorders: list[_Recorder] = []         # compiled step functions report to the recorder
+
+    def fused():
+        return recorders[0].fused() if recorders else contextlib.nullcontext()
+    with fake_mode, (fake_trace(compiled, fused) if fake else contextlib.nullcontext()), \
+            (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()):
+        model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
+                                                 cfg.checkpoint_class, preserve_rng_state=not fake,
+                                                 notes=notes)
+        if cfg.emulate_cuda and rnn.flatten_parameters(model):
+            # .cuda() flattens RNN weights into cuDNN's one buffer (RNNBase.flatten_parameters)
+            notes.append("RNN weights in one flat cuDNN buffer, as .cuda() leaves them")
+        if checkpointed:
+            notes.append(f"checkpointing {len(checkpointed)} blocks of class " + ",".join(
+                dict.fromkeys(type(model.get_submodule(n)).__name__ for n in checkpointed)))
+        # Optimizers that create state in __init__ (Adagrad) make host-side counters there too.
+        with torch.device("cpu"):
+            optimizer = make_configured_optimizer(spec, model, cfg.optimizer)
+        defaults = emulate.cuda_optimizer_defaults(optimizer) if cfg.emulate_cuda else []
+        notes += defaults
+        loop_steps = False          # whether the loop's optimizer ever had a gradient to apply
+        scaler = emulate.GradScalerEmulation() if cfg.precision == "fp16" else None
+
+        rec = _Recorder()
+        recorders.append(rec)
+        rec.progress, rec.steps = progress, cfg.steps
+        if shadows:
+            rec.shadows = values.Shadows()
+        marks: list[PhaseMark] = []
+        params = unique_storages(model.parameters())
+        # bitsandbytes' quantization statistics are held like buffers (adapters.quant_states).
+        buffers = unique_storages(b for b in (*model.buffers(), *adapters.quant_states(model))
+                            if b.untyped_storage()._cdata not in params)
+        trainable = unique_storages(p for p in model.parameters() if p.requires_grad)
+        with _phase(rec, marks, Phase.SETUP, 0, 0):
+            for t in params.values():
+                rec.add(t.untyped_storage(), Category.PARAMETERS, "parameter")
+            for t in buffers.values():
+                rec.add(t.untyped_storage(), Category.BUFFERS, "buffer")
+        hooks = _module_hooks(model, rec)
+        amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
+        kernels = (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch)
+                   if cfg.emulate_cuda else None)
+        micro_batches = min(cfg.grad_accum, 2)   # micro-batches 2..K repeat micro-batch 2
+        try:
+            with rec, values.active(rec.shadows), \
+                    every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:
+                if scaler is not None:
+                    scaler.setup()
+                for it in range(cfg.steps):
+                    for micro in range(micro_batches):
+                        with _phase(rec, marks, Phase.DATA, it, micro):
+                            batch = make_configured_batch(spec, cfg.batch_size, cfg.precision)
+                            if rec.shadows is not None:
+                                rec.shadows.attach(batch, values.real_batch(
+                                    lambda: make_configured_batch(spec, cfg.batch_size,
+                                                                  cfg.precision)))
+                        with _phase(rec, marks, Phase.FORWARD, it, micro):
+                            with contextlib.ExitStack() as stack:
+                                if kernels is not None:
+                                    stack.enter_context(kernels)
+                                if amp_dtype is not None:
+                                    stack.enter_context(emulate.CudaAutocast(amp_dtype))
+                                loss = compute_loss(spec, model, batch)
+                            if cfg.grad_accum > 1:
+                                loss = loss / cfg.grad_accum
+                            if scaler is not None:
+                                loss = scaler.scale(loss)
+                            if cfg.zero_grad == "after-forward" and micro == 0:
+                                # forward, zero_grad(), backward, step: last step's gradients
+                                # stay alive through this forward.
+                                optimizer.zero_grad(set_to_none=True)
+                        with _phase(rec, marks, Phase.BACKWARD, it, micro):
+                            try:
+                                loss.backward()
+                            except RuntimeError as e:
+                                raise ModelFileError(
+                                    f"{spec.path}: loss.backward() failed: {e}; check that "
+                                    "the loss depends on trainable parameters") from e
+                            del loss, batch
+                            gradient_bytes = _label_gradients(rec, model)
+                    with _phase(rec, marks, Phase.OPTIMIZER, it, 0):
+                        if optimizer_from is not None:
+                            _splice_optimizer(rec, optimizer_from, marks, virtual)
+                        else:
+                            loop_steps |= _optimizer_step(optimizer, scaler)
+                    with _phase(rec, marks, Phase.ZERO_GRAD, it, 0):
+                        if cfg.zero_grad == "after-step":
+                            optimizer.zero_grad(set_to_none=True)
+                        elif cfg.zero_grad == "in-place":
+                            # zero_grad(set_to_none=False), the default before torch 2.0:
+                            # gradients are zeroed and kept, so they exist during every forward.
+                            optimizer.zero_grad(set_to_none=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        # Gradient bytes as held after the last backward (none for an optimizer stepped in
+        # backward: its hooks free each gradient at once); optimizer state after the last step.
+        # Optimizers stepped inside backward hooks (optimizer-in-backward) hold state too.
+        held = [optimizer] + [o for o in stepped if o is not optimizer]
+        state = (optimizer_from.optimizer_state_bytes if optimizer_from is not None else 0) + sum(
+            state_bytes(o, lambda k, v, o=o: not host_state(cfg.emulate_cuda, o, k, v))
+            for o in held if optimizer_from is None or o is not optimizer)
+        rec.closed = True
+        notes += compile_notes(optimizer, compiled)
+        if not loop_steps and optimizer_from is None:
+            notes = [n for n in notes if n not in defaults]    # foreach: only if it steps
+        notes += step_notes(optimizer, held)
+        if rec.placeholders:
+            notes.append(f"{type(optimizer).__name__}: {rec.placeholders} scalar reads of "
+                         "tensor values in step() (such as update norms) taken as 1; they "
+                         "scale the update, not its memory")
+        if rec.shadows is not None and rec.shadows.answered:
+            notes.append(f"{rec.shadows.answered} data-dependent questions (such as whether "
+                         "the attention mask has padding) answered from the batch's real "
+                         "values, as on the GPU")
+
+    # Categorise what the step made: a forward allocation still alive when the forward ends
+    # is held for backward (an activation); the rest is temporary.
+    ends = _phase_ends(marks, len(rec.raw))
+    for s in rec.storages.values():
+        if s.category is Category.TEMPORARIES and s.phase is Phase.FORWARD:
+            if s.t_free is None or s.t_free >= ends[s.t_alloc]:
+                s.category = Category.ACTIVATIONS
+    # Host-side storages stay as 0-byte events (never allocator calls): indices stay aligned.
+    for h in rec.fusion.fused_away(rec.storages, rec.raw):
+        rec.storages[h].host = True            # in a fused kernel's registers: no memory
+    host = {h for h, s in rec.storages.items() if s.host}
+    events = tuple((a, h, 0) if h in host else (a, h, n) for a, h, n in rec.raw)
+    param_bytes = sum(t.untyped_storage().nbytes() for t in params.values())
+    steps = [(m.start, ends[m.start]) for m in marks     # a phase at the very end is empty
+             if m.phase is Phase.OPTIMIZER and m.start < len(ends)]
+    notes = foreach_measured(notes, defaults, steps, events, param_bytes,  # as traced
+                             lambda h: rec.storages[h].category is Category.TEMPORARIES)
+    return Trace(
+        config=cfg, events=events, storages=rec.storages, marks=tuple(marks),
+        parameter_bytes=param_bytes,
+        trainable_parameter_bytes=sum(t.untyped_storage().nbytes() for t in trainable.values()),
+        # Counted per parameter, not per storage: an RNN's parameters share one flat buffer.
+        num_parameters=sum(adapters.logical_numel(p) for p in model.parameters()),
+        num_trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
+        gradient_bytes=gradient_bytes, optimizer_state_bytes=state,
+        checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),
+        raw_events=tuple(rec.raw))
+
+
+def _phase_ends(marks: list[PhaseMark], n: int) -> list[int]:
+    """For every event index, the index where its phase ends."""
+    ends = [n] * n
+    for i, m in enumerate(marks):
+        stop = marks[i + 1].start if i + 1 < len(marks) else n
+        for j in range(m.start, stop):
+            ends[j] = stop
+    return ends

@@ -1,0 +1,154 @@
+"""Real values for the small tensors a library asks data-dependent questions about during a trace.
+
+A fake or meta trace knows shapes, not values, so ``bool(t)`` / ``t.item()`` fails. Libraries
+ask such questions about the *batch*, not the weights: transformers checks whether the attention
+mask has padding (``masking_utils._ignore_causal_mask_sdpa``: ``padding_mask.all()``) to decide
+whether the GPU run materialises a ``(B, 1, T, T)`` mask or calls the flash kernel with
+``is_causal=True``, and those two differ in memory. The answer must be the real batch's.
+
+So, only when a trace has failed on such a question (:class:`oomdoctor.models.spec.DataDependentError`),
+the trace is run again with a :class:`Shadows`: the batch is also made for real on the CPU, and
+every ATen op whose tensor inputs all have real values (the batch's tensors, what is computed
+from them alone, small constant factories such as ``arange``) is also run on those values. A
+scalar question about a traced tensor is then answered from its real counterpart. Weights never
+get values (they have none on the meta device), so the work stays with the small integer and
+boolean tensors that masks and labels are made of; outputs over :data:`MAX_NUMEL` elements are
+not mirrored, and a question about a tensor without real values fails as before.
+
+Known limitations: ``Tensor.tolist()`` reads memory directly in C++ and is not answered;
+random factories (``rand*``) inside the model get no values (their real values would differ
+from any GPU run's anyway).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakTensorKeyDictionary
+
+MAX_NUMEL = 1 << 24        # 16 Mi elements: a (64, 1, 512, 512) bool mask, not a weight
+
+_aten = torch.ops.aten
+# The questions: what Tensor.item(), bool(t), int(t) and float(t) dispatch to.
+SCALAR_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default}
+# Factories whose values do not depend on random state or uninitialised memory.
+_CONSTANT_FACTORIES = {
+    _aten.arange.default, _aten.arange.start, _aten.arange.start_step,
+    _aten.full.default, _aten.ones.default, _aten.zeros.default, _aten.scalar_tensor.default,
+    _aten.eye.default, _aten.eye.m, _aten.lift_fresh.default, _aten.lift_fresh_copy.default,
+}
+
+
+class Shadows:
+    """Real CPU values mirrored next to traced tensors, for answering scalar questions."""
+
+    def __init__(self) -> None:
+        self.values = WeakTensorKeyDictionary()
+        self.answered = 0
+
+    def attach(self, traced: Any, real: Any) -> None:
+        """Mirror a batch: ``real`` is the same structure as ``traced``, made on the CPU."""
+        t_leaves, t_spec = tree_flatten(traced)
+        r_leaves, r_spec = tree_flatten(real)
+        if t_spec != r_spec:
+            return
+        for t, r in zip(t_leaves, r_leaves):
+            if (isinstance(t, torch.Tensor) and isinstance(r, torch.Tensor)
+                    and t.shape == r.shape and t.dtype == r.dtype and r.numel() <= MAX_NUMEL):
+                self.values[t] = r
+
+    def _real(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if _is_real(x):
+            return x                                       # a real CPU tensor is its own value
+        return self.values.get(x)
+
+    def answer(self, func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        """(True, the real answer) for a scalar question about a mirrored tensor; the trace
+        asks only after the fake/meta tensor failed to answer."""
+        if func not in SCALAR_READS or not args:
+            return False, None
+        real = self.values.get(args[0]) if isinstance(args[0], torch.Tensor) else None
+        if real is None:
+            return False, None
+        with _disable_current_modes():
+            value = func(real)
+        self.answered += 1
+        return True, value
+
+    def mirror(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Run ``func`` on the real values of its inputs, if they all have some."""
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if not tensors and func not in _CONSTANT_FACTORIES:
+            return
+        if tensors and all(_is_real(x) for x in tensors):
+            return            # the op ran on real tensors already (host-side counters): once only
+        real_leaves = [self._real(x) for x in leaves]
+        if any(r is None for x, r in zip(leaves, real_leaves) if isinstance(x, torch.Tensor)):
+            return
+        outs, _ = tree_flatten(out)
+        if any(isinstance(o, torch.Tensor) and o.numel() > MAX_NUMEL for o in outs):
+            return
+        r_args, r_kwargs = tree_unflatten(real_leaves, spec)
+        if "device" in r_kwargs:
+            r_kwargs = dict(r_kwargs, device=torch.device("cpu"))
+        try:
+            with _disable_current_modes(), torch.device("cpu"):
+                real_out = func(*r_args, **r_kwargs)
+        except Exception:             # an op the CPU refuses: those outputs get no values
+            return
+        real_outs, _ = tree_flatten(real_out)
+        if len(real_outs) != len(outs):
+            return
+        for o, r in zip(outs, real_outs):
+            if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and o.shape == r.shape:
+                self.values[o] = r
+
+
+# The Shadows of the trace now running, for code outside the dispatch mode that needs a batch
+# tensor's values (emulate: pack_padded_sequence's lengths).
+_ACTIVE: list[Shadows] = []
+
+
+@contextlib.contextmanager
+def active(shadows: Shadows | None) -> Iterator[None]:
+    """Make ``shadows`` answer :func:`real_value` while the block runs (None: nothing)."""
+    if shadows is None:
+        yield
+        return
+    _ACTIVE.append(shadows)
+    try:
+        yield
+    finally:
+        _ACTIVE.remove(shadows)
+
+
+def real_value(t: torch.Tensor) -> torch.Tensor | None:
+    """The real CPU value mirrored for a traced tensor, if a trace with values is running."""
+    if _is_real(t):
+        return t
+    return _ACTIVE[-1]._real(t) if _ACTIVE else None
+
+
+def placeholder(t: torch.Tensor) -> Any:
+    """A stand-in answer for a scalar read whose value moves no memory (see trace.py)."""
+    if t.dtype == torch.bool:
+        return True
+    return 1.0 if t.is_floating_point() or t.is_complex() else 1
+
+
+def _is_real(t: torch.Tensor) -> bool:
+    """A tensor with data: on the CPU and not a FakeTensor (meta tensors have none)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return t.device.type == "cpu" and not isinstance(t, FakeTensor)
+
+
+def real_batch(make: Any) -> Any:
+    """``make()`` for real on the CPU, outside every mode, without touching the trace's RNG."""
+    with _disable_current_modes(), torch.device("cpu"), torch.random.fork_rng(devices=[]):
+        return make()
