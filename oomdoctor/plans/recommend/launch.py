@@ -65,122 +65,164 @@ def hsdp_lines(nodes: int, per_node: int, blocks: str) -> list[str]:
             "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
 
 
-def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: bool = False) -> str:
-    """The training-loop changes for this configuration, as a short code sketch."""
-    distributed = c.strategy in ("ddp", "zero1", "zero2", "zero3", "hsdp")
-    lines = ["import os, torch"]
-    if not distributed:
-        lines.append("from torch.utils.data import DataLoader")
-    if distributed:
-        lines += ["import torch.distributed as dist",
-                  "from torch.utils.data import DataLoader, DistributedSampler",
-                  "dist.init_process_group('nccl')                  # torchrun sets RANK etc.",
-                  "local_rank = int(os.environ['LOCAL_RANK'])",
-                  "torch.cuda.set_device(local_rank)",
-                  "device = torch.device('cuda', local_rank)"]
-    elif c.strategy == "pipeline2":
-        lines += ["from accelerate import dispatch_model",
-                  "import json"]
-    else:
-        lines += ["device = torch.device('cuda', 0)"]
-    lines.append("model = build_model()")
-    if c.precision == "bf16-pure":
-        lines.append("model = model.to(torch.bfloat16)             # pure bf16: weights too")
-    where = f"model.{blocks}" if blocks else "model.layers"
-    if c.checkpointing:
-        lines += ["from torch.utils.checkpoint import checkpoint",
-                  "class Checkpointed(torch.nn.Module):           # recompute in backward",
-                  "    def __init__(self, block):",
-                  "        super().__init__()",
-                  "        self.block = block",
-                  "    def forward(self, *args, **kwargs):",
-                  "        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)",
-                  f"for i, block in enumerate({where}):",
-                  f"    {where}[i] = Checkpointed(block)"]
-    if distributed and batchnorm and c.num_gpus > 1:
-        lines.append("model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # global BN")
-    ddp = ["model = torch.nn.parallel.DistributedDataParallel(",     # ZeRO-1 is DDP + sharded Adam
-           "    model.to(device), device_ids=[local_rank], gradient_as_bucket_view=True)"]
-    if c.strategy == "ddp":
-        lines += [*ddp, "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
-    elif c.strategy == "zero1":
-        lines += ["from torch.distributed.optim import ZeroRedundancyOptimizer", *ddp,
-                  "opt = ZeroRedundancyOptimizer(model.parameters(),",
-                  "                              optimizer_class=torch.optim.AdamW, lr=lr)"]
-    elif c.strategy == "hsdp":
-        lines += hsdp_lines(c.nodes, c.num_gpus // c.nodes, where)
-    elif c.strategy in ("zero2", "zero3"):
-        reshard = "True" if c.strategy == "zero3" else "False"
-        lines += ["from torch.distributed.fsdp import fully_shard   # FSDP2, torch >= 2.6",
-                  "model.to(device)",
-                  f"for block in {where}:         # each block; embeddings and head too",
-                  f"    fully_shard(block, reshard_after_forward={reshard})",
-                  f"fully_shard(model, reshard_after_forward={reshard})",
-                  "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
-    elif c.strategy == "dp":
-        lines += ["# prefer DDP (torchrun, one process per GPU); DataParallel loads GPU 0"]
-        if no_p2p:
-            # DataParallel copies weights and gathers outputs GPU to GPU every step
-            # (broadcast_coalesced); on boards without P2P that path is known to hang or crawl.
-            lines += ["# this board has no GPU-to-GPU P2P: DataParallel's per-step broadcast",
-                      "# (broadcast_coalesced) can hang or crawl here - DDP does not need P2P"]
-        lines += ["model = torch.nn.DataParallel(model.to(device))",
-                  "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
-    elif c.strategy == "pipeline2":
-        lines += ["# map from: oomdoctor split model.py --gpus 2 --device-map map.json",
+# Strategies whose ranks run under torchrun with one process per GPU and a DistributedSampler.
+_DISTRIBUTED = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+# Strategies wrapped in DDP, whose accumulation steps skip the all-reduce with no_sync().
+_NO_SYNC = ("ddp", "zero1")
+_ADAMW = "opt = torch.optim.AdamW(model.parameters(), lr=lr)"
+_DISTRIBUTED_SETUP = ["import torch.distributed as dist",
+                      "from torch.utils.data import DataLoader, DistributedSampler",
+                      "dist.init_process_group('nccl')                  # torchrun sets RANK etc.",
+                      "local_rank = int(os.environ['LOCAL_RANK'])",
+                      "torch.cuda.set_device(local_rank)",
+                      "device = torch.device('cuda', local_rank)"]
+# One process: the device setup of each strategy (the rest use GPU 0).
+_LOCAL_SETUP = {"pipeline2": ["from accelerate import dispatch_model", "import json"]}
+_CHECKPOINTED = ["from torch.utils.checkpoint import checkpoint",
+                 "class Checkpointed(torch.nn.Module):           # recompute in backward",
+                 "    def __init__(self, block):",
+                 "        super().__init__()",
+                 "        self.block = block",
+                 "    def forward(self, *args, **kwargs):",
+                 "        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)"]
+_DDP = ["model = torch.nn.parallel.DistributedDataParallel(",     # ZeRO-1 is DDP + sharded Adam
+        "    model.to(device), device_ids=[local_rank], gradient_as_bucket_view=True)"]
+# Wrapping the model and building the optimizer, for the strategies that need no parameters
+# (zero2/zero3, hsdp and dp are built by _wrap_lines); any other strategy is one plain GPU.
+_WRAP = {
+    "ddp": [*_DDP, _ADAMW],
+    "zero1": ["from torch.distributed.optim import ZeroRedundancyOptimizer", *_DDP,
+              "opt = ZeroRedundancyOptimizer(model.parameters(),",
+              "                              optimizer_class=torch.optim.AdamW, lr=lr)"],
+    "pipeline2": ["# map from: oomdoctor split model.py --gpus 2 --device-map map.json",
                   "plan = json.load(open('map.json'))",
                   "model = dispatch_model(model, device_map=plan['device_map'],",
                   "                       main_device=plan['main_device'])",
                   "device = torch.device('cuda', plan['main_device'])   # inputs go here",
-                  "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
-    else:
-        lines += ["model.to(device)", "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
-    amp = {"fp16": "torch.float16", "bf16": "torch.bfloat16"}.get(c.precision)
+                  _ADAMW],
+}
+_PLAIN_WRAP = ["model.to(device)", _ADAMW]
+_AUTOCAST = {"fp16": "torch.float16", "bf16": "torch.bfloat16"}
+
+
+def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: bool = False) -> str:
+    """The training-loop changes for this configuration, as a short code sketch."""
+    distributed = c.strategy in _DISTRIBUTED
+    where = f"model.{blocks}" if blocks else "model.layers"
+    lines = _setup_lines(c.strategy, distributed)
+    lines += _model_lines(c, where)
+    if distributed and batchnorm and c.num_gpus > 1:
+        lines.append("model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # global BN")
+    lines += _wrap_lines(c, where, no_p2p)
     if c.precision == "fp16":
         lines.append("scaler = torch.amp.GradScaler('cuda')")
+    lines += _loader_lines(c, distributed)
+    lines += _loop_lines(c, distributed)
+    return "\n".join(lines)
+
+
+def _setup_lines(strategy: str, distributed: bool) -> list[str]:
+    """Imports, process group and device."""
+    lines = ["import os, torch"]
+    if strategy in _NO_SYNC:
+        lines.append("import contextlib")          # the loop's no_sync() switch
     if distributed:
-        lines += ["sampler = DistributedSampler(dataset, shuffle=True)",
-                  f"loader = DataLoader(dataset, batch_size={c.micro_batch}, sampler=sampler,",
-                  "                    num_workers=4, pin_memory=True)"]
-    elif c.strategy == "dp":
+        return lines + _DISTRIBUTED_SETUP
+    lines.append("from torch.utils.data import DataLoader")
+    return lines + _LOCAL_SETUP.get(strategy, ["device = torch.device('cuda', 0)"])
+
+
+def _model_lines(c: Candidate, where: str) -> list[str]:
+    """Build the model, cast it for pure bf16, wrap each block for checkpointing."""
+    lines = ["model = build_model()"]
+    if c.precision == "bf16-pure":
+        lines.append("model = model.to(torch.bfloat16)             # pure bf16: weights too")
+    if c.checkpointing:
+        lines += [*_CHECKPOINTED,
+                  f"for i, block in enumerate({where}):",
+                  f"    {where}[i] = Checkpointed(block)"]
+    return lines
+
+
+def _wrap_lines(c: Candidate, where: str, no_p2p: bool) -> list[str]:
+    """The strategy's wrapper around the model, and the optimizer."""
+    if c.strategy == "hsdp":
+        return hsdp_lines(c.nodes, c.num_gpus // c.nodes, where)
+    if c.strategy in ("zero2", "zero3"):
+        reshard = "True" if c.strategy == "zero3" else "False"
+        return ["from torch.distributed.fsdp import fully_shard   # FSDP2, torch >= 2.6",
+                "model.to(device)",
+                f"for block in {where}:         # each block; embeddings and head too",
+                f"    fully_shard(block, reshard_after_forward={reshard})",
+                f"fully_shard(model, reshard_after_forward={reshard})",
+                _ADAMW]
+    if c.strategy == "dp":
+        return _data_parallel_lines(no_p2p)
+    return list(_WRAP.get(c.strategy, _PLAIN_WRAP))
+
+
+def _data_parallel_lines(no_p2p: bool) -> list[str]:
+    lines = ["# prefer DDP (torchrun, one process per GPU); DataParallel loads GPU 0"]
+    if no_p2p:
+        # DataParallel copies weights and gathers outputs GPU to GPU every step
+        # (broadcast_coalesced); on boards without P2P that path is known to hang or crawl.
+        lines += ["# this board has no GPU-to-GPU P2P: DataParallel's per-step broadcast",
+                  "# (broadcast_coalesced) can hang or crawl here - DDP does not need P2P"]
+    return lines + ["model = torch.nn.DataParallel(model.to(device))", _ADAMW]
+
+
+def _loader_lines(c: Candidate, distributed: bool) -> list[str]:
+    """The DataLoader at the micro-batch (sharded per rank when distributed)."""
+    if distributed:
+        return ["sampler = DistributedSampler(dataset, shuffle=True)",
+                f"loader = DataLoader(dataset, batch_size={c.micro_batch}, sampler=sampler,",
+                "                    num_workers=4, pin_memory=True)"]
+    if c.strategy == "dp":
         # DataParallel scatters each loader batch over the GPUs: the loader's batch is the
         # per-GPU micro-batch times the GPUs (torch/nn/parallel/data_parallel.py, scatter).
-        lines.append(f"loader = DataLoader(dataset, batch_size={c.micro_batch * c.num_gpus}, "
-                     f"shuffle=True,   # {c.micro_batch} per GPU x {c.num_gpus} GPUs")
-        lines.append("                    num_workers=4, pin_memory=True)")
-    else:
-        lines.append(f"loader = DataLoader(dataset, batch_size={c.micro_batch}, shuffle=True, "
-                     "num_workers=4, pin_memory=True)")
-    lines += [f"K = {c.grad_accum}                             # micro-batches per step",
-              "for epoch in range(epochs):"]
+        return [f"loader = DataLoader(dataset, batch_size={c.micro_batch * c.num_gpus}, "
+                f"shuffle=True,   # {c.micro_batch} per GPU x {c.num_gpus} GPUs",
+                "                    num_workers=4, pin_memory=True)"]
+    return [f"loader = DataLoader(dataset, batch_size={c.micro_batch}, shuffle=True, "
+            "num_workers=4, pin_memory=True)"]
+
+
+def _loop_lines(c: Candidate, distributed: bool) -> list[str]:
+    """The epoch loop with gradient accumulation: K micro-batches, then one optimizer step."""
+    lines = [f"K = {c.grad_accum}                             # micro-batches per step",
+             "for epoch in range(epochs):"]
     if distributed:
         lines.append("    sampler.set_epoch(epoch)                    # a new shuffle per epoch")
     lines += ["    for i, batch in enumerate(loader):",
               "        batch = [t.to(device, non_blocking=True) for t in batch]",
               "        last = (i + 1) % K == 0"]
-    sync = "model.no_sync() if not last else contextlib.nullcontext()" \
-        if c.strategy in ("ddp", "zero1") else None
     indent = "        "
     if c.strategy == "hsdp":
         lines.append("        model.set_requires_all_reduce(last)  # across nodes: last only")
-    if sync:
-        lines.append(f"{indent}with {sync}:      # skip the all-reduce until the last")
+    if c.strategy in _NO_SYNC:
+        lines.append(f"{indent}with model.no_sync() if not last else contextlib.nullcontext():"
+                     "      # skip the all-reduce until the last")
         indent += "    "
+    return lines + _backward_lines(c.precision, indent) + _step_lines(c.precision)
+
+
+def _backward_lines(precision: str, indent: str) -> list[str]:
+    """The loss (under autocast for AMP), scaled by 1/K, and its backward."""
+    amp = _AUTOCAST.get(precision)
     if amp:
-        lines.append(f"{indent}with torch.autocast('cuda', dtype={amp}):")
-        lines.append(f"{indent}    loss = loss_fn(model, batch) / K")
+        lines = [f"{indent}with torch.autocast('cuda', dtype={amp}):",
+                 f"{indent}    loss = loss_fn(model, batch) / K"]
     else:
-        lines.append(f"{indent}loss = loss_fn(model, batch) / K")
-    lines.append(f"{indent}{'scaler.scale(loss)' if c.precision == 'fp16' else 'loss'}.backward()")
-    lines += ["        if last:"]
-    if c.precision == "fp16":
-        lines += ["            scaler.step(opt)", "            scaler.update()"]
-    else:
-        lines.append("            opt.step()")
-    lines.append("            opt.zero_grad(set_to_none=True)")
-    if sync:
-        lines.insert(1, "import contextlib")
-    return "\n".join(lines)
+        lines = [f"{indent}loss = loss_fn(model, batch) / K"]
+    return lines + [f"{indent}{'scaler.scale(loss)' if precision == 'fp16' else 'loss'}"
+                    ".backward()"]
+
+
+def _step_lines(precision: str) -> list[str]:
+    """The optimizer step on the last micro-batch (through the GradScaler for fp16)."""
+    step = (["            scaler.step(opt)", "            scaler.update()"]
+            if precision == "fp16" else ["            opt.step()"])
+    return ["        if last:", *step, "            opt.zero_grad(set_to_none=True)"]
 
 
 def quality_notes(c: Candidate, facts: _Facts | None = None) -> tuple[str, ...]:

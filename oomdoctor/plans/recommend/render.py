@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from oomdoctor.plans.recommend.cost import COMPUTE_EFFICIENCY
-from oomdoctor.plans.recommend.records import Launch, Recommendation
+from oomdoctor.plans.recommend.records import Candidate, Launch, Recommendation
 
 
 def _duration(seconds: float) -> str:
@@ -14,88 +14,129 @@ def _duration(seconds: float) -> str:
 
 
 def render_text(r: Recommendation) -> str:
-    from tabulate import tabulate
-
-    def gib(n: int) -> str:
-        return f"{n / 2**30:.2f}"
-    on = (f"{r.nodes} nodes x {r.num_gpus}" if r.nodes > 1 else f"{r.num_gpus}")
-    between = (f", between nodes {r.inter_node} (~{r.inter_node_gbps:g} GB/s)"
-               if r.nodes > 1 else "")
-    lines = [f"{r.model} ({r.num_parameters:,} parameters) on {on} x {r.gpu} "
-             f"({gib(r.device_total_bytes)} GiB each, {gib(r.budget_bytes)} GiB for the "
-             f"allocator), link {r.link} (~{r.link_gbps:g} GB/s){between}, target effective "
-             f"batch {r.target_batch}", ""]
-
-    def label(strategy: str, num_gpus: int) -> str:
-        if r.nodes > 1 and strategy != "single":
-            return f"{strategy} {r.nodes}x{num_gpus // r.nodes}"
-        return f"{strategy} x{num_gpus}"
-    if r.candidates:
-        rows = [(i + 1, label(c.strategy, c.num_gpus), c.precision,
-                 "yes" if c.checkpointing else "no", c.micro_batch, c.grad_accum,
-                 gib(c.peak_device_bytes), _duration(c.step_seconds),
-                 f"{c.samples_per_second:,.0f}", c.numerics.split(":")[0])
-                for i, c in enumerate(r.candidates)]
-        lines += ["configurations that fit, best first:",
-                  tabulate(rows, headers=("#", "strategy", "precision", "ckpt", "micro", "accum",
-                                          "GiB/GPU", "step", "samples/s", "numerics"),
-                           colalign=("right", "left", "left", "left", "right", "right", "right",
-                                     "right", "right", "left")),
-                  "(GiB on the fullest GPU incl. CUDA context; times are estimates for ranking: "
-                  f"{COMPUTE_EFFICIENCY:.0%} of datasheet FLOP/s, link as above)", ""]
-    else:
-        lines += [f"NOTHING FITS: no strategy trains {r.model} on {on} x {r.gpu} at any "
-                  "micro-batch with the allowed precisions" + _offload_way_out(r) + ".", ""]
-    if r.by_strategy:
-        rows = []
-        for e in r.by_strategy:
-            for i, g in enumerate(e.gpus):
-                rows.append((label(e.strategy, e.num_gpus) if i == 0 else "", g.label,
-                             "yes" if g.fits else "NO", gib(g.device_peak_bytes),
-                             gib(g.model_state_bytes), gib(g.breakdown["activations"]),
-                             gib(g.breakdown["temporaries"] + g.breakdown["communication"])))
-        lines += [f"per-GPU memory of each strategy at {r.by_strategy_config}:",
-                  tabulate(rows, headers=("strategy", "GPU", "fits", "peak GiB", "model states",
-                                          "activations", "temp+comm"),
-                           colalign=("left", "left", "left", "right", "right", "right",
-                                     "right")), ""]
-    if r.floors and not r.candidates:
-        precs = list(dict.fromkeys(f.precision for f in r.floors))
-        table: dict[str, dict[str, str]] = {}
-        for f in r.floors:
-            row = table.setdefault(label(f.strategy, 1 if f.strategy == "single"
-                                         else r.num_gpus * r.nodes), {})
-            row[f.precision] = gib(f.bytes) + ("" if f.fits else " NO")
-        rows = [(s, *[cells.get(p, "") for p in precs]) for s, cells in table.items()]
-        lines += [f"parameters + gradients + optimizer state per GPU, GiB (a lower bound; NO: "
-                  f"over the {gib(r.budget_bytes)} GiB budget whatever the batch):",
-                  tabulate(rows, headers=("strategy", *precs),
-                           colalign=("left",) + ("right",) * len(precs)), ""]
+    """The whole report: header, the ranked table (or why nothing fits), per-GPU memory, lower
+    bounds, tensor-parallel and offload plans, notes, the recommended plan, alternatives."""
+    lines = _header(r)
+    lines += _candidates_table(r) if r.candidates else _nothing_fits(r)
+    lines += _by_strategy_table(r)
+    lines += _floors_table(r)
     lines += _tensor_parallel(r) + _offload(r)
     lines += [f"note: {n}" for n in r.notes]
     if r.best is not None and r.launch is not None:
-        c, lc = r.best, r.launch
-        lines += ["", f"RECOMMENDED: {c.strategy} on "
-                  + (f"{c.nodes} nodes x {c.num_gpus // c.nodes} GPUs" if c.nodes > 1
-                     else f"{c.num_gpus} GPU(s)") + f", {c.precision}"
-                  f"{', activation checkpointing' if c.checkpointing else ''}, micro-batch "
-                  f"{c.micro_batch} x {c.grad_accum} accumulation = effective batch "
-                  f"{c.effective_batch}; {gib(c.peak_device_bytes)} GiB on the fullest GPU, "
-                  f"~{_duration(c.step_seconds)} per step"
-                  + (f", up to ~{r.speedup:.1f}x the throughput of one GPU (communication "
-                     "hidden where it can be; real runs also lose time to synchronisation and "
-                     "the data pipeline)" if r.speedup else ""),
-                  "",
-                  *(_launch_lines(lc) if lc.node_commands else
-                    [" ".join(f"{k}={v}" for k, v in lc.env.items()) + " \\",
-                     f"  {lc.command}"]), *([lc.env_note] if lc.env_note else []), "",
-                  "code changes:", "",
-                  *["    " + ln for ln in lc.snippet.splitlines()], "", "quality:",
-                  *[f"- {n}" for n in lc.quality_notes]]
+        lines += _recommended(r, r.best, r.launch)
     if r.alternatives:
         lines += ["", "what would fit:", *[f"- {a}" for a in r.alternatives]]
     lines += [f"error: {e}" for e in r.errors]
     return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def _on(r: Recommendation) -> str:
+    """The GPUs, as "N" or "M nodes x N"."""
+    return f"{r.nodes} nodes x {r.num_gpus}" if r.nodes > 1 else f"{r.num_gpus}"
+
+
+def _label(r: Recommendation, strategy: str, num_gpus: int) -> str:
+    """A strategy and its GPUs as the tables show it (nodes x GPUs per node on several nodes)."""
+    if r.nodes > 1 and strategy != "single":
+        return f"{strategy} {r.nodes}x{num_gpus // r.nodes}"
+    return f"{strategy} x{num_gpus}"
+
+
+def _header(r: Recommendation) -> list[str]:
+    """The model, the machine and the target, then a blank line."""
+    between = (f", between nodes {r.inter_node} (~{r.inter_node_gbps:g} GB/s)"
+               if r.nodes > 1 else "")
+    return [f"{r.model} ({r.num_parameters:,} parameters) on {_on(r)} x {r.gpu} "
+            f"({_gib(r.device_total_bytes)} GiB each, {_gib(r.budget_bytes)} GiB for the "
+            f"allocator), link {r.link} (~{r.link_gbps:g} GB/s){between}, target effective "
+            f"batch {r.target_batch}", ""]
+
+
+def _candidates_table(r: Recommendation) -> list[str]:
+    """The configurations that fit, best first."""
+    from tabulate import tabulate
+    rows = [(i + 1, _label(r, c.strategy, c.num_gpus), c.precision,
+             "yes" if c.checkpointing else "no", c.micro_batch, c.grad_accum,
+             _gib(c.peak_device_bytes), _duration(c.step_seconds),
+             f"{c.samples_per_second:,.0f}", c.numerics.split(":")[0])
+            for i, c in enumerate(r.candidates)]
+    return ["configurations that fit, best first:",
+            tabulate(rows, headers=("#", "strategy", "precision", "ckpt", "micro", "accum",
+                                    "GiB/GPU", "step", "samples/s", "numerics"),
+                     colalign=("right", "left", "left", "left", "right", "right", "right",
+                               "right", "right", "left")),
+            "(GiB on the fullest GPU incl. CUDA context; times are estimates for ranking: "
+            f"{COMPUTE_EFFICIENCY:.0%} of datasheet FLOP/s, link as above)", ""]
+
+
+def _nothing_fits(r: Recommendation) -> list[str]:
+    return [f"NOTHING FITS: no strategy trains {r.model} on {_on(r)} x {r.gpu} at any "
+            "micro-batch with the allowed precisions" + _offload_way_out(r) + ".", ""]
+
+
+def _by_strategy_table(r: Recommendation) -> list[str]:
+    """Every strategy's per-GPU memory at the reference configuration, one row per GPU."""
+    if not r.by_strategy:
+        return []
+    from tabulate import tabulate
+    rows = []
+    for e in r.by_strategy:
+        for i, g in enumerate(e.gpus):
+            rows.append((_label(r, e.strategy, e.num_gpus) if i == 0 else "", g.label,
+                         "yes" if g.fits else "NO", _gib(g.device_peak_bytes),
+                         _gib(g.model_state_bytes), _gib(g.breakdown["activations"]),
+                         _gib(g.breakdown["temporaries"] + g.breakdown["communication"])))
+    return [f"per-GPU memory of each strategy at {r.by_strategy_config}:",
+            tabulate(rows, headers=("strategy", "GPU", "fits", "peak GiB", "model states",
+                                    "activations", "temp+comm"),
+                     colalign=("left", "left", "left", "right", "right", "right",
+                               "right")), ""]
+
+
+def _floors_table(r: Recommendation) -> list[str]:
+    """When nothing fits: the lower bound of each strategy x precision."""
+    if not r.floors or r.candidates:
+        return []
+    from tabulate import tabulate
+    precs = list(dict.fromkeys(f.precision for f in r.floors))
+    table: dict[str, dict[str, str]] = {}
+    for f in r.floors:
+        row = table.setdefault(_label(r, f.strategy, 1 if f.strategy == "single"
+                                      else r.num_gpus * r.nodes), {})
+        row[f.precision] = _gib(f.bytes) + ("" if f.fits else " NO")
+    rows = [(s, *[cells.get(p, "") for p in precs]) for s, cells in table.items()]
+    return [f"parameters + gradients + optimizer state per GPU, GiB (a lower bound; NO: "
+            f"over the {_gib(r.budget_bytes)} GiB budget whatever the batch):",
+            tabulate(rows, headers=("strategy", *precs),
+                     colalign=("left",) + ("right",) * len(precs)), ""]
+
+
+def _recommended(r: Recommendation, c: Candidate, lc: Launch) -> list[str]:
+    """The plan: its headline, the launch line(s), the code changes and the quality notes."""
+    return ["", _recommended_headline(r, c), "",
+            *(_launch_lines(lc) if lc.node_commands else
+              [" ".join(f"{k}={v}" for k, v in lc.env.items()) + " \\",
+               f"  {lc.command}"]), *([lc.env_note] if lc.env_note else []), "",
+            "code changes:", "",
+            *["    " + ln for ln in lc.snippet.splitlines()], "", "quality:",
+            *[f"- {n}" for n in lc.quality_notes]]
+
+
+def _recommended_headline(r: Recommendation, c: Candidate) -> str:
+    return (f"RECOMMENDED: {c.strategy} on "
+            + (f"{c.nodes} nodes x {c.num_gpus // c.nodes} GPUs" if c.nodes > 1
+               else f"{c.num_gpus} GPU(s)") + f", {c.precision}"
+            f"{', activation checkpointing' if c.checkpointing else ''}, micro-batch "
+            f"{c.micro_batch} x {c.grad_accum} accumulation = effective batch "
+            f"{c.effective_batch}; {_gib(c.peak_device_bytes)} GiB on the fullest GPU, "
+            f"~{_duration(c.step_seconds)} per step"
+            + (f", up to ~{r.speedup:.1f}x the throughput of one GPU (communication "
+               "hidden where it can be; real runs also lose time to synchronisation and "
+               "the data pipeline)" if r.speedup else ""))
 
 
 def _launch_lines(lc: Launch) -> list[str]:

@@ -9,6 +9,7 @@ from typing import Callable
 
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.plans.estimate import Budget, trace_for
+from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel import (STRATEGIES, Sizes, StrategyEstimate, Strategy,
                                 deepspeed_zero3_gpu_bytes, estimate_strategy, model_layout)
@@ -20,7 +21,8 @@ from oomdoctor.plans.recommend.internode import node_step_time
 from oomdoctor.plans.recommend.launch import _launch
 from oomdoctor.plans.recommend.machine import Hardware
 from oomdoctor.plans.recommend.offload import offload_plans
-from oomdoctor.plans.recommend.records import Candidate, Floor, Recommendation, TensorParallelPlan
+from oomdoctor.plans.recommend.records import (Candidate, Floor, OffloadPlan, Recommendation,
+                                         TensorParallelPlan)
 from oomdoctor.plans.recommend.render import _duration
 from oomdoctor.sim.trace import Trace, TraceConfig
 
@@ -150,10 +152,63 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
     """Search, rank, and explain. ``detail`` traces one configuration to show every strategy's
     per-GPU memory even when the lower bound already rules everything out. ``host_ram``: each
     node's RAM, to check the CPU offload plans against (None: unknown)."""
-    global _WORKER
     if target_batch < 1:
         raise ValueError(f"--target-batch must be >= 1, got {target_batch}")
     gpu = hw.gpu
+    allowed = _allowed_precisions(gpu, precisions)
+    names = _strategy_names(hw, strategies)
+    strats = _strategies(names, hw)
+    progress(f"building {spec.name} on fake tensors")
+    facts = model_facts(spec)
+    floors = _floors(facts, allowed, strats, budget)
+    fitting = {(f.precision, f.strategy) for f in floors if f.fits}
+    # The strategies worth tracing in each precision: those whose lower bound fits the budget.
+    feasible = {p: [st for st in strats if (p, st.name) in fitting] for p in allowed}
+    _report_untraced(allowed, floors, feasible, budget, progress)
+    ckpts = checkpointing if checkpointing is not None else (
+        [False, True] if facts.has_blocks else [False])
+    configs = [(p, ck) for p in allowed for ck in ckpts if feasible[p]]
+    candidates, errors = _search(spec, hw, budget, alloc, target_batch, base, configs,
+                                 feasible, jobs, progress)
+    candidates = _verified(spec, rank(candidates), hw, budget, alloc, base, progress)
+    best = candidates[0] if candidates else None
+    by_strategy: tuple[StrategyEstimate, ...] = ()
+    ref = ""
+    per_sample = None          # seconds of GPU compute per sample at the reference config
+    if detail:
+        p, ck, b = _reference_point(best, allowed, floors, facts)
+        ref = f"{p}{' + checkpointing' if ck else ''}, micro-batch {b} per GPU"
+        progress(f"per-GPU memory of every strategy at {ref}")
+        try:
+            by_strategy, flops = _every_strategy(spec, replace(base, batch_size=b, precision=p,
+                                                               checkpointing=ck), hw, budget,
+                                                 alloc, strats)
+            per_sample = _seconds_per_sample(gpu, p, ck, flops)
+        except ValueError as e:
+            errors.append(str(e))
+    alternatives: list[str] = []
+    offload: tuple[OffloadPlan, ...] = ()
+    if best is None:
+        alternatives = _alternatives(facts, hw, budget, allowed, by_strategy)
+        if spec.adapters is None:
+            alternatives.append(adapter_alternative(spec, facts, hw, budget, base, alloc,
+                                                    progress))
+        world = hw.num_gpus * hw.nodes
+        offload = offload_plans(facts, hw, budget, _zero3_extra(by_strategy), host_ram,
+                                per_sample * target_batch / world if per_sample else None)
+    return Recommendation(
+        spec.name, gpu.name, hw.num_gpus, hw.link, hw.link_gbps, target_batch, gpu.total_bytes,
+        budget.limit_bytes, facts.num_parameters, tuple(candidates[:top]), best,
+        _launch(best, hw, spec, facts) if best is not None else None,
+        by_strategy, ref, tuple(floors), tuple(alternatives),
+        tuple(_notes(best, candidates, names, hw, by_strategy, floors)), tuple(errors),
+        _speedup(best, candidates), hw.nodes, hw.inter_node, hw.inter_node_gbps,
+        _tensor_parallel(facts, hw, budget, allowed) if hw.nodes > 1 else (), offload,
+        host_ram, host_ram_source)
+
+
+def _allowed_precisions(gpu: GpuProfile, precisions: list[str] | None) -> list[str]:
+    """The precisions to search: the ones asked for, else every one the card supports."""
     allowed = precisions or (["fp32", "fp16", "bf16", "bf16-pure"] if gpu.bf16
                              else ["fp32", "fp16"])
     bad = [p for p in allowed if p.startswith("bf16") and not gpu.bf16]
@@ -161,7 +216,12 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         raise ValueError(f"{gpu.name} has no bf16 support (compute capability "
                          f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]} < 8.0); drop "
                          f"--precision {bad[0]}")
-    world = hw.num_gpus * hw.nodes
+    return allowed
+
+
+def _strategy_names(hw: Hardware, strategies: list[str] | None) -> list[str]:
+    """The strategies to search: the ones asked for (those that span nodes, on several), else
+    every one that applies to the machine."""
     if hw.nodes > 1:
         names = [s for s in strategies or NODE_SEARCH if s in NODE_SEARCH]
     else:
@@ -169,94 +229,119 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
     if "hsdp" in names and hw.nodes == 1:
         raise ValueError("hsdp (hybrid sharding) spans several nodes: give --nodes N, or use "
                          "--strategy zero3 on one node")
+    return names
+
+
+def _strategies(names: list[str], hw: Hardware) -> list[Strategy]:
+    """Each strategy over every GPU of every node (single: one GPU; the two-GPU split only on
+    two GPUs)."""
+    world = hw.num_gpus * hw.nodes
     strats = []
     for s in names:
         if s == "pipeline2" and hw.num_gpus != 2:
             continue
         strats.append(Strategy(s, 1, nodes=1) if s == "single"
                       else Strategy(s, world, nodes=hw.nodes))
-    progress(f"building {spec.name} on fake tensors")
-    facts = model_facts(spec)
-    floors = [Floor(st.name, p, floor_bytes(facts, p, st),
-                    floor_bytes(facts, p, st) <= budget.limit_bytes)
-              for p in allowed for st in strats]
-    feasible = {(f.precision, f.strategy) for f in floors if f.fits}
-    ckpts = checkpointing if checkpointing is not None else (
-        [False, True] if facts.has_blocks else [False])
-    configs = [(p, ck) for p in allowed for ck in ckpts
-               if any((p, st.name) in feasible for st in strats)]
+    return strats
+
+
+def _floors(facts: _Facts, allowed: list[str], strats: list[Strategy], budget: Budget
+            ) -> list[Floor]:
+    """Each precision x strategy's lower bound: model states alone, before any activation."""
+    floors = []
     for p in allowed:
-        if not any((p, st.name) in feasible for st in strats):
-            best = min((f for f in floors if f.precision == p), key=lambda f: f.bytes)
+        for st in strats:
+            need = floor_bytes(facts, p, st)
+            floors.append(Floor(st.name, p, need, need <= budget.limit_bytes))
+    return floors
+
+
+def _report_untraced(allowed: list[str], floors: list[Floor],
+                     feasible: dict[str, list[Strategy]], budget: Budget, progress: Progress
+                     ) -> None:
+    """Say which precisions are ruled out by their lower bound alone, and by how much."""
+    for p in allowed:
+        if not feasible[p]:
+            least = min((f for f in floors if f.precision == p), key=lambda f: f.bytes)
             progress(f"{p}: parameters + gradients + optimizer state alone need "
-                     f"{best.bytes / 2**30:.2f} GiB per GPU even with {best.strategy}; "
+                     f"{least.bytes / 2**30:.2f} GiB per GPU even with {least.strategy}; "
                      f"over the {budget.limit_bytes / 2**30:.2f} GiB budget - not traced")
+
+
+def _search(spec: ModelSpec, hw: Hardware, budget: Budget, alloc: AllocatorConfig,
+            target: int, base: TraceConfig, configs: list[tuple[str, bool]],
+            feasible: dict[str, list[Strategy]], jobs: int, progress: Progress
+            ) -> tuple[list[Candidate], list[str]]:
+    """Every precision x checkpointing configuration's candidates and errors, in the order of
+    ``configs``: in forked processes when ``jobs`` allows and the platform can fork."""
+    if jobs > 1 and len(configs) > 1 and "fork" in multiprocessing.get_all_start_methods():
+        progress(f"searching {len(configs)} precision x checkpointing configurations in "
+                 f"{min(jobs, len(configs))} processes")
+        results = _search_forked(spec, hw, budget, alloc, target, base, configs, feasible,
+                                 min(jobs, len(configs)))
+    else:
+        results = [_search_config(spec, p, ck, hw, budget, alloc, target, feasible[p], base,
+                                  progress) for p, ck in configs]
     candidates: list[Candidate] = []
     errors: list[str] = []
-    if configs:
-        def strategies_for(p: str) -> list[Strategy]:
-            return [st for st in strats if (p, st.name) in feasible]
-        if jobs > 1 and len(configs) > 1 and "fork" in multiprocessing.get_all_start_methods():
-            progress(f"searching {len(configs)} precision x checkpointing configurations in "
-                     f"{min(jobs, len(configs))} processes")
-            _WORKER = (spec, hw, budget, alloc, target_batch, base)
-            try:
-                with ProcessPoolExecutor(min(jobs, len(configs)),
-                                         mp_context=multiprocessing.get_context("fork")) as pool:
-                    futures = [pool.submit(_worker, p, ck, strategies_for(p))
-                               for p, ck in configs]
-                    results = [f.result() for f in futures]
-            finally:
-                _WORKER = None
-            for cands, errs in results:
-                candidates += cands
-                errors += errs
-        else:
-            for p, ck in configs:
-                cands, errs = _search_config(spec, p, ck, hw, budget, alloc, target_batch,
-                                             strategies_for(p), base, progress)
-                candidates += cands
-                errors += errs
-    candidates = rank(candidates)
-    candidates = _verified(spec, candidates, hw, budget, alloc, base, progress)
-    best = candidates[0] if candidates else None
-    # Per-GPU memory of every strategy for one configuration: the best's, else the one with the
-    # lowest lower bound (to show how far each strategy is from fitting).
-    by_strategy: tuple[StrategyEstimate, ...] = ()
-    ref = ""
-    per_sample = None          # seconds of GPU compute per sample at the reference config
-    if detail:
-        if best is not None:
-            p, ck, b = best.precision, best.checkpointing, best.micro_batch
-        else:
-            p = min(allowed, key=lambda q: min(f.bytes for f in floors if f.precision == q))
-            ck, b = facts.has_blocks, 1
-        ref = f"{p}{' + checkpointing' if ck else ''}, micro-batch {b} per GPU"
-        progress(f"per-GPU memory of every strategy at {ref}")
-        try:
-            by_strategy, flops = _every_strategy(spec, replace(base, batch_size=b, precision=p,
-                                                               checkpointing=ck), hw, budget,
-                                                 alloc, strats)
-            # A card known only by its memory (--memory) has no FLOP/s: no slowdown ratio.
-            if (gpu.tflops_fp32 if p == "fp32" else gpu.tflops_16) > 0:
-                per_sample = flops * (1 + ck / 3) / throughput(gpu, p)
-        except ValueError as e:
-            errors.append(str(e))
-    alternatives = [] if best is not None else _alternatives(facts, hw, budget, allowed,
-                                                            by_strategy)
-    if best is None and spec.adapters is None:
-        alternatives.append(adapter_alternative(spec, facts, hw, budget, base, alloc, progress))
-    offload = ()
-    if best is None:
-        offload = offload_plans(facts, hw, budget, _zero3_extra(by_strategy), host_ram,
-                                per_sample * target_batch / world if per_sample else None)
-    launch = _launch(best, hw, spec, facts) if best is not None else None
-    speedup = None
-    if best is not None and best.num_gpus > 1:
-        one = [c for c in candidates if c.strategy == "single" and c.precision == best.precision
-               and c.checkpointing == best.checkpointing]
-        if one and best.step_seconds:
-            speedup = one[0].step_seconds / best.step_seconds
+    for cands, errs in results:
+        candidates += cands
+        errors += errs
+    return candidates, errors
+
+
+def _search_forked(spec: ModelSpec, hw: Hardware, budget: Budget, alloc: AllocatorConfig,
+                   target: int, base: TraceConfig, configs: list[tuple[str, bool]],
+                   feasible: dict[str, list[Strategy]], processes: int
+                   ) -> list[tuple[list[Candidate], list[str]]]:
+    """_search_config of each configuration in a pool of forked workers, which inherit the
+    model and settings through _WORKER rather than pickling them."""
+    global _WORKER
+    _WORKER = (spec, hw, budget, alloc, target, base)
+    try:
+        with ProcessPoolExecutor(processes,
+                                 mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [pool.submit(_worker, p, ck, feasible[p]) for p, ck in configs]
+            return [f.result() for f in futures]
+    finally:
+        _WORKER = None
+
+
+def _reference_point(best: Candidate | None, allowed: list[str], floors: list[Floor],
+                     facts: _Facts) -> tuple[str, bool, int]:
+    """Precision, checkpointing and micro-batch at which to show every strategy's per-GPU
+    memory: the best's, else the precision with the lowest lower bound (to show how far each
+    strategy is from fitting)."""
+    if best is not None:
+        return best.precision, best.checkpointing, best.micro_batch
+    p = min(allowed, key=lambda q: min(f.bytes for f in floors if f.precision == q))
+    return p, facts.has_blocks, 1
+
+
+def _seconds_per_sample(gpu: GpuProfile, precision: str, checkpointing: bool, flops: float
+                        ) -> float | None:
+    """GPU compute seconds per sample of ``flops`` (recomputation included)."""
+    # A card known only by its memory (--memory) has no FLOP/s: no slowdown ratio.
+    if (gpu.tflops_fp32 if precision == "fp32" else gpu.tflops_16) > 0:
+        return flops * (1 + checkpointing / 3) / throughput(gpu, precision)
+    return None
+
+
+def _speedup(best: Candidate | None, candidates: list[Candidate]) -> float | None:
+    """The best plan's throughput over one GPU's in the same precision and checkpointing."""
+    if best is None or best.num_gpus <= 1:
+        return None
+    one = [c for c in candidates if c.strategy == "single" and c.precision == best.precision
+           and c.checkpointing == best.checkpointing]
+    if one and best.step_seconds:
+        return one[0].step_seconds / best.step_seconds
+    return None
+
+
+def _notes(best: Candidate | None, candidates: list[Candidate], names: list[str],
+           hw: Hardware, by_strategy: tuple[StrategyEstimate, ...], floors: list[Floor]
+           ) -> list[str]:
+    """Notes under the tables: what pure bf16 would buy, and why DDP does not save memory."""
     notes = [n for n in [faster_pure_bf16_note(best, candidates)] if n]
     if "ddp" in names and hw.num_gpus > 1:
         ddp = [e for e in by_strategy if e.strategy == "ddp"]
@@ -269,13 +354,7 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         if not any(f.fits for f in floors if f.strategy == "ddp"):
             notes.append("DDP cannot train this model on these cards: every GPU would hold all "
                          "parameters, gradients and optimizer state")
-    return Recommendation(
-        spec.name, gpu.name, hw.num_gpus, hw.link, hw.link_gbps, target_batch, gpu.total_bytes,
-        budget.limit_bytes, facts.num_parameters, tuple(candidates[:top]), best, launch,
-        by_strategy, ref, tuple(floors), tuple(alternatives), tuple(notes), tuple(errors),
-        speedup, hw.nodes, hw.inter_node, hw.inter_node_gbps,
-        _tensor_parallel(facts, hw, budget, allowed) if hw.nodes > 1 else (), offload,
-        host_ram, host_ram_source)
+    return notes
 
 
 def rank(candidates: list[Candidate]) -> list[Candidate]:
