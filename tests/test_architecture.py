@@ -127,6 +127,16 @@ def test_the_package_shows_the_pipeline():
     assert len(entries) <= 12, entries
 
 
+def test_each_stage_package_says_what_it_owns_and_may_import():
+    """A stage's __init__ is its docstring only: importing one module of a stage never loads
+    the others, and the docstring is where a reader learns the stage's rules."""
+    for stage in ("models", "sim", "plans", "runs"):
+        tree = ast.parse((PKG / stage / "__init__.py").read_text())
+        doc = ast.get_docstring(tree)
+        assert doc and "Owns" in doc and "Imports:" in doc, stage
+        assert len(tree.body) == 1, f"{stage}/__init__.py has code besides its docstring"
+
+
 def test_no_function_is_over_80_lines():
     """Functions read top-down as named steps; a long one is split where its logic lives."""
     long = []
