@@ -11,7 +11,7 @@ from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.plans.estimate import Budget, trace_for
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.models.spec import ModelSpec
-from oomdoctor.plans.parallel import (STRATEGIES, Sizes, StrategyEstimate, Strategy,
+from oomdoctor.plans.parallel import (STRATEGIES, Layout, Sizes, StrategyEstimate, Strategy,
                                 deepspeed_zero3_gpu_bytes, estimate_strategy, model_layout)
 from oomdoctor.plans.recommend.cost import step_time, throughput
 from oomdoctor.plans.recommend.facts import (_Facts, floor_bytes, model_facts,
@@ -175,21 +175,27 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
     by_strategy: tuple[StrategyEstimate, ...] = ()
     ref = ""
     per_sample = None          # seconds of GPU compute per sample at the reference config
-    if detail:
+    reference: tuple[Trace, Layout] | None = None
+    if detail or best is None:
         p, ck, b = _reference_point(best, allowed, floors, facts)
         ref = f"{p}{' + checkpointing' if ck else ''}, micro-batch {b} per GPU"
-        progress(f"per-GPU memory of every strategy at {ref}")
+        progress(f"per-GPU memory of every strategy at {ref}" if detail
+                 else f"tracing {ref} to count the GPUs that would fit")
         try:
-            by_strategy, flops = _every_strategy(spec, replace(base, batch_size=b, precision=p,
-                                                               checkpointing=ck), hw, budget,
-                                                 alloc, strats)
-            per_sample = _seconds_per_sample(gpu, p, ck, flops)
+            reference = _traced(spec, replace(base, batch_size=b, precision=p, checkpointing=ck),
+                                hw)
         except ValueError as e:
             errors.append(str(e))
+        if detail and reference is not None:
+            by_strategy = _every_strategy(*reference, budget, alloc, strats)
+            per_sample = _seconds_per_sample(gpu, p, ck, reference[1].flops_per_sample)
+        if not detail:
+            ref = ""
     alternatives: list[str] = []
     offload: tuple[OffloadPlan, ...] = ()
     if best is None:
-        alternatives = _alternatives(facts, hw, budget, allowed, by_strategy)
+        alternatives = _alternatives(facts, hw, budget, alloc, allowed, by_strategy, reference,
+                                     progress)
         if spec.adapters is None:
             alternatives.append(adapter_alternative(spec, facts, hw, budget, base, alloc,
                                                     progress))
@@ -409,20 +415,22 @@ def _verified(spec: ModelSpec, candidates: list[Candidate], hw: Hardware, budget
     return out
 
 
-def _every_strategy(spec: ModelSpec, cfg: TraceConfig, hw: Hardware, budget: Budget,
-                    alloc: AllocatorConfig, strats: list[Strategy]
-                    ) -> tuple[tuple[StrategyEstimate, ...], float]:
-    """Every strategy's estimate at one configuration, and the FLOPs of one sample's step."""
-    trace = trace_for(spec, cfg, hw.gpu)
-    layout = model_layout(spec, cfg.precision)
+def _traced(spec: ModelSpec, cfg: TraceConfig, hw: Hardware) -> tuple[Trace, Layout]:
+    """One configuration's trace and layout: what every strategy's estimate is built from."""
+    return trace_for(spec, cfg, hw.gpu), model_layout(spec, cfg.precision)
+
+
+def _every_strategy(trace: Trace, layout: Layout, budget: Budget, alloc: AllocatorConfig,
+                    strats: list[Strategy]) -> tuple[StrategyEstimate, ...]:
+    """Every strategy's estimate at one traced configuration."""
     out = []
     for st in strats:
         try:
             out.append(estimate_strategy(trace, layout, st, budget, alloc,
-                                         grad_accum=cfg.grad_accum))
+                                         grad_accum=trace.config.grad_accum))
         except ValueError:
             continue
-    return tuple(out), layout.flops_per_sample
+    return tuple(out)
 
 
 def _zero3_extra(by_strategy: tuple[StrategyEstimate, ...]) -> int | None:
@@ -450,8 +458,63 @@ def _tensor_parallel(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[
     return tuple(out)
 
 
-def _alternatives(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[str],
-                  by_strategy: tuple[StrategyEstimate, ...]) -> list[str]:
+def _more_gpus(trace: Trace, layout: Layout, hw: Hardware, budget: Budget,
+               alloc: AllocatorConfig, progress: Progress) -> str | None:
+    """The fewest GPUs over which ZeRO-3 fits the traced configuration, each count estimated
+    as the tables are (every sharded state, the foreach temporaries that shard with it, the
+    allocator): N fits and N - 1 does not, both shown. None past MAX_GPUS."""
+    world = hw.num_gpus * hw.nodes
+    cfg = trace.config
+    tried: dict[int, StrategyEstimate] = {}
+
+    def at(n: int) -> StrategyEstimate:
+        if n not in tried:
+            tried[n] = estimate_strategy(trace, layout, Strategy("zero3", n), budget, alloc,
+                                         grad_accum=cfg.grad_accum)
+        return tried[n]
+    progress(f"counting the GPUs ZeRO-3 needs at {cfg.precision}, micro-batch "
+             f"{cfg.batch_size}")
+    gib = 2**30
+    label = f"{cfg.precision}{' + checkpointing' if cfg.checkpointing else ''}"
+    if at(world).fits:      # a strategy left out of the search (--strategy) fits as it is
+        return (f"ZeRO-3/FSDP on these {world} GPUs: {at(world).peak_device_bytes / gib:.1f} "
+                f"GiB on the fullest GPU ({label}, micro-batch {cfg.batch_size})")
+    lo, hi = world, world + 1           # lo: does not fit
+    while not at(hi).fits:
+        if hi >= MAX_GPUS:
+            return None
+        lo, hi = hi, min(2 * hi, MAX_GPUS)
+    while hi - lo > 1:                  # fitting is monotone in N: more shards, less each
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if at(mid).fits else (mid, hi)
+    fit, short = at(hi), at(hi - 1)
+    return (f"more GPUs: ZeRO-3/FSDP over {hi} x {hw.gpu.name} fits: "
+            f"{fit.peak_device_bytes / gib:.1f} GiB on the fullest GPU ({label}, micro-batch "
+            f"{cfg.batch_size}, estimated as the tables are); over {hi - 1} it needs "
+            f"{short.peak_device_bytes / gib:.1f} GiB, over the {budget.limit_bytes / gib:.1f} "
+            "GiB budget")
+
+
+def _more_gpus_by_model_states(facts: _Facts, hw: Hardware, limit: int, precision: str
+                               ) -> str | None:
+    """Without a trace: the GPU count at which ZeRO-3's model states alone fit - a lower
+    bound, and said to be one."""
+    for n in range(hw.num_gpus * hw.nodes + 1, MAX_GPUS + 1):
+        need = floor_bytes(facts, precision, Strategy("zero3", n))
+        if need <= limit:
+            return (f"more GPUs: ZeRO-3/FSDP over at least {n} x {hw.gpu.name}: its model "
+                    f"states alone need about {need / 2**30:.1f} GiB per GPU ({precision}); "
+                    "activations and temporaries come on top - not traced here")
+    return None
+
+
+# The most GPUs "what would fit" looks at: past this, the answer is another plan, not more cards.
+MAX_GPUS = 64
+
+
+def _alternatives(facts: _Facts, hw: Hardware, budget: Budget, alloc: AllocatorConfig,
+                  allowed: list[str], by_strategy: tuple[StrategyEstimate, ...],
+                  reference: tuple[Trace, Layout] | None, progress: Progress) -> list[str]:
     """What would fit when nothing does, each with its numbers."""
     out = []
     lim = budget.limit_bytes
@@ -461,16 +524,10 @@ def _alternatives(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[str
     extra = _zero3_extra(by_strategy) or 0
     zero3 = [e for e in by_strategy if e.strategy == "zero3"]
     world = hw.num_gpus * hw.nodes
-    for n in range(hw.num_gpus * hw.nodes + 1, 65):
-        need = floor_bytes(facts, p, Strategy("zero3", n)) + extra
-        if need <= lim:
-            what = (f"model states / {n} + {extra / 2**30:.1f} GiB of activations and "
-                    "temporaries" if zero3 else
-                    f"model states / {n}; activations and temporaries come on top - not "
-                    "traced here")
-            out.append(f"more GPUs: ZeRO-3/FSDP over {n} x {hw.gpu.name} needs about "
-                       f"{need / 2**30:.1f} GiB per GPU ({p}: {what})")
-            break
+    more = (_more_gpus(*reference, hw, budget, alloc, progress) if reference is not None
+            else _more_gpus_by_model_states(facts, hw, lim, p))
+    if more:
+        out.append(more)
     for slots, name in ((0, "plain SGD (no momentum: no optimizer state)"),
                         (1, "SGD with momentum or Adafactor-like state (1 slot)")):
         for st in (Strategy("zero3", world),) + ((Strategy("pipeline2", 2),)
