@@ -35,3 +35,9 @@ A model file defines:
                                    model(batch), whose output or .loss is the loss
   make_optimizer(params)           optional; else AdamW(lr=1e-4), foreach as on CUDA
 Everything runs on fake tensors: no .item() or data-dependent shapes in your code."""
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs an optional integration, for both ways people install
+    oomdoctor: from PyPI, and from a clone as the README does (``pip install -e .``)."""
+    return f"pip install 'oomdoctor[{extra}]' (from a clone: pip install -e '.[{extra}]')"

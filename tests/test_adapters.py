@@ -356,6 +356,8 @@ def test_a_missing_library_and_a_broken_one_get_different_fixes():
     from oomdoctor.models.adapters import missing_library
     gone = missing_library("no_such_module_oomdoctor", "--lora", ImportError("x"))
     assert "not installed" in gone and "pip install 'oomdoctor[peft]'" in gone
+    # and the README's way, from a clone (issue #24: the hint named only the PyPI form)
+    assert "pip install -e '.[peft]'" in gone
     # installed but failing inside its own imports (peft -> transformers -> a torchvision built
     # for another torch): installing the extra again would not help
     broken = missing_library("json", "--lora", ImportError("operator torchvision::nms does "

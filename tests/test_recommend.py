@@ -44,7 +44,9 @@ def test_llama7b_cannot_train_with_ddp_on_two_3090s(llama_plan):
     assert floors["zero1", "bf16-pure"].bytes == 4 * LLAMA_PARAMS + 4 * LLAMA_PARAMS // 2
     assert floors["pipeline2", "bf16-pure"].bytes == 4 * LLAMA_PARAMS
     assert not any(f.fits for f in r.floors)
-    assert {s for s, _ in floors} == set(par.STRATEGIES)
+    # GeForce cards default to a link without P2P, where DataParallel is not searched
+    assert rec.default_link(RTX3090) == "pcie-no-p2p"
+    assert {s for s, _ in floors} == set(par.STRATEGIES) - {"dp"}
 
 
 def test_llama7b_says_what_would_fit(llama_plan):
@@ -72,6 +74,7 @@ def test_llama7b_says_what_would_fit(llama_plan):
     # and it fits one 3090 at micro-batch 1 with checkpointing.
     m = re.search(r"LoRA r16 \(bf16, checkpointing, micro-batch 1\) needs ([0-9.]+) GiB", text)
     assert m and 2 * LLAMA_PARAMS / 2**30 < float(m.group(1)) < 22.12
+    assert f"`oomdoctor probe {LLAMA_PATH} --gpu rtx3090 --lora 16`" in text
     # DeepSpeed's ZeRO-3 estimator with the optimizer offloaded: 4L + 2P/N (L: the 32000 x 4096
     # embedding or head).
     ds = 4 * 32000 * 4096 + int(2 * LLAMA_PARAMS / 2)
@@ -241,3 +244,30 @@ def test_batchnorm_models_get_syncbatchnorm_in_data_parallel_plans():
     assert "SyncBatchNorm" not in plain.snippet
     single = rec._launch(_candidate(strategy="single", num_gpus=1), hw, MLP, facts)
     assert "convert_sync_batchnorm" not in single.snippet
+
+
+def test_recommend_and_explain_agree_on_dataparallel_without_p2p():
+    """One truth about links (issue #24): where `explain` of a `nvidia-smi topo -p2p r` table
+    with NS says DataParallel hangs or crawls and DDP needs no P2P, `recommend` on such GPUs
+    does not offer DataParallel, says why, and ranks it last when asked for by name."""
+    from oomdoctor import explain as ex
+    log = os.path.join(ROOT, "tests", "logs", "topo_p2p_not_supported.log")
+    finding = ex.explain_text(open(log).read()).findings[0]
+    assert finding.diagnosis[0].cause == "dataparallel_p2p"
+    assert "hangs or is very slow" in finding.diagnosis[0].text
+    card = custom_profile(48 * MiB)
+    budget = Budget(card, margin=0.0, context_bytes=0)
+    no_p2p = rec.Hardware(card, 2, "pcie-no-p2p", 12.5, cores=4)
+    r = rec.recommend(MLP, no_p2p, 256, budget, precisions=["fp32"], detail=False)
+    assert r.candidates and all(c.strategy != "dp" for c in r.candidates)
+    assert any(n.startswith("DataParallel left out") and "hangs or crawls" in n
+               and "DDP needs no P2P" in n for n in r.notes)
+    asked = rec.recommend(MLP, no_p2p, 256, budget, precisions=["fp32"],
+                          strategies=["dp", "ddp"], detail=False)
+    assert asked.candidates[-1].strategy == "dp" and asked.best.strategy == "ddp"
+    assert any(n.startswith("DataParallel ranks last") for n in asked.notes)
+    # With P2P (--link pcie) DataParallel is searched as before.
+    p2p = rec.Hardware(card, 2, "pcie", 25.0, cores=4)
+    r = rec.recommend(MLP, p2p, 256, budget, precisions=["fp32"], detail=False)
+    assert any(c.strategy == "dp" for c in r.candidates)
+    assert not any("DataParallel" in n for n in r.notes)

@@ -212,3 +212,23 @@ def test_a_whisper_config_trains_on_log_mel_features_like_a_real_run(tmp_path):
     assert abs(sim.peak_live_bytes - real) <= 0.005 * real, (sim.peak_live_bytes, real)
     with pytest.raises(ModelFileError, match="beyond the model's max_target_positions"):
         load_model(str(tmp_path / "whisper"), seq_len=32)
+
+
+def test_an_offline_hub_id_names_the_current_hub_cli(tmp_path):
+    """huggingface_hub ships `hf` now (issue #24: the error named only huggingface-cli)."""
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "empty"), HF_HUB_OFFLINE="1")
+    p = subprocess.run([sys.executable, "-m", "oomdoctor", "estimate", "test-org/not-cached",
+                        "-b", "1", "--gpu", "rtx3090"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == EXIT_MODEL, p.stderr
+    assert "`hf download ID config.json`" in p.stderr and "`hf auth login`" in p.stderr
+
+
+def test_a_suggested_command_rebuilds_the_same_model(tmp_path):
+    """What recommend's "train adapters instead" line tells the user to run keeps the options
+    that built the model (issue #24: it dropped --seq-len)."""
+    from oomdoctor.models.loader import command_line
+    d = config_dir(tmp_path)
+    assert command_line(load_model(str(d), seq_len=48, task="causal-lm")) == \
+        f"{d} --task causal-lm --seq-len 48"
+    assert command_line(load_model(str(MODELS / "lora_mlp.py"))) == str(MODELS / "lora_mlp.py")

@@ -8,6 +8,7 @@ import sys
 import click
 
 from oomdoctor.cli.group import EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, cli
+from oomdoctor.configs import install_hint
 from oomdoctor.cli.options import _die
 
 
@@ -77,7 +78,7 @@ def watch_command(interval, json_path, plot_path, debug, command):
             import matplotlib  # noqa: F401
         except ImportError:
             raise click.UsageError("--plot needs matplotlib, which is not installed: "
-                                   "pip install 'oomdoctor[plot]' (or matplotlib), or drop --plot")
+                                   f"{install_hint('plot')}, or drop --plot")
     nv = nvml.Nvml()
     sampler = None
     if nv.available():

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oomdoctor.configs import QUANTIZATIONS
+from oomdoctor.configs import QUANTIZATIONS, install_hint
 from oomdoctor.models.casting import to_dtype
 from oomdoctor.models.spec import ModelFileError, first_line
 
@@ -248,7 +248,7 @@ def missing_library(name: str, what: str, error: BaseException) -> str:
     import importlib.util
     if importlib.util.find_spec(name) is None:
         return f"{what} needs the {name} package, which is not installed; " \
-               "pip install 'oomdoctor[peft]'"
+               + install_hint("peft")
     return (f"{what} needs {name}, which is installed but does not import "
             f"({first_line(error)}); "
             f"run `python -c 'import {name}'` to see why")

@@ -49,7 +49,7 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
         import transformers
     except ImportError:
         raise ModelFileError(f"{source}: not a .py model file, and reading it as a Hugging Face "
-                             "model needs transformers: pip install 'oomdoctor[hf]'") from None
+                             "model needs transformers: " + configs.install_hint("hf")) from None
     # transformers' warnings about a from-scratch model (an unset loss_type, generation
     # defaults) concern inference and weights, which oomdoctor never uses; they would repeat
     # around every estimate. Only its errors are let through from here on in this process.
@@ -193,8 +193,9 @@ def _config(transformers: Any, source: str) -> Any:
             f"{source}: could not read its config ({str(e).strip().splitlines()[0]}); "
             + ("the folder needs a config.json" if local else
                "pass a model file (.py), a folder with config.json, or a Hub id; offline, "
-               "fetch the config once with `huggingface-cli download ID config.json` (gated "
-               "models need `huggingface-cli login` first)")) from None
+               "fetch the config once with `hf download ID config.json` (gated models need "
+               "`hf auth login` first; huggingface_hub before 0.34 calls it huggingface-cli)"
+               )) from None
     except ValueError as e:
         raise ModelFileError(f"{source}: transformers cannot read this config "
                              f"({str(e).strip().splitlines()[0]}); upgrade transformers or "

@@ -24,6 +24,7 @@ import dataclasses
 import importlib.util
 import inspect
 import os
+import shlex
 import sys
 import uuid
 from typing import Any, Callable
@@ -71,6 +72,18 @@ def for_process(spec: ModelSpec, start_method: str) -> ModelSpec | tuple:
         raise ModelFileError(f"{spec.name} was not loaded from a file or a Hugging Face id, so "
                              "a spawned process cannot rebuild it; run it in one process")
     return spec.origin, spec.adapters
+
+
+def command_line(spec: ModelSpec) -> str:
+    """The MODEL argument and the options that built ``spec`` (--task, --seq-len, ...), as a
+    suggested command needs them to rebuild the same model (adapters excluded: the suggestion
+    says its own)."""
+    if spec.origin is None:
+        return spec.path
+    source, task, seq_len, image_size, num_classes = spec.origin
+    flags = [("--task", task), ("--seq-len", seq_len), ("--image-size", image_size),
+             ("--num-classes", num_classes)]
+    return " ".join([shlex.quote(source)] + [f"{k} {v}" for k, v in flags if v is not None])
 
 
 def in_process(source: ModelSpec | tuple) -> ModelSpec:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from oomdoctor.configs import OPTIMIZERS
+from oomdoctor.configs import OPTIMIZERS, install_hint
 
 
 def build_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -35,7 +35,7 @@ def build_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
         try:
             from torchao import optim as ao
         except ImportError:
-            raise ValueError(f"--optimizer {name} needs torchao: pip install 'oomdoctor[ao]'"
+            raise ValueError(f"--optimizer {name} needs torchao: {install_hint('ao')}"
                              ) from None
         return {"torchao-adamw8bit": ao.AdamW8bit, "torchao-adamw4bit": ao.AdamW4bit}[name](
             params, lr=1e-4)

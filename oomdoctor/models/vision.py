@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from oomdoctor.configs import install_hint
 from oomdoctor.models.spec import ModelFileError, ModelSpec, first_line
 
 
@@ -151,7 +152,7 @@ def _import(library: str, source: str) -> Any:
     try:
         return importlib.import_module(library)
     except ImportError:
-        raise ModelFileError(f"{source}: needs {library}: pip install 'oomdoctor[vision]'"
+        raise ModelFileError(f"{source}: needs {library}: {install_hint('vision')}"
                              ) from None
     except RuntimeError as e:
         # torchvision's compiled ops built for another torch (e.g. the PyPI CUDA wheel next to

@@ -11,12 +11,21 @@ import dataclasses
 
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.plans.estimate import Budget, estimate
+from oomdoctor.models.loader import command_line
 from oomdoctor.models.spec import ModelFileError, ModelSpec
 from oomdoctor.plans.recommend.facts import _Facts
 from oomdoctor.plans.recommend.machine import Hardware
 from oomdoctor.sim.trace import TraceConfig
 
 RANK = 16
+
+
+def _gpu_flag(hw: Hardware) -> str:
+    """The card as the suggested command names it: --gpu NAME, or --memory for one known only
+    by its capacity."""
+    if hw.gpu.name == "custom":
+        return f" --memory {hw.gpu.total_bytes}"
+    return f" --gpu {hw.gpu.name}"
 
 
 def adapter_alternative(spec: ModelSpec, facts: _Facts, hw: Hardware, budget: Budget,
@@ -48,6 +57,7 @@ def adapter_alternative(spec: ModelSpec, facts: _Facts, hw: Hardware, budget: Bu
             return (f"train adapters instead: {kind} r{RANK} ({amp}, checkpointing, "
                     f"micro-batch 1) needs {e.peak_reserved_bytes / 2**30:.1f} GiB on one "
                     f"{hw.gpu.name} (traced with peft/bitsandbytes); find its largest batch "
-                    f"with `oomdoctor probe {spec.path} {flags}`; it changes what is trained")
+                    f"with `oomdoctor probe {command_line(spec)}{_gpu_flag(hw)} {flags}`; it "
+                    "changes what is trained")
     return (f"train adapters instead: does not fit one {hw.gpu.name} either at micro-batch 1 "
             f"with checkpointing ({', '.join(tried)} reserved)")

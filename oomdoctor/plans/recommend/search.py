@@ -170,7 +170,8 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
     configs = [(p, ck) for p in allowed for ck in ckpts if feasible[p]]
     candidates, errors = _search(spec, hw, budget, alloc, target_batch, base, configs,
                                  feasible, jobs, progress)
-    candidates = _verified(spec, rank(candidates), hw, budget, alloc, base, progress)
+    candidates = _verified(spec, rank(candidates, hw.link == "pcie-no-p2p"), hw, budget, alloc,
+                           base, progress)
     best = candidates[0] if candidates else None
     by_strategy: tuple[StrategyEstimate, ...] = ()
     ref = ""
@@ -225,13 +226,23 @@ def _allowed_precisions(gpu: GpuProfile, precisions: list[str] | None) -> list[s
     return allowed
 
 
+# What `explain` says of a `nvidia-smi topo -p2p r` table with "NS" and of a Ctrl-C'd
+# DataParallel hang (explain/formats/launch.py): DataParallel copies the weights GPU to GPU every
+# forward (torch/nn/parallel/replicate.py -> comm.broadcast_coalesced), which hangs or crawls
+# without peer access. The plans agree with it: on such a link DataParallel is not searched.
+DP_WITHOUT_P2P = ("these GPUs have no peer-to-peer access (--link pcie-no-p2p; `nvidia-smi "
+                  "topo -p2p r` shows NS), where DataParallel's per-step weight broadcast from "
+                  "GPU 0 hangs or crawls; DDP needs no P2P")
+
+
 def _strategy_names(hw: Hardware, strategies: list[str] | None) -> list[str]:
     """The strategies to search: the ones asked for (those that span nodes, on several), else
-    every one that applies to the machine."""
+    every one that applies to the machine (DataParallel only where the GPUs have P2P)."""
     if hw.nodes > 1:
         names = [s for s in strategies or NODE_SEARCH if s in NODE_SEARCH]
     else:
-        names = strategies or [s for s in STRATEGIES if hw.num_gpus > 1 or s == "single"]
+        names = strategies or [s for s in STRATEGIES if (hw.num_gpus > 1 or s == "single")
+                               and not (s == "dp" and hw.link == "pcie-no-p2p")]
     if "hsdp" in names and hw.nodes == 1:
         raise ValueError("hsdp (hybrid sharding) spans several nodes: give --nodes N, or use "
                          "--strategy zero3 on one node")
@@ -349,6 +360,10 @@ def _notes(best: Candidate | None, candidates: list[Candidate], names: list[str]
            ) -> list[str]:
     """Notes under the tables: what pure bf16 would buy, and why DDP does not save memory."""
     notes = [n for n in [faster_pure_bf16_note(best, candidates)] if n]
+    if hw.link == "pcie-no-p2p" and hw.num_gpus > 1 and hw.nodes == 1:
+        notes.append(f"DataParallel ranks last: {DP_WITHOUT_P2P}" if "dp" in names else
+                     f"DataParallel left out: {DP_WITHOUT_P2P} (--strategy dp ranks it anyway, "
+                     "last)")
     if "ddp" in names and hw.num_gpus > 1:
         ddp = [e for e in by_strategy if e.strategy == "ddp"]
         one = [e for e in by_strategy if e.strategy == "single"]
@@ -363,15 +378,17 @@ def _notes(best: Candidate | None, candidates: list[Candidate], names: list[str]
     return notes
 
 
-def rank(candidates: list[Candidate]) -> list[Candidate]:
+def rank(candidates: list[Candidate], no_p2p: bool = False) -> list[Candidate]:
     """Best first. Pure bf16 comes after every plan that keeps fp32 master weights, whatever
     its speed: its quality note says it is not neutral, so it is the plan only when nothing
-    else fits (faster_pure_bf16_note says what speed it would buy)."""
+    else fits (faster_pure_bf16_note says what speed it would buy). ``no_p2p``: DataParallel,
+    which hangs or crawls without peer access (DP_WITHOUT_P2P), comes after everything."""
     # Step times equal to the three digits the table shows (typically: compute hides all
     # communication) are a tie - the estimate is not finer than that. Ties go to the plan that
     # moves fewer bytes, then to the simpler strategy (DDP before the ZeRO stages: fewer
     # moving parts, plain checkpoints), then to the one with more headroom.
-    return sorted(candidates, key=lambda c: (NUMERICS[c.precision], float(f"{c.score:.3g}"),
+    return sorted(candidates, key=lambda c: (no_p2p and c.strategy == "dp",
+                                             NUMERICS[c.precision], float(f"{c.score:.3g}"),
                                              c.traffic_bytes, SIMPLICITY.index(c.strategy),
                                              c.peak_device_bytes))
 
