@@ -13,6 +13,7 @@ ModuleList/Sequential child class, Conv2d) froze nothing.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,20 @@ def test_whisper_checkpoints_the_layers_transformers_does(tmp_path):
                             TraceConfig(2, precision="bf16"))
     assert theirs.peak_live_bytes == ours.peak_live_bytes, (theirs.peak_live_bytes,
                                                             ours.peak_live_bytes)
+
+
+def test_checkpointed_batchnorm_is_said_to_update_its_statistics_twice():
+    """torch.utils.checkpoint re-runs a block's forward in train mode during backward, so a
+    BatchNorm inside counts every batch twice (a real CPU run shows it); the estimate says so."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    from oomdoctor.models.loader import load_model_file
+    from oomdoctor.models.training import BATCHNORM_RECOMPUTED
+    from oomdoctor.sim.trace import TraceConfig, trace_training
+    block = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    checkpoint(block, torch.randn(2, 3, 8, 8, requires_grad=True),
+               use_reentrant=False).sum().backward()
+    assert int(block[1].num_batches_tracked) == 2            # one step, two updates
+    unet = load_model_file(os.path.join(os.path.dirname(__file__), "models", "unet.py"))
+    assert BATCHNORM_RECOMPUTED in trace_training(unet, TraceConfig(1, checkpointing=True)).notes
+    assert BATCHNORM_RECOMPUTED not in trace_training(unet, TraceConfig(1)).notes

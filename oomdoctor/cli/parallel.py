@@ -169,7 +169,8 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     if detected is not None:
         gpu_name = gpu_name or detected[0].name
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
-    alloc = _alloc_config(alloc_conf)
+    # No --alloc-conf: the plan is computed with the setting its launch line sets.
+    alloc = _alloc_config(alloc_conf) if alloc_conf else rec.LAUNCH_ALLOCATOR
     n = num_gpus or (detected[1] if detected else _num_gpus(None))
     ram, ram_source = _host_ram(host_ram, detected is not None)
     try:

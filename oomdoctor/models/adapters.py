@@ -147,16 +147,23 @@ def quant_states(model: torch.nn.Module) -> list[torch.Tensor]:
     """Tensors a quantized model holds outside its parameters and buffers (bitsandbytes'
     ``QuantState``: absmax, codebook, double-quantization statistics). They live on the GPU as
     long as the weights do."""
-    out: list[torch.Tensor] = []
-    for p in model.parameters():
+    return [t for _, t in named_quant_states(model)]
+
+
+def named_quant_states(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """:func:`quant_states` in the same order, each named after its weight
+    (``layers.0.q_proj.weight.absmax``), so the multi-GPU layout can place them with it."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, p in model.named_parameters():
         scb = getattr(p, "SCB", None)      # Int8Params: one fp32 scale per output row
         if isinstance(scb, torch.Tensor):
-            out.append(scb)
+            out.append((f"{name}.SCB", scb))
         state = getattr(p, "quant_state", None)
         while state is not None:
-            out += [t for t in (state.absmax, state.code, getattr(state, "offset", None))
-                    if isinstance(t, torch.Tensor)]
+            out += [(f"{name}.{attr}", t) for attr in ("absmax", "code", "offset")
+                    if isinstance(t := getattr(state, attr, None), torch.Tensor)]
             state = getattr(state, "state2", None) if getattr(state, "nested", False) else None
+            name += ".state2"
     return out
 
 

@@ -121,7 +121,24 @@ def build_for_training(spec: ModelSpec, precision: str = "fp32", checkpointing: 
         from oomdoctor.models.checkpointing import apply_checkpointing
         checkpointed = apply_checkpointing(model, checkpoint_class,
                                            preserve_rng_state=preserve_rng_state)
+        if notes is not None and _holds_batchnorm(model, checkpointed):
+            notes.append(BATCHNORM_RECOMPUTED)
     return model, checkpointed
+
+
+# torch.utils.checkpoint re-runs the block's forward in backward, in train mode, so a BatchNorm
+# inside updates running_mean/running_var a second time per step (num_batches_tracked too):
+# the statistics move with twice the momentum. Memory is unaffected; the model's eval numbers
+# are not.
+BATCHNORM_RECOMPUTED = (
+    "checkpointed blocks hold BatchNorm: the recomputed forward updates its running statistics "
+    "a second time each step (twice the momentum); keep BatchNorm outside the checkpointed "
+    "blocks, halve its momentum, or save and restore running_mean/var around the backward")
+
+
+def _holds_batchnorm(model: torch.nn.Module, blocks: tuple[str, ...]) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+               for name in blocks for m in model.get_submodule(name).modules())
 
 
 def make_configured_batch(spec: ModelSpec, batch_size: int, precision: str = "fp32") -> Any:

@@ -49,10 +49,11 @@ from oomdoctor.plans.recommend.offload import (local_host_ram, offload_plans, ze
 from oomdoctor.plans.recommend.records import (Candidate, Floor, Launch, OffloadPlan, Recommendation,
                                          TensorParallelPlan)
 from oomdoctor.plans.recommend.render import render_text
-from oomdoctor.plans.recommend.search import (NUMERICS, NUMERICS_PENALTY, SIMPLICITY, Progress,
-                                        recommend)
+from oomdoctor.plans.recommend.search import (LAUNCH_ALLOCATOR, NUMERICS, NUMERICS_PENALTY,
+                                              SIMPLICITY, Progress, recommend)
 
 __all__ = [
+    "LAUNCH_ALLOCATOR",
     "LINKS", "INTER_NODE_GBPS", "Hardware", "default_link", "link_gbps", "hardware",
     "detect_hardware",
     "COMPUTE_EFFICIENCY", "CHECKPOINT_RECOMPUTE", "BACKWARD_SHARE", "StepTime", "throughput",

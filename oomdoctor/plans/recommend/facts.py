@@ -39,18 +39,34 @@ class _Facts:
     # Parameters tensor parallelism splits (nn.Linear / nn.Embedding weights, Megatron-style);
     # biases and norms stay whole on every rank.
     splittable_params: int = 0
+    # LoRA/QLoRA: (precision, parameter bytes, trainable bytes, quantization statistics bytes)
+    # of the model each precision's recipe builds (frozen 16-bit or 4-bit base, fp32 adapters;
+    # bitsandbytes' absmax and code tables, which every rank keeps whole), measured on it;
+    # empty for full fine-tuning, where every parameter trains at the precision's width.
+    adapted_bytes: tuple[tuple[str, int, int, int], ...] = ()
+    lora_targets: tuple[str, ...] = ()      # the module names peft put LoRA on
+
+    def state_bytes(self, precision: str) -> tuple[int, int]:
+        """Parameter bytes and trainable (gradient-holding) bytes one replica holds."""
+        for p, params, trainable, _ in self.adapted_bytes:
+            if p == precision:
+                return params, trainable
+        width = 2 if precision == "bf16-pure" else 4
+        return self.num_parameters * width, self.num_trainable * width
 
 
-def model_facts(spec: ModelSpec) -> _Facts:
+def model_facts(spec: ModelSpec, precisions: tuple[str, ...] | list[str] = ()) -> _Facts:
+    """The lower bound's facts from the model built on the meta device, as the trace builds it
+    (oomdoctor.sim.device); with adapters, also each of ``precisions``' adapted model."""
     import gc
 
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from oomdoctor.models import checkpointing
     from oomdoctor.models.training import build_checked_model, make_optimizer
+    from oomdoctor.sim.device import on_meta
     gc.collect()
-    with FakeTensorMode():
+    with on_meta():
         model = build_checked_model(spec)
         opt = make_optimizer(spec, model)
         try:
@@ -58,25 +74,62 @@ def model_facts(spec: ModelSpec) -> _Facts:
             parent = names[0].rsplit(".", 1)[0] if "." in names[0] else ""
         except ValueError:
             names, parent = [], ""
-        seen: dict[int, torch.nn.Parameter] = {}
-        for p in model.parameters():
-            seen.setdefault(p.untyped_storage()._cdata, p)
+        seen = _unique_parameters(model)
         bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
         leaf = max((sum(p.numel() for p in m.parameters(recurse=False))
                     for m in model.modules()), default=0)
         split = {m.weight.untyped_storage()._cdata: m.weight.numel() for m in model.modules()
                  if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
-        return _Facts(sum(p.numel() for p in seen.values()),
-                      sum(p.numel() for p in seen.values() if p.requires_grad),
-                      _state_slots(opt), bool(names), parent, bn, leaf, sum(split.values()))
+        facts = _Facts(sum(p.numel() for p in seen),
+                       sum(p.numel() for p in seen if p.requires_grad), _state_slots(opt),
+                       bool(names), parent, bn, leaf, sum(split.values()))
+    if spec.adapters is None or not precisions:
+        return facts
+    return _adapted(spec, facts, precisions)
+
+
+def _unique_parameters(model: Any) -> list[Any]:
+    """Each parameter storage once (tied weights share one)."""
+    from oomdoctor.sim.stepping import unique_storages
+    return list(unique_storages(model.parameters()).values())
+
+
+def _adapted(spec: ModelSpec, facts: _Facts, precisions: tuple[str, ...] | list[str]) -> _Facts:
+    """``facts`` for the model as LoRA/QLoRA trains it: the adapters are what trains, and each
+    precision's recipe holds its own bytes (the 4-bit weights' statistics included), counted
+    on the model peft and bitsandbytes build."""
+    from dataclasses import replace
+
+    from oomdoctor.models import adapters
+    from oomdoctor.models.training import build_for_training
+    from oomdoctor.sim.device import on_meta
+    from oomdoctor.sim.stepping import unique_storages
+    measured = []
+    counts = (facts.num_parameters, facts.num_trainable)
+    for p in precisions:
+        with on_meta():
+            model, _ = build_for_training(spec, p)
+            params = _unique_parameters(model)
+            stats = sum(t.untyped_storage().nbytes()
+                        for t in unique_storages(adapters.quant_states(model)).values())
+            measured.append((p, sum(q.untyped_storage().nbytes() for q in params),
+                             sum(q.untyped_storage().nbytes() for q in params if q.requires_grad),
+                             stats))
+            counts = (sum(adapters.logical_numel(q) for q in params),
+                      sum(q.numel() for q in params if q.requires_grad))
+            targets = getattr(model, "peft_config", {}).get("default")
+    return replace(facts, num_parameters=counts[0], num_trainable=counts[1],
+                   adapted_bytes=tuple(measured),
+                   lora_targets=tuple(sorted(getattr(targets, "target_modules", None) or ())))
 
 
 def floor_bytes(facts: _Facts, precision: str, strategy: Strategy,
                 state_slots: int | None = None) -> int:
-    width = 2 if precision == "bf16-pure" else 4
+    params, trainable = facts.state_bytes(precision)
     slots = facts.state_slots if state_slots is None else state_slots
-    return model_state_floor(facts.num_parameters * width, facts.num_trainable * width,
-                             facts.num_trainable * width * slots, strategy)
+    stats = next((q for p, _, _, q in facts.adapted_bytes if p == precision), 0)
+    # Gradients and optimizer state only for what trains (the adapters, under LoRA/QLoRA).
+    return model_state_floor(params, trainable, trainable * slots, strategy) + stats
 
 
 def tensor_parallel_bytes(facts: _Facts, precision: str, degree: int,

@@ -1,6 +1,8 @@
 """What to run: the launch line and its environment, the training-loop snippet, quality notes."""
 from __future__ import annotations
 
+from typing import Any
+
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel import Strategy
 from oomdoctor.plans.recommend.facts import _Facts
@@ -9,14 +11,16 @@ from oomdoctor.plans.recommend.node_launch import sbatch_script, torchrun_lines
 from oomdoctor.plans.recommend.records import Candidate, Launch
 
 
-def _launch(c: Candidate, hw: Hardware, spec: ModelSpec, facts: _Facts) -> Launch:
+def _launch(c: Candidate, hw: Hardware, spec: ModelSpec, facts: _Facts,
+            allocator: str = "expandable_segments:True") -> Launch:
+    """``allocator``: the PYTORCH_CUDA_ALLOC_CONF the plan's numbers were computed with; the
+    line sets it (nothing for the default)."""
     st = Strategy(c.strategy, c.num_gpus, nodes=c.nodes) if c.strategy != "pipeline2" else \
         Strategy("pipeline2", 2)
     if c.nodes > 1:
-        return _node_launch(c, st, hw, facts)
+        return _node_launch(c, st, hw, spec, facts, allocator)
     procs = st.processes
-    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-           "OMP_NUM_THREADS": str(max(1, hw.cores // procs))}
+    env = _allocator_env(allocator) | {"OMP_NUM_THREADS": str(max(1, hw.cores // procs))}
     gpus = ",".join(str(i) for i in range(c.num_gpus))
     env["CUDA_VISIBLE_DEVICES"] = gpus
     args = f"train.py --batch-size {c.micro_batch} --grad-accum {c.grad_accum}"
@@ -30,15 +34,20 @@ def _launch(c: Candidate, hw: Hardware, spec: ModelSpec, facts: _Facts) -> Launc
         f"(OMP_NUM_THREADS={env['OMP_NUM_THREADS']} is this machine's {hw.cores} cores / {procs} "
         f"process{'es' if procs > 1 else ''}; on the training server use its cores / {procs})")
     return Launch(command, env, snippet(c, facts.blocks_parent, facts.has_batchnorm,
-                                        no_p2p=hw.link == "pcie-no-p2p"),
+                                        no_p2p=hw.link == "pcie-no-p2p",
+                                        adapters=spec.adapters, targets=facts.lora_targets),
                   quality_notes(c, facts), env_note)
 
 
-def _node_launch(c: Candidate, st: Strategy, hw: Hardware, facts: _Facts) -> Launch:
+def _allocator_env(allocator: str) -> dict[str, str]:
+    return {"PYTORCH_CUDA_ALLOC_CONF": allocator} if allocator else {}
+
+
+def _node_launch(c: Candidate, st: Strategy, hw: Hardware, spec: ModelSpec, facts: _Facts,
+                 allocator: str) -> Launch:
     """Several nodes: the line for each node (node 0 first) and a SLURM script."""
     g = st.per_node
-    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-           "OMP_NUM_THREADS": str(max(1, hw.cores // g))}
+    env = _allocator_env(allocator) | {"OMP_NUM_THREADS": str(max(1, hw.cores // g))}
     args = f"train.py --batch-size {c.micro_batch} --grad-accum {c.grad_accum}"
     lines = torchrun_lines(st.nodes, g, args)
     note = (f"run line i on node i; HOST is node 0's address, reachable from every node "
@@ -46,7 +55,8 @@ def _node_launch(c: Candidate, st: Strategy, hw: Hardware, facts: _Facts) -> Lau
             f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']} is "
             + ("this machine's" if hw.detected else "this machine's, not the nodes'")
             + f" {hw.cores} cores / {g} processes")
-    return Launch(lines[0], env, snippet(c, facts.blocks_parent, facts.has_batchnorm),
+    return Launch(lines[0], env, snippet(c, facts.blocks_parent, facts.has_batchnorm,
+                                         adapters=spec.adapters, targets=facts.lora_targets),
                   quality_notes(c, facts), note, lines, sbatch_script(st.nodes, g, args, env))
 
 
@@ -105,12 +115,16 @@ _PLAIN_WRAP = ["model.to(device)", _ADAMW]
 _AUTOCAST = {"fp16": "torch.float16", "bf16": "torch.bfloat16"}
 
 
-def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: bool = False) -> str:
-    """The training-loop changes for this configuration, as a short code sketch."""
+def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: bool = False,
+            adapters: Any = None, targets: tuple[str, ...] = ()) -> str:
+    """The training-loop changes for this configuration, as a short code sketch; ``adapters``
+    (oomdoctor.models.adapters.Adapters): the model is built as LoRA/QLoRA trains it, with
+    LoRA on ``targets`` (what peft chose in the trace)."""
     distributed = c.strategy in _DISTRIBUTED
     where = f"model.{blocks}" if blocks else "model.layers"
     lines = _setup_lines(c.strategy, distributed)
-    lines += _model_lines(c, where)
+    lines += (_adapter_lines(c, adapters, targets, distributed) if adapters is not None
+              else _model_lines(c, where))
     if distributed and batchnorm and c.num_gpus > 1:
         lines.append("model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # global BN")
     lines += _wrap_lines(c, where, no_p2p)
@@ -141,6 +155,44 @@ def _model_lines(c: Candidate, where: str) -> list[str]:
         lines += [*_CHECKPOINTED,
                   f"for i, block in enumerate({where}):",
                   f"    {where}[i] = Checkpointed(block)"]
+    return lines
+
+
+def _adapter_lines(c: Candidate, adapters: Any, targets: tuple[str, ...], distributed: bool
+                   ) -> list[str]:
+    """The model as peft and bitsandbytes build it for this plan (what was traced): 4-bit or
+    8-bit frozen weights, the QLoRA recipe's preparation, LoRA on the traced targets."""
+    dtype = {"fp32": "torch.float32", "fp16": "torch.float16"}.get(c.precision, "torch.bfloat16")
+    lines = ["from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training"]
+    load = "model = AutoModelForCausalLM.from_pretrained(MODEL_ID, torch_dtype=" + dtype
+    if adapters.quantize:
+        lines += ["from transformers import AutoModelForCausalLM, BitsAndBytesConfig"]
+        if adapters.quantize == "int8":
+            lines.append("bnb = BitsAndBytesConfig(load_in_8bit=True)")
+        else:
+            lines += [f"bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="
+                      f"'{adapters.quantize}',",
+                      f"                         bnb_4bit_compute_dtype={dtype},"
+                      + (" bnb_4bit_use_double_quant=True," if adapters.double_quant else ""),
+                      # FSDP shards one dtype: the 4-bit weights stored as the compute dtype
+                      # (FSDP-QLoRA, Answer.AI / transformers' bnb_4bit_quant_storage).
+                      *([f"                         bnb_4bit_quant_storage={dtype},"
+                         "  # FSDP shards it"] if c.strategy in ("zero3", "hsdp") else []),
+                      "                         )"]
+        load += (",\n    quantization_config=bnb"
+                 + (", device_map={'': local_rank})   # each rank loads its own copy"
+                    if distributed and c.strategy not in ("zero3", "hsdp") else ")"))
+        lines += [load,
+                  "model = prepare_model_for_kbit_training(model, use_gradient_checkpointing="
+                  f"{c.checkpointing})   # frozen base, norms in fp32"]
+    else:
+        lines += ["from transformers import AutoModelForCausalLM   # or your build_model()",
+                  load + ")   # frozen base in 16-bit"]
+        if c.checkpointing:
+            lines.append("model.gradient_checkpointing_enable()")
+    names = list(targets or adapters.lora_targets or ())
+    lines.append(f"model = get_peft_model(model, LoraConfig(r={adapters.lora_rank}, "
+                 f"lora_alpha={adapters.lora_rank}, target_modules={names!r}))")
     return lines
 
 

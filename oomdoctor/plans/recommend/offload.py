@@ -74,16 +74,37 @@ def local_host_ram() -> int | None:
         return None
 
 
-_CONFIGS = {
-    "zero2-offload": '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", '
-                     '"pin_memory": true}}, "bf16": {"enabled": true}}',
-    "zero3-offload": '{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", '
-                     '"pin_memory": true}}, "bf16": {"enabled": true}}',
-    "zero3-offload-all": '{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": '
-                         '"cpu", "pin_memory": true}, "offload_param": {"device": "cpu", '
-                         '"pin_memory": true}}, "bf16": {"enabled": true}}; or FSDP2: '
-                         'fully_shard(block, offload_policy=CPUOffloadPolicy()) per block',
-}
+def _ds_config(stage: int, params_too: bool, micro_batch: int, accumulation: int) -> str:
+    """The DeepSpeed JSON of one offload plan: CPU Adam needs the optimizer named in the
+    config (DeepSpeed builds DeepSpeedCPUAdam for "AdamW" with offload_optimizer)."""
+    zero = ('{"stage": %d, "offload_optimizer": {"device": "cpu", "pin_memory": true}%s}'
+            % (stage, ', "offload_param": {"device": "cpu", "pin_memory": true}'
+               if params_too else ""))
+    return ('{"train_micro_batch_size_per_gpu": %d, "gradient_accumulation_steps": %d, '
+            '"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": true}, '
+            '"zero_optimization": %s}' % (micro_batch, accumulation, zero))
+
+
+# The training loop under DeepSpeed's engine, which owns backward, accumulation and the step.
+_DS_SKETCH = """import deepspeed
+model = build_model()
+engine, _, loader, _ = deepspeed.initialize(
+    model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+    training_data=dataset, config="ds_config.json")   # the JSON above
+for batch in loader:
+    loss = loss_fn(engine, batch)
+    engine.backward(loss)
+    engine.step()             # steps the optimizer every gradient_accumulation_steps"""
+# FSDP2's CPU offload: parameters, gradients and optimizer state on the host, each block
+# moved to the GPU when it runs (torch/distributed/fsdp/_fully_shard/_fsdp_api.py).
+_FSDP_SKETCH = """from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard   # FSDP2, torch >= 2.6
+model = build_model()
+for block in model.layers:    # each repeated block, then the root
+    fully_shard(block, offload_policy=CPUOffloadPolicy())
+fully_shard(model, offload_policy=CPUOffloadPolicy())
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)   # steps on the CPU"""
+
+
 _DESCRIPTIONS = {
     "zero2-offload": "ZeRO-Offload: ZeRO-2, optimizer state + fp32 weights and gradients on "
                      "the CPU, 16-bit weights on every GPU",
@@ -95,11 +116,12 @@ _DESCRIPTIONS = {
 
 
 def offload_plans(facts: _Facts, hw: Hardware, budget: Budget, other_bytes: int | None,
-                  host_ram: int | None, compute_seconds: float | None = None
-                  ) -> tuple[OffloadPlan, ...]:
+                  host_ram: int | None, compute_seconds: float | None = None,
+                  target_batch: int = 1) -> tuple[OffloadPlan, ...]:
     """The three offload plans for ``hw`` (G GPUs on each of N nodes). ``other_bytes``:
     activations and temporaries per GPU from a trace (None: not traced); ``compute_seconds``:
-    the GPUs' compute per optimizer step (None: unknown, no slowdown ratio)."""
+    the GPUs' compute per optimizer step (None: unknown, no slowdown ratio); each plan runs
+    micro-batch 1 with accumulation to ``target_batch``."""
     p, g, n = facts.num_parameters, hw.num_gpus, hw.nodes
     world = g * n
     pcie = link_gbps(hw.gpu, "pcie") * 1e9       # host <-> one GPU, per direction
@@ -120,5 +142,21 @@ def offload_plans(facts: _Facts, hw: Hardware, budget: Budget, other_bytes: int 
         plans.append(OffloadPlan(
             name, _DESCRIPTIONS[name], gpu, other_bytes, total <= budget.limit_bytes, host,
             None if host_ram is None else host <= host_ram, t_pcie, adam, slowdown,
-            _CONFIGS[name]))
+            *_how_to_run(name, hw, max(1, target_batch // world))))
     return tuple(plans)
+
+
+def _how_to_run(name: str, hw: Hardware, accumulation: int) -> tuple[str, str, str]:
+    """(config, launch line, code sketch) of an offload plan, at micro-batch 1 with
+    ``accumulation`` steps (the reference point the plan was sized at). The all-offload plan
+    is FSDP2's CPUOffloadPolicy as well; its config line says both."""
+    stage = 2 if name == "zero2-offload" else 3
+    config = _ds_config(stage, name.endswith("all"), 1, accumulation)
+    nodes = f" --num_nodes {hw.nodes} --hostfile hostfile" if hw.nodes > 1 else ""
+    launch = f"deepspeed{nodes} --num_gpus {hw.num_gpus} train.py   # with ds_config.json"
+    if name.endswith("all"):
+        return (config + "; or FSDP2: fully_shard(block, offload_policy=CPUOffloadPolicy()) "
+                "per block", launch + f"; FSDP2: torchrun --standalone --nproc_per_node="
+                f"{hw.num_gpus} train.py", _DS_SKETCH + "\n# or, with FSDP2 instead of "
+                "DeepSpeed:\n" + _FSDP_SKETCH)
+    return config, launch, _DS_SKETCH

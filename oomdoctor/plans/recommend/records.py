@@ -82,6 +82,7 @@ class Recommendation:
     offload: tuple[OffloadPlan, ...] = ()      # CPU offload plans, when nothing fits on the GPUs
     host_ram_bytes: int | None = None          # per node, what the offload plans are checked on
     host_ram_source: str = ""                  # --host-ram, or this machine's MemTotal
+    allocator: str = ""                        # PYTORCH_CUDA_ALLOC_CONF the numbers assume
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -130,6 +131,8 @@ class OffloadPlan:
     cpu_optimizer_seconds: float               # per optimizer step, Adam on the CPU
     slowdown: float | None                     # step time over the GPU-only compute (traced)
     config: str                                # the DeepSpeed (or FSDP) settings to use
+    launch: str = ""                           # the command that runs it
+    sketch: str = ""                           # the training-loop code it needs
 
     @property
     def gpu_bytes(self) -> int:

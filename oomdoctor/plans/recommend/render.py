@@ -53,7 +53,10 @@ def _header(r: Recommendation) -> list[str]:
     return [f"{r.model} ({r.num_parameters:,} parameters) on {_on(r)} x {r.gpu} "
             f"({_gib(r.device_total_bytes)} GiB each, {_gib(r.budget_bytes)} GiB for the "
             f"allocator), link {r.link} (~{r.link_gbps:g} GB/s){between}, target effective "
-            f"batch {r.target_batch}", ""]
+            f"batch {r.target_batch}",
+            "allocator: PYTORCH_CUDA_ALLOC_CONF=" + (f"{r.allocator} (the launch line sets it)"
+                                                     if r.allocator else "unset (the default)"),
+            ""]
 
 
 def _candidates_table(r: Recommendation) -> list[str]:
@@ -202,7 +205,9 @@ def _offload(r: Recommendation) -> list[str]:
     for o in r.offload:
         out.append(f"- {o.name}: {o.description}")
     if fit:
-        out += [f"offload plan that fits: {fit[0].name}, DeepSpeed config: {fit[0].config}"]
+        out += [f"offload plan that fits: {fit[0].name}, DeepSpeed config (ds_config.json): "
+                f"{fit[0].config}", f"  launch: {fit[0].launch}", "  code:",
+                *[f"    {line}" for line in fit[0].sketch.splitlines()]]
     return out + [""]
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Callable
 
 from oomdoctor.sim.allocator import AllocatorConfig
-from oomdoctor.plans.estimate import Budget, trace_for
+from oomdoctor.plans.estimate import Budget, allocator_conf_string, trace_for
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel import (STRATEGIES, Layout, Sizes, StrategyEstimate, Strategy,
@@ -38,6 +38,11 @@ SIMPLICITY = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline2", "dp", "hs
 # Several nodes: one process per GPU on every node (DataParallel and the split stay inside one).
 NODE_SEARCH = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp")
 NUMERICS_PENALTY = 1.25           # pure bf16's score (shown) carries this; it ranks after the rest
+# The allocator a plan launches with when the user names none: expandable segments map more
+# physical memory into one segment instead of caching fixed ones, which ends most fragmentation
+# (c10/cuda/CUDACachingAllocator.cpp, ExpandableSegment). The plan's numbers are computed with
+# the setting its launch line sets (issue #24: they assumed the default while the line set this).
+LAUNCH_ALLOCATOR = AllocatorConfig(expandable_segments=True)
 
 
 def _divisors(n: int) -> list[int]:
@@ -145,21 +150,23 @@ def _worker(precision: str, checkpointing: bool, strategies: list[Strategy]
 
 def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
               precisions: list[str] | None = None, strategies: list[str] | None = None,
-              alloc: AllocatorConfig = AllocatorConfig(), base: TraceConfig = TraceConfig(1),
+              alloc: AllocatorConfig | None = None, base: TraceConfig = TraceConfig(1),
               checkpointing: list[bool] | None = None, jobs: int = 1, top: int = 8,
               detail: bool = True, progress: Progress = lambda _: None,
               host_ram: int | None = None, host_ram_source: str = "") -> Recommendation:
     """Search, rank, and explain. ``detail`` traces one configuration to show every strategy's
     per-GPU memory even when the lower bound already rules everything out. ``host_ram``: each
-    node's RAM, to check the CPU offload plans against (None: unknown)."""
+    node's RAM, to check the CPU offload plans against (None: unknown). ``alloc``: the
+    PYTORCH_CUDA_ALLOC_CONF to plan for and launch with; None: LAUNCH_ALLOCATOR."""
     if target_batch < 1:
         raise ValueError(f"--target-batch must be >= 1, got {target_batch}")
+    alloc = LAUNCH_ALLOCATOR if alloc is None else alloc
     gpu = hw.gpu
     allowed = _allowed_precisions(gpu, precisions)
     names = _strategy_names(hw, strategies)
     strats = _strategies(names, hw)
     progress(f"building {spec.name} on fake tensors")
-    facts = model_facts(spec)
+    facts = model_facts(spec, allowed)
     floors = _floors(facts, allowed, strats, budget)
     fitting = {(f.precision, f.strategy) for f in floors if f.fits}
     # The strategies worth tracing in each precision: those whose lower bound fits the budget.
@@ -202,16 +209,18 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
                                                     progress))
         world = hw.num_gpus * hw.nodes
         offload = offload_plans(facts, hw, budget, _zero3_extra(by_strategy), host_ram,
-                                per_sample * target_batch / world if per_sample else None)
+                                per_sample * target_batch / world if per_sample else None,
+                                target_batch)
     return Recommendation(
         spec.name, gpu.name, hw.num_gpus, hw.link, hw.link_gbps, target_batch, gpu.total_bytes,
         budget.limit_bytes, facts.num_parameters, tuple(candidates[:top]), best,
-        _launch(best, hw, spec, facts) if best is not None else None,
+        _launch(best, hw, spec, facts, allocator_conf_string(alloc)) if best is not None
+        else None,
         by_strategy, ref, tuple(floors), tuple(alternatives),
         tuple(_notes(best, candidates, names, hw, by_strategy, floors)), tuple(errors),
         _speedup(best, candidates), hw.nodes, hw.inter_node, hw.inter_node_gbps,
         _tensor_parallel(facts, hw, budget, allowed) if hw.nodes > 1 else (), offload,
-        host_ram, host_ram_source)
+        host_ram, host_ram_source, allocator_conf_string(alloc))
 
 
 def _allowed_precisions(gpu: GpuProfile, precisions: list[str] | None) -> list[str]:

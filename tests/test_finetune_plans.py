@@ -1,0 +1,174 @@
+"""LoRA/QLoRA and user `.to()` calls through every multi-GPU planner (issue #24).
+
+The question the product exists for - a model too big for one card, fine-tuned the way people
+do it (peft LoRA, QLoRA on bitsandbytes 4-bit weights) on two GPUs - crashed in every planner
+but `estimate`: the layout pass rebuilt the model on fake CPU tensors, where peft's and a user's
+`Module.to` failed to swap tensors and 4-bit weights cannot be built at all. Checked here:
+
+- a matrix of the multi-GPU commands x {LoRA, QLoRA} on a tiny Llama config: each exits 0 with
+  a plan that fits;
+- each strategy's per-GPU model states against a hand count from the architecture (4-bit packed
+  weights, fp32 block-wise absmax, fp32 non-quantized weights after
+  prepare_model_for_kbit_training, fp32 adapters; gradients and AdamW's two moments for the
+  adapters only): DDP and ZeRO-1/2 replicate the frozen base, ZeRO-3 shards it;
+- recommend's lower bound counts gradients and optimizer state for what trains only;
+- a model file whose build_model calls `.to(memory_format=torch.channels_last)` in parallel,
+  split, recommend and probe --num-gpus 2.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from oomdoctor.cli import EXIT_OK, cli
+
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("transformers", "peft", "bitsandbytes")),
+    reason="needs transformers, peft and bitsandbytes (pip install -e '.[test]')")
+
+# A Llama small enough to trace in a second: every linear layer is a multiple of bitsandbytes'
+# 64-element blocks, the output layer is untied (kept unquantized, as transformers does).
+H, I, LAYERS, KV, VOCAB = 64, 128, 2, 32, 512
+LLAMA = dict(vocab_size=VOCAB, hidden_size=H, intermediate_size=I, num_hidden_layers=LAYERS,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             architectures=["LlamaForCausalLM"], tie_word_embeddings=False)
+RANK = 8
+ADAPTERS = {"lora": ["--lora", str(RANK)], "qlora": ["--lora", str(RANK), "--quantize", "nf4"]}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    import transformers
+    d = tmp_path_factory.mktemp("cfg") / "tiny-llama"
+    transformers.LlamaConfig(**LLAMA).save_pretrained(d)
+    return str(d)
+
+
+def _run(*argv: str):
+    return CliRunner().invoke(cli, [*argv], catch_exceptions=False)
+
+
+COMMANDS = {
+    "estimate-ddp": ["estimate", "{m}", "-b", "2", "--strategy", "ddp", "--num-gpus", "2"],
+    "estimate-zero2": ["estimate", "{m}", "-b", "2", "--strategy", "zero2", "--num-gpus", "2"],
+    "estimate-fsdp": ["estimate", "{m}", "-b", "2", "--strategy", "fsdp", "--num-gpus", "2"],
+    "parallel": ["parallel", "{m}", "--gpus", "2", "-b", "2"],
+    "split": ["split", "{m}", "--gpus", "2", "-b", "2"],
+    "recommend": ["recommend", "{m}", "--num-gpus", "2", "--target-batch", "8", "--quick",
+                  "-j", "1"],
+    "probe": ["probe", "{m}", "--num-gpus", "2", "-j", "1", "--target-batch", "8"],
+}
+
+
+@pytest.mark.parametrize("adapters", sorted(ADAPTERS))
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_multi_gpu_command_plans_lora_and_qlora(llama, command, adapters):
+    argv = [a.format(m=llama) for a in COMMANDS[command]]
+    r = _run(*argv, "--seq-len", "32", "--gpu", "rtx3090", "--precision", "bf16",
+             *ADAPTERS[adapters], "--json")
+    assert r.exit_code == EXIT_OK, r.output
+    doc = json.loads(r.stdout)
+    assert "LoRA" in json.dumps(doc)           # the plan is for the adapted model
+
+
+# -- model states by hand ------------------------------------------------------------------
+QUANTIZED = LAYERS * (2 * H * H + 2 * KV * H + 3 * H * I)     # q,o + k,v + gate,up,down
+UNQUANTIZED = 2 * VOCAB * H + (2 * LAYERS + 1) * H            # embeddings, lm_head, norms
+LORA = LAYERS * (RANK * H + H * RANK + RANK * H + KV * RANK)  # A and B of q_proj and v_proj
+PACKED = QUANTIZED // 2                      # two 4-bit codes per byte
+ABSMAX = QUANTIZED // 64 * 4                 # one fp32 scale per 64-element block
+PARAMS = PACKED + 4 * UNQUANTIZED + 4 * LORA
+TRAINABLE = 4 * LORA                          # fp32 adapters: their gradients
+STATE = 2 * TRAINABLE                         # AdamW's exp_avg and exp_avg_sq
+
+
+def test_qlora_model_states_per_strategy_by_hand(llama):
+    """Parameters + gradients + optimizer state each GPU holds after the step."""
+    from oomdoctor.models.adapters import Adapters
+    from oomdoctor.models.loader import load_model
+    from oomdoctor.plans import parallel as par
+    from oomdoctor.plans import recommend as rec
+    from oomdoctor.plans.estimate import Budget, trace_for
+    from oomdoctor.sim.gpus import get_profile
+    from oomdoctor.sim.trace import TraceConfig
+    gpu = get_profile("rtx3090")
+    spec = load_model(llama, seq_len=32, adapters=Adapters(RANK, quantize="nf4"))
+    trace = trace_for(spec, TraceConfig(2, precision="bf16"), gpu)
+    assert (trace.parameter_bytes, trace.gradient_bytes, trace.optimizer_state_bytes) == \
+        (PARAMS, TRAINABLE, STATE)
+    layout = par.model_layout(spec, "bf16")
+    assert layout.num_trainable == LORA
+
+    def resting(name: str) -> list[int]:
+        e = par.estimate_strategy(trace, layout, par.Strategy(name, 2), Budget(gpu))
+        return [g.resting_state_bytes for g in e.gpus]
+    full = PARAMS + TRAINABLE + STATE
+    assert resting("ddp") == [full]                                   # a replica each
+    # ZeRO-1 gives each rank whole adapters' state (ZeroRedundancyOptimizer): the two ranks
+    # together hold it once, each holds every parameter and gradient.
+    z1 = resting("zero1")
+    assert sum(z1) == 2 * (PARAMS + TRAINABLE) + STATE
+    assert resting("zero2")[0] == pytest.approx(PARAMS + (TRAINABLE + STATE) / 2, abs=64 * 8)
+    # ZeRO-3/FSDP shards the frozen 4-bit base too (every storage split in two).
+    assert resting("zero3")[0] == pytest.approx(full / 2, abs=64 * 8)
+    # recommend's lower bound: the same counts, measured on the built model (no trace).
+    # The quantization statistics stay whole on every rank.
+    facts = rec.model_facts(spec, ["bf16"])
+    assert facts.num_trainable == LORA
+    assert facts.state_bytes("bf16") == (PARAMS, TRAINABLE)
+    stats = ABSMAX + _codebooks(spec)
+    assert rec.floor_bytes(facts, "bf16", par.Strategy("ddp", 2)) == full + stats
+    assert rec.floor_bytes(facts, "bf16", par.Strategy("zero2", 2)) == \
+        PARAMS + (TRAINABLE + STATE) // 2 + stats
+    assert rec.floor_bytes(facts, "bf16", par.Strategy("zero3", 2)) == full // 2 + stats
+
+
+def _codebooks(spec) -> int:
+    """bitsandbytes' 16-entry fp32 NF4 code table, one storage per quantized layer or shared:
+    whichever the installed library does, counted from the built model."""
+    from oomdoctor.models.adapters import named_quant_states
+    from oomdoctor.models.training import build_for_training
+    from oomdoctor.sim.device import on_meta
+    from oomdoctor.sim.stepping import unique_storages
+    with on_meta():
+        model, _ = build_for_training(spec, "bf16")
+    codes = [t for n, t in named_quant_states(model) if n.endswith(".code")]
+    assert all(t.numel() == 16 for t in codes)
+    return 64 * len(unique_storages(codes))
+
+
+# -- a user's .to() in build_model ---------------------------------------------------------
+CHANNELS_LAST = textwrap.dedent('''
+    """The tests' U-Net as a user trains it on a GPU: weights and inputs in channels_last."""
+    import torch
+    from unet import SIZE, UNet, loss_fn  # noqa: F401
+
+    def build_model():
+        return UNet().to(memory_format=torch.channels_last)
+
+    def make_batch(batch_size):
+        x = torch.randn(batch_size, 3, SIZE, SIZE).to(memory_format=torch.channels_last)
+        return x, torch.randint(0, 2, (batch_size, SIZE, SIZE))
+''')
+
+
+@pytest.mark.parametrize("command", ["parallel", "split", "recommend", "probe"])
+def test_a_model_file_that_moves_its_model_plans_on_two_gpus(tmp_path, command):
+    unet = Path(__file__).resolve().parent / "models" / "unet.py"
+    (tmp_path / "unet.py").write_text(unet.read_text())
+    model = tmp_path / "unet_channels_last.py"
+    model.write_text(CHANNELS_LAST)
+    argv = {"parallel": ["parallel", str(model), "--gpus", "2", "-b", "4"],
+            "split": ["split", str(model), "--gpus", "2", "-b", "4"],
+            "recommend": ["recommend", str(model), "--num-gpus", "2", "--target-batch", "16",
+                          "--quick", "-j", "1", "--precision", "fp16"],
+            "probe": ["probe", str(model), "--num-gpus", "2", "-j", "1", "--precision", "fp16",
+                      "--target-batch", "16"]}[command]
+    r = _run(*argv, "--gpu", "rtx3090")
+    assert r.exit_code == EXIT_OK, r.output
+    assert "swap" not in r.output and "error" not in r.output.lower()
