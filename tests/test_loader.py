@@ -24,6 +24,11 @@ CASES = [
     ("vector_loss.py", r"has shape \(2, 2\), expected a scalar loss"),
     ("frozen.py", r"no trainable parameters"),
     ("cuda_call.py", r"build_model moves tensors to the GPU .*remove \.cuda\(\)"),
+    # inside the step: named where it is, and the fix for code in forward (issue #24)
+    ("cuda_in_forward.py", r"loss_fn moves tensors to the GPU at cuda_in_forward\.py:11 "
+                           r"\(scale = torch\.ones\(8\)\.cuda\(\)\).*device=x\.device"),
+    ("cuda_at_import.py", r"importing the file moves tensors to the GPU at cuda_at_import\.py:4 "
+                          r".*needs a GPU this machine does not have.*--device cuda"),
     ("wrong_call.py", r"without loss_fn, oomdoctor calls model\(\*batch\) with 2 tensors .*"
                       r"missing a required argument: 'weight'.*define loss_fn\(model, batch\)"),
 ]

@@ -65,8 +65,10 @@ def test_llama7b_says_what_would_fit(llama_plan):
     cfg = TraceConfig(1, precision=p, checkpointing=True)
     trace = trace_for(spec, cfg, RTX3090)
     layout = par.model_layout(spec, p)
-    fit = par.estimate_strategy(trace, layout, par.Strategy("zero3", n), budget)
-    short = par.estimate_strategy(trace, layout, par.Strategy("zero3", n - 1), budget)
+    # recommend plans with the allocator its launch line sets (expandable segments)
+    alloc = rec.LAUNCH_ALLOCATOR
+    fit = par.estimate_strategy(trace, layout, par.Strategy("zero3", n), budget, alloc)
+    short = par.estimate_strategy(trace, layout, par.Strategy("zero3", n - 1), budget, alloc)
     assert fit.fits and not short.fits
     assert f"{fit.peak_device_bytes / 2**30:.1f} GiB on the fullest GPU" in text
     assert "SGD" in text and "offload" in text

@@ -30,7 +30,7 @@ import uuid
 from typing import Any, Callable
 
 from oomdoctor.models import huggingface, vision
-from oomdoctor.models.spec import ModelFileError, ModelSpec
+from oomdoctor.models.spec import ModelFileError, ModelSpec, first_line, moves_to_gpu, user_frame
 
 
 def load_model(source: str, *, task: str | None = None, seq_len: int | None = None,
@@ -117,6 +117,15 @@ def load_model_file(path: str) -> ModelSpec:
         raise ModelFileError(f"{path}:{e.lineno}: syntax error: {e.msg}; fix the file so "
                              f"`python {path}` runs") from e
     except Exception as e:  # anything the file's top level raises
+        if moves_to_gpu(e):
+            # It runs on a GPU machine; it is the top level's .cuda() that needs one here.
+            where = user_frame(e)
+            raise ModelFileError(
+                f"{path}: importing the file moves tensors to the GPU"
+                + (f" at {where}" if where else "") + f" ({type(e).__name__}: {first_line(e)}), "
+                "which needs a GPU this machine does not have; build tensors inside "
+                "build_model/make_batch without .cuda() (oomdoctor places them), or run on a "
+                "GPU machine with --device cuda") from e
         raise ModelFileError(f"{path}: importing the file raised {type(e).__name__}: {e}; "
                              f"fix the file so `python {path}` runs") from e
     finally:

@@ -48,3 +48,28 @@ def first_line(e: BaseException) -> str:
     """The first line of an exception's message, for one-line errors."""
     text = str(e).strip()
     return text.splitlines()[0] if text else "(no message)"
+
+
+# What moving a fake/meta tensor to CUDA raises: a CPU-only build, or a meta tensor's copy.
+_TO_CUDA_TEXT = ("Torch not compiled with CUDA enabled", "Cannot copy out of meta tensor",
+                 "Found no NVIDIA driver")
+
+
+def moves_to_gpu(e: BaseException) -> bool:
+    """Whether ``e`` is what ``.cuda()`` / ``.to('cuda')`` raises without a GPU (or on meta)."""
+    return any(s in str(e) for s in _TO_CUDA_TEXT)
+
+
+def user_frame(e: BaseException) -> str | None:
+    """``file:line (code)`` of the innermost frame of ``e``'s traceback outside torch,
+    installed libraries and oomdoctor: where the user's own code did it."""
+    import traceback
+    skip = (os.sep + "site-packages" + os.sep, os.sep + "oomdoctor" + os.sep + "models",
+            os.sep + "oomdoctor" + os.sep + "sim", "<frozen ")
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not any(s in f.filename for s in skip)]
+    if not frames:
+        return None
+    f = frames[-1]
+    where = f"{os.path.basename(f.filename)}:{f.lineno}"
+    return f"{where} ({f.line.strip()})" if f.line else where

@@ -13,7 +13,8 @@ from typing import Any, Callable
 import torch
 
 from oomdoctor.models.casting import cast_floats, to_dtype
-from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec, first_line
+from oomdoctor.models.spec import (DataDependentError, ModelFileError, ModelSpec, first_line,
+                                   moves_to_gpu, user_frame)
 
 
 def build_checked_model(spec: ModelSpec) -> torch.nn.Module:
@@ -152,10 +153,6 @@ _DATA_DEPENDENT = ("DataDependentOutputException", "DynamicOutputShapeException"
                    "GuardOnDataDependentSymNode", "UnsupportedOperatorException")
 
 
-# What moving a fake/meta tensor to CUDA raises: a CPU-only build, or a meta tensor's copy.
-_TO_CUDA_TEXT = ("Torch not compiled with CUDA enabled", "Cannot copy out of meta tensor",
-                 "Found no NVIDIA driver")
-
 _DATA_DEPENDENT_TEXT = ("data-dependent", "item()", "on meta tensors", "register_meta",
                         "nonzero", "masked_select", "unique")
 
@@ -171,12 +168,8 @@ def _call(spec: ModelSpec, name: str, fn: Callable, *args: Any) -> Any:
         # Fake CPU tensors raise DataDependentOutputException & co; meta tensors raise
         # "Tensor.item() cannot be called on meta tensors" or an unimplemented meta kernel
         # for ops whose output shape depends on the data (nonzero, masked_select, unique).
-        if any(s in text for s in _TO_CUDA_TEXT):
-            raise ModelFileError(
-                f"{spec.path}: {name} moves tensors to the GPU ({kind}: {first_line(e)}); "
-                "oomdoctor places the model and the batch itself (on fake tensors, or on the "
-                "GPU with --device cuda): remove .cuda() / .to('cuda') / device='cuda' from "
-                "build_model and make_batch") from e
+        if moves_to_gpu(e):
+            raise _moves_to_gpu_error(spec, name, e) from e
         if kind in _DATA_DEPENDENT or any(s in text for s in _DATA_DEPENDENT_TEXT):
             raise DataDependentError(
                 f"{spec.path}: {name} uses a value computed from tensor data ({kind}: "
@@ -184,6 +177,24 @@ def _call(spec: ModelSpec, name: str, fn: Callable, *args: Any) -> Any:
                 ".item()/.tolist()/data-dependent shapes from the training step") from e
         # the CLI adds "(--debug for the traceback)" to every such error
         raise ModelFileError(f"{spec.path}: {name} raised {kind}: {first_line(e)}") from e
+
+
+def _moves_to_gpu_error(spec: ModelSpec, name: str, e: BaseException) -> ModelFileError:
+    """A ``.cuda()`` in the user's code, named where it is, with the fix for that place:
+    build_model and make_batch leave placement to oomdoctor; code that runs inside the step
+    (forward, a loss) makes its tensors on its inputs' device."""
+    where = user_frame(e)
+    at = f" at {where}" if where else ""
+    if name in ("build_model", "make_batch"):
+        fix = ("oomdoctor places the model and the batch itself (on fake tensors, or on the "
+               f"GPU with --device cuda): remove .cuda() / .to('cuda') / device='cuda' from "
+               f"{name}")
+    else:
+        fix = ("code that runs in the training step should make its tensors where its inputs "
+               "are: device=x.device or .to(x.device) instead of .cuda() / device='cuda', "
+               "which also keeps it right on any GPU index")
+    return ModelFileError(f"{spec.path}: {name} moves tensors to the GPU{at} "
+                          f"({type(e).__name__}: {first_line(e)}); {fix}")
 
 
 def _describe(obj: Any) -> str:
