@@ -6,14 +6,14 @@ print(trace_training(load_model_file('sample_models/tiny_mlp.py'), TraceConfig(8
 The trace runs the model file's real training step - forward, loss, backward,
 ``optimizer.step()``, ``zero_grad(set_to_none=True)`` - for two optimizer steps under
 ``FakeTensorMode``: every tensor has the right shape and dtype but no data, so a 7B model traces
-on a laptop. A ``TorchDispatchMode`` sits above the fake mode and sees every ATen op, in eager
-order, after autograd and composite ops have been decomposed - the same ops a CUDA or CPU eager
-run executes. Each op's freshly allocated outputs (outputs without alias information in the op
-schema) are new storages; a weakref finalizer on each storage records its free, which CPython
-runs the moment the last reference dies, exactly when the caching allocator would get the block
-back. The result is an ordered list of (alloc | free, handle, bytes) events that
-:mod:`oomdoctor.sim.allocator` replays, plus what each storage was (parameter, gradient, ...), when
-(phase, iteration) and where (module).
+on a laptop. A ``TorchDispatchMode`` (:mod:`oomdoctor.sim.recorder`) sits above the fake mode
+and sees every ATen op, in eager order, after autograd and composite ops have been decomposed -
+the same ops a CUDA or CPU eager run executes. Each op's freshly allocated outputs (outputs
+without alias information in the op schema) are new storages; a weakref finalizer on each storage
+records its free, which CPython runs the moment the last reference dies, exactly when the caching
+allocator would get the block back. The result is an ordered list of (alloc | free, handle,
+bytes) events that :mod:`oomdoctor.sim.allocator` replays, plus what each storage was (parameter,
+gradient, ...), when (phase, iteration) and where (module).
 
 Known limitations:
 - Memory a kernel allocates internally (cuDNN/cuBLAS workspaces, CPU oneDNN scratch) is not an
@@ -26,18 +26,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from oomdoctor.models import adapters
 from oomdoctor.sim import emulate, rnn, values
-from oomdoctor.sim.fusion import Fusion
+# Category, Phase and PhaseMark are the plans' too: they import them from here.
+from oomdoctor.sim.recorder import (Category, Phase, PhaseMark, Recorder, Storage, in_phase,
+                                    module_hooks)
 from oomdoctor.sim.stepping import (compile_notes, every_step, foreach_measured, host_state,
                                 state_bytes, state_tensors, step_notes, unique_storages)
 from oomdoctor.sim.eager import fake_trace
@@ -45,27 +44,6 @@ from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec
 from oomdoctor.models.training import (build_for_training, compute_loss, make_configured_batch,
                                        make_configured_optimizer)
 from oomdoctor.configs import PRECISIONS, ZERO_GRAD_MODES  # noqa: F401  (re-exported)
-
-
-class Category(str, Enum):
-    """What a storage holds. Model state first, then what the step creates."""
-
-    PARAMETERS = "parameters"
-    BUFFERS = "buffers"
-    GRADIENTS = "gradients"
-    OPTIMIZER_STATE = "optimizer_state"
-    INPUTS = "inputs"
-    ACTIVATIONS = "activations"      # made in the forward and still alive when it ends
-    TEMPORARIES = "temporaries"      # everything else: freed within its phase
-
-
-class Phase(str, Enum):
-    SETUP = "setup"          # model.to(device): parameters and buffers
-    DATA = "data"            # make_batch and its move/cast to the device
-    FORWARD = "forward"      # forward + loss (under autocast for AMP)
-    BACKWARD = "backward"
-    OPTIMIZER = "optimizer"  # (unscale +) optimizer.step()
-    ZERO_GRAD = "zero_grad"
 
 
 @dataclass(frozen=True)
@@ -99,28 +77,6 @@ class TraceConfig:
                              f"{', '.join(ZERO_GRAD_MODES)}")
 
 
-@dataclass
-class Storage:
-    """One storage's life: what, when, where."""
-
-    handle: int
-    nbytes: int
-    category: Category
-    phase: Phase
-    iteration: int
-    module: str
-    op: str
-    t_alloc: int                 # index of its alloc event
-    t_free: int | None = None    # index of its free event; None = alive at the end
-    host: bool = False           # lives on the host on CUDA (Adam's `step` counters)
-
-
-@dataclass(frozen=True)
-class PhaseMark:
-    start: int                   # first event index of the phase
-    phase: Phase
-    iteration: int               # optimizer step (0-based)
-    micro: int                   # micro-batch within the step
 
 
 @dataclass(frozen=True)
@@ -173,149 +129,9 @@ class Trace:
         return self.peak_live[0]
 
 
-class _Recorder(TorchDispatchMode):
-    """Sees every ATen op; records fresh output storages and, via weakrefs, their frees."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.raw: list[tuple[bool, int, int]] = []
-        self.storages: dict[int, Storage] = {}
-        self.live: dict[int, int] = {}          # storage key -> handle
-        self.external: set[int] = set()         # storages made before tracing, not ours
-        self.phase = Phase.SETUP
-        self.iteration = 0
-        self.module_stack: list[str] = []
-        self.closed = False
-        self._next = 0
-        self._fresh: dict[Any, tuple[bool, ...]] = {}
-        self.shadows: values.Shadows | None = None   # real values of the batch, see values.py
-        self.placeholders = 0                  # scalar reads in step() answered with 1
-        self.progress: Callable[[str], None] | None = None   # told each phase (trace_training)
-        self.steps = 0
-        self.fusion = Fusion()                 # compiled step functions (oomdoctor.sim.fusion)
-
-    def fused(self):
-        return self.fusion.region(lambda: len(self.raw))
-
-    # -- bookkeeping -------------------------------------------------------------------------
-    def add(self, storage: torch.UntypedStorage, category: Category | None, op: str) -> int:
-        key = storage._cdata
-        handle = self._next
-        self._next += 1
-        nbytes = storage.nbytes()
-        if category is None:
-            category = Category.INPUTS if self.phase is Phase.DATA else Category.TEMPORARIES
-        self.storages[handle] = Storage(
-            handle, nbytes, category, self.phase, self.iteration,
-            self.module_stack[-1] if self.module_stack else "", op, len(self.raw))
-        self.raw.append((True, handle, nbytes))
-        self.live[key] = handle
-        weakref.finalize(storage, self._on_free, key, handle)
-        return handle
-
-    def _on_free(self, key: int, handle: int) -> None:
-        if self.closed or self.live.get(key) != handle:
-            return
-        del self.live[key]
-        s = self.storages[handle]
-        s.t_free = len(self.raw)
-        self.raw.append((False, handle, s.nbytes))
-
-    def handle_of(self, t: torch.Tensor) -> int | None:
-        return self.live.get(t.untyped_storage()._cdata)
-
-    def relabel(self, t: torch.Tensor, category: Category, host: bool = False) -> None:
-        h = self.handle_of(t)
-        if h is not None:
-            self.storages[h].category = category
-            self.storages[h].host = host
-
-    def _fresh_outputs(self, func: Any) -> tuple[bool, ...]:
-        # An output with no alias annotation in the schema (`Tensor` rather than `Tensor(a)`)
-        # is a new allocation; views, in-place and out= ops return existing storages.
-        fresh = self._fresh.get(func)
-        if fresh is None:
-            try:
-                fresh = tuple(r.alias_info is None for r in func._schema.returns)
-            except AttributeError:
-                fresh = ()
-            self._fresh[func] = fresh
-        return fresh
-
-    # -- the mode ----------------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        try:
-            out = func(*args, **(kwargs or {}))
-        except Exception:
-            if self.phase is Phase.OPTIMIZER and func in values.SCALAR_READS:
-                # Inside optimizer.step() a scalar read sizes the update, not memory:
-                # Adafactor's relative step and update clipping read p.norm().item() and
-                # update.norm().item() (torch/optim/_adafactor.py) and only multiply by them.
-                self.placeholders += 1
-                return values.placeholder(args[0])
-            # A question the fake/meta tensor cannot answer: the real batch's answer, if the
-            # tensor was computed from the batch alone (see oomdoctor.sim.values).
-            if self.shadows is None:
-                raise
-            answered, value = self.shadows.answer(func, args, kwargs or {})
-            if not answered:
-                raise
-            return value
-        if self.shadows is not None:
-            self.shadows.mirror(func, args, kwargs or {}, out)
-        if self.fusion.depth:
-            self.fusion.note(func, args, kwargs or {}, len(self.raw), self.handle_of)
-        fresh = self._fresh_outputs(func)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        for i, o in enumerate(outs):
-            is_fresh = fresh[i] if i < len(fresh) else True
-            for t in tree_leaves(o) if isinstance(o, (tuple, list)) else (o,):
-                if not isinstance(t, torch.Tensor) or t.is_sparse:
-                    continue
-                st = t.untyped_storage()
-                key = st._cdata
-                if key in self.live:
-                    # resize_ and friends can grow a storage in place: a new allocation.
-                    h = self.live[key]
-                    if st.nbytes() > self.storages[h].nbytes:
-                        self._on_free(key, h)
-                        self.add(st, None, func.__name__)
-                    continue
-                if is_fresh:
-                    self.add(st, None, func.__name__)
-                else:
-                    # A view of a storage made before tracing began (not ours to count).
-                    self.external.add(key)
-        return out
 
 
-def _module_hooks(model: torch.nn.Module, rec: _Recorder) -> list:
-    handles = []
-    for name, mod in model.named_modules():
-        def pre(_m, _a, name=name):
-            rec.module_stack.append(name or type(model).__name__)
-
-        def post(_m, _a, _o):
-            if rec.module_stack:
-                rec.module_stack.pop()
-        handles.append(mod.register_forward_pre_hook(pre))
-        handles.append(mod.register_forward_hook(post, always_call=True))
-    return handles
-
-
-@contextlib.contextmanager
-def _phase(rec: _Recorder, marks: list[PhaseMark], phase: Phase, it: int, micro: int
-           ) -> Iterator[None]:
-    if rec.progress is not None:
-        rec.progress(f"step {it + 1}/{rec.steps}: {phase.value}"
-                     + (f" (micro-batch {micro + 1})" if micro else ""))
-    rec.phase = phase
-    rec.iteration = it
-    marks.append(PhaseMark(len(rec.raw), phase, it, micro))
-    yield
-
-
-def _label_gradients(rec: _Recorder, model: torch.nn.Module) -> int:
+def _label_gradients(rec: Recorder, model: torch.nn.Module) -> int:
     """Label the gradients the backward left and return their bytes (holding no reference:
     one kept here would outlive zero_grad)."""
     grads = unique_storages(p.grad for p in model.parameters() if p.grad is not None)
@@ -324,7 +140,7 @@ def _label_gradients(rec: _Recorder, model: torch.nn.Module) -> int:
     return sum(g.untyped_storage().nbytes() for g in grads.values())
 
 
-def _label_state(rec: _Recorder, cfg: TraceConfig, optimizer: torch.optim.Optimizer) -> None:
+def _label_state(rec: Recorder, cfg: TraceConfig, optimizer: torch.optim.Optimizer) -> None:
     for k, v in state_tensors(optimizer):
         rec.relabel(v, Category.OPTIMIZER_STATE, host=host_state(cfg.emulate_cuda, optimizer, k, v))
 
@@ -345,7 +161,7 @@ class SpliceMismatch(Exception):
     """The optimizer phase of another trace does not line up with this one."""
 
 
-def _splice_optimizer(rec: _Recorder, ref: Trace, marks: list[PhaseMark], virtual: set[int]
+def _splice_optimizer(rec: Recorder, ref: Trace, marks: list[PhaseMark], virtual: set[int]
                       ) -> None:
     """Copy the reference trace's events for the optimizer phase now starting.
 
@@ -422,8 +238,38 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
     ``backend``: "auto" (meta with the CUDA emulation, fake CPU tensors without), or force
     "meta" / "fake" (the tests compare the two).
     """
-    virtual: set[int] = set()
-    notes: list[str] = []
+    fake_mode = _fake_mode(cfg, fake, backend)
+    # Cyclic garbage would otherwise be freed whenever the collector happens to run; collect
+    # first so the trace starts clean and frees stay tied to reference counts.
+    gc.collect()
+    torch.manual_seed(0)
+    on_meta = isinstance(fake_mode, torch.device)
+    compiled: list[tuple[str, str]] = []
+    recorders: list[Recorder] = []          # compiled step functions report to the recorder
+
+    def fused():
+        return recorders[0].fused() if recorders else contextlib.nullcontext()
+    with fake_mode, (fake_trace(compiled, fused) if fake else contextlib.nullcontext()), \
+            (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()):
+        notes: list[str] = []
+        model, checkpointed, optimizer, defaults = _build(spec, cfg, fake, notes)
+        scaler = emulate.GradScalerEmulation() if cfg.precision == "fp16" else None
+        rec = Recorder()
+        recorders.append(rec)
+        rec.progress, rec.steps = progress, cfg.steps
+        if shadows:
+            rec.shadows = values.Shadows()
+        loop = _Loop(spec, cfg, model, optimizer, scaler, rec, optimizer_from)
+        model_state = _record_model_state(loop)
+        held = _run_steps(loop, notes)
+        state = _optimizer_state_bytes(loop, held)
+        rec.closed = True
+        notes = _loop_notes(loop, notes, defaults, compiled, held)
+    return _result(loop, model_state, checkpointed, state, notes, defaults)
+
+
+def _fake_mode(cfg: TraceConfig, fake: bool, backend: str) -> contextlib.AbstractContextManager:
+    """What the trace's tensors are: the meta device, fake CPU tensors, or real ones."""
     # With the CUDA emulation the trace runs on the meta device: it is about 40% faster than
     # FakeTensorMode, and its kernels' output dtypes are CUDA's (layer/batch-norm statistics
     # in fp32 for 16-bit inputs, where the CPU keeps them 16-bit). Without the emulation the
@@ -433,162 +279,230 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
     if backend not in ("auto", "meta", "fake"):
         raise ValueError(f"unknown trace backend {backend!r}")
     if not fake:
-        fake_mode = contextlib.nullcontext()
-    elif backend == "meta" or (backend == "auto" and cfg.emulate_cuda):
-        fake_mode = torch.device("meta")
-    else:
-        fake_mode = FakeTensorMode()
-    # Cyclic garbage would otherwise be freed whenever the collector happens to run; collect
-    # first so the trace starts clean and frees stay tied to reference counts.
-    gc.collect()
-    torch.manual_seed(0)
-    on_meta = isinstance(fake_mode, torch.device)
-    compiled: list[tuple[str, str]] = []
-    recorders: list[_Recorder] = []         # compiled step functions report to the recorder
+        return contextlib.nullcontext()
+    if backend == "meta" or (backend == "auto" and cfg.emulate_cuda):
+        return torch.device("meta")
+    return FakeTensorMode()
 
-    def fused():
-        return recorders[0].fused() if recorders else contextlib.nullcontext()
-    with fake_mode, (fake_trace(compiled, fused) if fake else contextlib.nullcontext()), \
-            (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()):
-        model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
-                                                 cfg.checkpoint_class, preserve_rng_state=not fake,
-                                                 notes=notes)
-        if cfg.emulate_cuda and rnn.flatten_parameters(model):
-            # .cuda() flattens RNN weights into cuDNN's one buffer (RNNBase.flatten_parameters)
-            notes.append("RNN weights in one flat cuDNN buffer, as .cuda() leaves them")
-        if checkpointed:
-            notes.append(f"checkpointing {len(checkpointed)} blocks of class " + ",".join(
-                dict.fromkeys(type(model.get_submodule(n)).__name__ for n in checkpointed)))
-        # Optimizers that create state in __init__ (Adagrad) make host-side counters there too.
-        with torch.device("cpu"):
-            optimizer = make_configured_optimizer(spec, model, cfg.optimizer)
-        defaults = emulate.cuda_optimizer_defaults(optimizer) if cfg.emulate_cuda else []
-        notes += defaults
-        loop_steps = False          # whether the loop's optimizer ever had a gradient to apply
-        scaler = emulate.GradScalerEmulation() if cfg.precision == "fp16" else None
 
-        rec = _Recorder()
-        recorders.append(rec)
-        rec.progress, rec.steps = progress, cfg.steps
-        if shadows:
-            rec.shadows = values.Shadows()
-        marks: list[PhaseMark] = []
-        params = unique_storages(model.parameters())
-        # bitsandbytes' quantization statistics are held like buffers (adapters.quant_states).
-        buffers = unique_storages(b for b in (*model.buffers(), *adapters.quant_states(model))
-                            if b.untyped_storage()._cdata not in params)
-        trainable = unique_storages(p for p in model.parameters() if p.requires_grad)
-        with _phase(rec, marks, Phase.SETUP, 0, 0):
-            for t in params.values():
-                rec.add(t.untyped_storage(), Category.PARAMETERS, "parameter")
-            for t in buffers.values():
-                rec.add(t.untyped_storage(), Category.BUFFERS, "buffer")
-        hooks = _module_hooks(model, rec)
-        amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
-        kernels = (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch)
-                   if cfg.emulate_cuda else None)
-        micro_batches = min(cfg.grad_accum, 2)   # micro-batches 2..K repeat micro-batch 2
+def _build(spec: ModelSpec, cfg: TraceConfig, fake: bool, notes: list[str]
+           ) -> tuple[torch.nn.Module, tuple[str, ...], torch.optim.Optimizer, list[str]]:
+    """The model as ``.cuda()`` leaves it, the checkpointed blocks and the optimizer; the notes
+    on CUDA's optimizer defaults (added to ``notes``, kept only if the loop steps)."""
+    model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
+                                             cfg.checkpoint_class, preserve_rng_state=not fake,
+                                             notes=notes)
+    if cfg.emulate_cuda and rnn.flatten_parameters(model):
+        # .cuda() flattens RNN weights into cuDNN's one buffer (RNNBase.flatten_parameters)
+        notes.append("RNN weights in one flat cuDNN buffer, as .cuda() leaves them")
+    if checkpointed:
+        notes.append(f"checkpointing {len(checkpointed)} blocks of class " + ",".join(
+            dict.fromkeys(type(model.get_submodule(n)).__name__ for n in checkpointed)))
+    # Optimizers that create state in __init__ (Adagrad) make host-side counters there too.
+    with torch.device("cpu"):
+        optimizer = make_configured_optimizer(spec, model, cfg.optimizer)
+    defaults = emulate.cuda_optimizer_defaults(optimizer) if cfg.emulate_cuda else []
+    notes += defaults
+    return model, checkpointed, optimizer, defaults
+
+
+@dataclass
+class _Loop:
+    """One traced training loop: what its phases share and what they found. The trace keeps it
+    to the end, so nothing it holds (model, optimizer, the scaler's tensors) is freed - and
+    recorded as freed - before the recorder is closed."""
+
+    spec: ModelSpec
+    cfg: TraceConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: emulate.GradScalerEmulation | None
+    rec: Recorder
+    optimizer_from: Trace | None        # splice the optimizer phases from this trace
+    marks: list[PhaseMark] = field(default_factory=list)
+    virtual: set[int] = field(default_factory=set)    # spliced storages not yet freed
+    kernels: emulate.CudaKernels | None = None
+    stepped: bool = False       # whether the loop's optimizer ever had a gradient to apply
+    # Gradient bytes as held after the last backward (none for an optimizer stepped in
+    # backward: its hooks free each gradient at once).
+    gradient_bytes: int = 0
+
+
+def _record_model_state(loop: _Loop) -> tuple[dict[int, torch.Tensor], ...]:
+    """Record parameters and buffers as the setup phase's allocations; returns (parameters,
+    buffers, trainable parameters), one tensor per storage."""
+    rec, model = loop.rec, loop.model
+    params = unique_storages(model.parameters())
+    # bitsandbytes' quantization statistics are held like buffers (adapters.quant_states).
+    buffers = unique_storages(b for b in (*model.buffers(), *adapters.quant_states(model))
+                              if b.untyped_storage()._cdata not in params)
+    trainable = unique_storages(p for p in model.parameters() if p.requires_grad)
+    with in_phase(rec, loop.marks, Phase.SETUP, 0, 0):
+        for t in params.values():
+            rec.add(t.untyped_storage(), Category.PARAMETERS, "parameter")
+        for t in buffers.values():
+            rec.add(t.untyped_storage(), Category.BUFFERS, "buffer")
+    return params, buffers, trainable
+
+
+def _run_steps(loop: _Loop, notes: list[str]) -> list[torch.optim.Optimizer]:
+    """Run ``cfg.steps`` optimizer steps under the recorder, module hooks naming where each
+    storage is made; the optimizers holding state: the loop's, then any stepped in backward."""
+    cfg, rec = loop.cfg, loop.rec
+    hooks = module_hooks(loop.model, rec)
+    loop.kernels = (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch)
+                    if cfg.emulate_cuda else None)
+    try:
+        with rec, values.active(rec.shadows), \
+                every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:
+            if loop.scaler is not None:
+                loop.scaler.setup()
+            for it in range(cfg.steps):
+                _step(loop, it)
+    finally:
+        for h in hooks:
+            h.remove()
+    # Optimizers stepped inside backward hooks (optimizer-in-backward) hold state too.
+    return [loop.optimizer] + [o for o in stepped if o is not loop.optimizer]
+
+
+def _step(loop: _Loop, it: int) -> None:
+    """One optimizer step: its micro-batches, ``step()`` (or the spliced events), zero_grad."""
+    rec, marks, cfg = loop.rec, loop.marks, loop.cfg
+    for micro in range(min(cfg.grad_accum, 2)):   # micro-batches 2..K repeat micro-batch 2
+        _micro_batch(loop, it, micro)
+    with in_phase(rec, marks, Phase.OPTIMIZER, it, 0):
+        if loop.optimizer_from is not None:
+            _splice_optimizer(rec, loop.optimizer_from, marks, loop.virtual)
+        else:
+            loop.stepped |= _optimizer_step(loop.optimizer, loop.scaler)
+    with in_phase(rec, marks, Phase.ZERO_GRAD, it, 0):
+        if cfg.zero_grad == "after-step":
+            loop.optimizer.zero_grad(set_to_none=True)
+        elif cfg.zero_grad == "in-place":
+            # zero_grad(set_to_none=False), the default before torch 2.0:
+            # gradients are zeroed and kept, so they exist during every forward.
+            loop.optimizer.zero_grad(set_to_none=False)
+
+
+def _micro_batch(loop: _Loop, it: int, micro: int) -> None:
+    """One micro-batch: its data, forward and loss, backward."""
+    spec, cfg, rec, marks = loop.spec, loop.cfg, loop.rec, loop.marks
+    with in_phase(rec, marks, Phase.DATA, it, micro):
+        batch = make_configured_batch(spec, cfg.batch_size, cfg.precision)
+        if rec.shadows is not None:
+            rec.shadows.attach(batch, values.real_batch(
+                lambda: make_configured_batch(spec, cfg.batch_size, cfg.precision)))
+    with in_phase(rec, marks, Phase.FORWARD, it, micro):
+        loss = _forward(loop, batch, micro)
+    with in_phase(rec, marks, Phase.BACKWARD, it, micro):
         try:
-            with rec, values.active(rec.shadows), \
-                    every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:
-                if scaler is not None:
-                    scaler.setup()
-                for it in range(cfg.steps):
-                    for micro in range(micro_batches):
-                        with _phase(rec, marks, Phase.DATA, it, micro):
-                            batch = make_configured_batch(spec, cfg.batch_size, cfg.precision)
-                            if rec.shadows is not None:
-                                rec.shadows.attach(batch, values.real_batch(
-                                    lambda: make_configured_batch(spec, cfg.batch_size,
-                                                                  cfg.precision)))
-                        with _phase(rec, marks, Phase.FORWARD, it, micro):
-                            with contextlib.ExitStack() as stack:
-                                if kernels is not None:
-                                    stack.enter_context(kernels)
-                                if amp_dtype is not None:
-                                    stack.enter_context(emulate.CudaAutocast(amp_dtype))
-                                loss = compute_loss(spec, model, batch)
-                            if cfg.grad_accum > 1:
-                                loss = loss / cfg.grad_accum
-                            if scaler is not None:
-                                loss = scaler.scale(loss)
-                            if cfg.zero_grad == "after-forward" and micro == 0:
-                                # forward, zero_grad(), backward, step: last step's gradients
-                                # stay alive through this forward.
-                                optimizer.zero_grad(set_to_none=True)
-                        with _phase(rec, marks, Phase.BACKWARD, it, micro):
-                            try:
-                                loss.backward()
-                            except RuntimeError as e:
-                                raise ModelFileError(
-                                    f"{spec.path}: loss.backward() failed: {e}; check that "
-                                    "the loss depends on trainable parameters") from e
-                            del loss, batch
-                            gradient_bytes = _label_gradients(rec, model)
-                    with _phase(rec, marks, Phase.OPTIMIZER, it, 0):
-                        if optimizer_from is not None:
-                            _splice_optimizer(rec, optimizer_from, marks, virtual)
-                        else:
-                            loop_steps |= _optimizer_step(optimizer, scaler)
-                    with _phase(rec, marks, Phase.ZERO_GRAD, it, 0):
-                        if cfg.zero_grad == "after-step":
-                            optimizer.zero_grad(set_to_none=True)
-                        elif cfg.zero_grad == "in-place":
-                            # zero_grad(set_to_none=False), the default before torch 2.0:
-                            # gradients are zeroed and kept, so they exist during every forward.
-                            optimizer.zero_grad(set_to_none=False)
-        finally:
-            for h in hooks:
-                h.remove()
-        # Gradient bytes as held after the last backward (none for an optimizer stepped in
-        # backward: its hooks free each gradient at once); optimizer state after the last step.
-        # Optimizers stepped inside backward hooks (optimizer-in-backward) hold state too.
-        held = [optimizer] + [o for o in stepped if o is not optimizer]
-        state = (optimizer_from.optimizer_state_bytes if optimizer_from is not None else 0) + sum(
-            state_bytes(o, lambda k, v, o=o: not host_state(cfg.emulate_cuda, o, k, v))
-            for o in held if optimizer_from is None or o is not optimizer)
-        rec.closed = True
-        notes += compile_notes(optimizer, compiled)
-        if not loop_steps and optimizer_from is None:
-            notes = [n for n in notes if n not in defaults]    # foreach: only if it steps
-        notes += step_notes(optimizer, held)
-        if rec.placeholders:
-            notes.append(f"{type(optimizer).__name__}: {rec.placeholders} scalar reads of "
-                         "tensor values in step() (such as update norms) taken as 1; they "
-                         "scale the update, not its memory")
-        if rec.shadows is not None and rec.shadows.answered:
-            notes.append(f"{rec.shadows.answered} data-dependent questions (such as whether "
-                         "the attention mask has padding) answered from the batch's real "
-                         "values, as on the GPU")
+            loss.backward()
+        except RuntimeError as e:
+            raise ModelFileError(
+                f"{spec.path}: loss.backward() failed: {e}; check that "
+                "the loss depends on trainable parameters") from e
+        del loss, batch
+        loop.gradient_bytes = _label_gradients(rec, loop.model)
 
-    # Categorise what the step made: a forward allocation still alive when the forward ends
-    # is held for backward (an activation); the rest is temporary.
-    ends = _phase_ends(marks, len(rec.raw))
-    for s in rec.storages.values():
-        if s.category is Category.TEMPORARIES and s.phase is Phase.FORWARD:
-            if s.t_free is None or s.t_free >= ends[s.t_alloc]:
-                s.category = Category.ACTIVATIONS
-    # Host-side storages stay as 0-byte events (never allocator calls): indices stay aligned.
-    for h in rec.fusion.fused_away(rec.storages, rec.raw):
-        rec.storages[h].host = True            # in a fused kernel's registers: no memory
-    host = {h for h, s in rec.storages.items() if s.host}
-    events = tuple((a, h, 0) if h in host else (a, h, n) for a, h, n in rec.raw)
+
+def _forward(loop: _Loop, batch, micro: int) -> torch.Tensor:
+    """Forward and loss under CUDA's kernels and autocast; the loss the backward starts from."""
+    cfg = loop.cfg
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
+    with contextlib.ExitStack() as stack:
+        if loop.kernels is not None:
+            stack.enter_context(loop.kernels)
+        if amp_dtype is not None:
+            stack.enter_context(emulate.CudaAutocast(amp_dtype))
+        loss = compute_loss(loop.spec, loop.model, batch)
+    if cfg.grad_accum > 1:
+        loss = loss / cfg.grad_accum
+    if loop.scaler is not None:
+        loss = loop.scaler.scale(loss)
+    if cfg.zero_grad == "after-forward" and micro == 0:
+        # forward, zero_grad(), backward, step: last step's gradients
+        # stay alive through this forward.
+        loop.optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def _optimizer_state_bytes(loop: _Loop, held: list[torch.optim.Optimizer]) -> int:
+    """The optimizers' state after the last step (the loop's own from ``optimizer_from`` when
+    its steps were spliced), host-side counters left out."""
+    ref, cfg = loop.optimizer_from, loop.cfg
+    return (ref.optimizer_state_bytes if ref is not None else 0) + sum(
+        state_bytes(o, lambda k, v, o=o: not host_state(cfg.emulate_cuda, o, k, v))
+        for o in held if ref is None or o is not loop.optimizer)
+
+
+def _loop_notes(loop: _Loop, notes: list[str], defaults: list[str],
+                compiled: list[tuple[str, str]], held: list[torch.optim.Optimizer]
+                ) -> list[str]:
+    """``notes`` with what the loop showed: compiled code, how the optimizers stepped, scalar
+    reads taken as 1, questions answered from the batch's real values."""
+    optimizer, rec = loop.optimizer, loop.rec
+    notes += compile_notes(optimizer, compiled)
+    if not loop.stepped and loop.optimizer_from is None:
+        notes = [n for n in notes if n not in defaults]    # foreach: only if it steps
+    notes += step_notes(optimizer, held)
+    if rec.placeholders:
+        notes.append(f"{type(optimizer).__name__}: {rec.placeholders} scalar reads of "
+                     "tensor values in step() (such as update norms) taken as 1; they "
+                     "scale the update, not its memory")
+    if rec.shadows is not None and rec.shadows.answered:
+        notes.append(f"{rec.shadows.answered} data-dependent questions (such as whether "
+                     "the attention mask has padding) answered from the batch's real "
+                     "values, as on the GPU")
+    return notes
+
+
+def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
+            checkpointed: tuple[str, ...], state: int, notes: list[str], defaults: list[str]
+            ) -> Trace:
+    """The finished trace: storages categorised, host-side ones as 0-byte events, the foreach
+    notes checked against what the optimizer phases allocated."""
+    rec, marks, model = loop.rec, loop.marks, loop.model
+    params, buffers, trainable = model_state
+    ends = _label_activations(rec, marks)
+    events = _events(rec)
     param_bytes = sum(t.untyped_storage().nbytes() for t in params.values())
     steps = [(m.start, ends[m.start]) for m in marks     # a phase at the very end is empty
              if m.phase is Phase.OPTIMIZER and m.start < len(ends)]
     notes = foreach_measured(notes, defaults, steps, events, param_bytes,  # as traced
                              lambda h: rec.storages[h].category is Category.TEMPORARIES)
     return Trace(
-        config=cfg, events=events, storages=rec.storages, marks=tuple(marks),
+        config=loop.cfg, events=events, storages=rec.storages, marks=tuple(marks),
         parameter_bytes=param_bytes,
         trainable_parameter_bytes=sum(t.untyped_storage().nbytes() for t in trainable.values()),
         # Counted per parameter, not per storage: an RNN's parameters share one flat buffer.
         num_parameters=sum(adapters.logical_numel(p) for p in model.parameters()),
         num_trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
-        gradient_bytes=gradient_bytes, optimizer_state_bytes=state,
+        gradient_bytes=loop.gradient_bytes, optimizer_state_bytes=state,
         checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),
         raw_events=tuple(rec.raw))
+
+
+def _label_activations(rec: Recorder, marks: list[PhaseMark]) -> list[int]:
+    """Categorise what the step made: a forward allocation still alive when the forward ends
+    is held for backward (an activation); the rest is temporary. Returns each event's phase
+    end (:func:`_phase_ends`)."""
+    ends = _phase_ends(marks, len(rec.raw))
+    for s in rec.storages.values():
+        if s.category is Category.TEMPORARIES and s.phase is Phase.FORWARD:
+            if s.t_free is None or s.t_free >= ends[s.t_alloc]:
+                s.category = Category.ACTIVATIONS
+    return ends
+
+
+def _events(rec: Recorder) -> tuple[tuple[bool, int, int], ...]:
+    """The allocator's events. Host-side storages stay as 0-byte events (never allocator
+    calls): indices stay aligned."""
+    for h in rec.fusion.fused_away(rec.storages, rec.raw):
+        rec.storages[h].host = True            # in a fused kernel's registers: no memory
+    host = {h for h, s in rec.storages.items() if s.host}
+    return tuple((a, h, 0) if h in host else (a, h, n) for a, h, n in rec.raw)
 
 
 def _phase_ends(marks: list[PhaseMark], n: int) -> list[int]:

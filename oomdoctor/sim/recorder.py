@@ -1,0 +1,202 @@
+"""The dispatch mode that records each storage a step allocates and frees: what, when, where."""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from oomdoctor.sim import values
+from oomdoctor.sim.fusion import Fusion
+
+
+class Category(str, Enum):
+    """What a storage holds. Model state first, then what the step creates."""
+
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    INPUTS = "inputs"
+    ACTIVATIONS = "activations"      # made in the forward and still alive when it ends
+    TEMPORARIES = "temporaries"      # everything else: freed within its phase
+
+
+class Phase(str, Enum):
+    SETUP = "setup"          # model.to(device): parameters and buffers
+    DATA = "data"            # make_batch and its move/cast to the device
+    FORWARD = "forward"      # forward + loss (under autocast for AMP)
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"  # (unscale +) optimizer.step()
+    ZERO_GRAD = "zero_grad"
+
+
+@dataclass
+class Storage:
+    """One storage's life: what, when, where."""
+
+    handle: int
+    nbytes: int
+    category: Category
+    phase: Phase
+    iteration: int
+    module: str
+    op: str
+    t_alloc: int                 # index of its alloc event
+    t_free: int | None = None    # index of its free event; None = alive at the end
+    host: bool = False           # lives on the host on CUDA (Adam's `step` counters)
+
+
+@dataclass(frozen=True)
+class PhaseMark:
+    start: int                   # first event index of the phase
+    phase: Phase
+    iteration: int               # optimizer step (0-based)
+    micro: int                   # micro-batch within the step
+
+
+class Recorder(TorchDispatchMode):
+    """Sees every ATen op; records fresh output storages and, via weakrefs, their frees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raw: list[tuple[bool, int, int]] = []
+        self.storages: dict[int, Storage] = {}
+        self.live: dict[int, int] = {}          # storage key -> handle
+        self.external: set[int] = set()         # storages made before tracing, not ours
+        self.phase = Phase.SETUP
+        self.iteration = 0
+        self.module_stack: list[str] = []
+        self.closed = False
+        self._next = 0
+        self._fresh: dict[Any, tuple[bool, ...]] = {}
+        self.shadows: values.Shadows | None = None   # real values of the batch, see values.py
+        self.placeholders = 0                  # scalar reads in step() answered with 1
+        self.progress: Callable[[str], None] | None = None   # told each phase (trace_training)
+        self.steps = 0
+        self.fusion = Fusion()                 # compiled step functions (oomdoctor.sim.fusion)
+
+    def fused(self):
+        return self.fusion.region(lambda: len(self.raw))
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def add(self, storage: torch.UntypedStorage, category: Category | None, op: str) -> int:
+        key = storage._cdata
+        handle = self._next
+        self._next += 1
+        nbytes = storage.nbytes()
+        if category is None:
+            category = Category.INPUTS if self.phase is Phase.DATA else Category.TEMPORARIES
+        self.storages[handle] = Storage(
+            handle, nbytes, category, self.phase, self.iteration,
+            self.module_stack[-1] if self.module_stack else "", op, len(self.raw))
+        self.raw.append((True, handle, nbytes))
+        self.live[key] = handle
+        weakref.finalize(storage, self._on_free, key, handle)
+        return handle
+
+    def _on_free(self, key: int, handle: int) -> None:
+        if self.closed or self.live.get(key) != handle:
+            return
+        del self.live[key]
+        s = self.storages[handle]
+        s.t_free = len(self.raw)
+        self.raw.append((False, handle, s.nbytes))
+
+    def handle_of(self, t: torch.Tensor) -> int | None:
+        return self.live.get(t.untyped_storage()._cdata)
+
+    def relabel(self, t: torch.Tensor, category: Category, host: bool = False) -> None:
+        h = self.handle_of(t)
+        if h is not None:
+            self.storages[h].category = category
+            self.storages[h].host = host
+
+    def _fresh_outputs(self, func: Any) -> tuple[bool, ...]:
+        # An output with no alias annotation in the schema (`Tensor` rather than `Tensor(a)`)
+        # is a new allocation; views, in-place and out= ops return existing storages.
+        fresh = self._fresh.get(func)
+        if fresh is None:
+            try:
+                fresh = tuple(r.alias_info is None for r in func._schema.returns)
+            except AttributeError:
+                fresh = ()
+            self._fresh[func] = fresh
+        return fresh
+
+    # -- the mode ----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception:
+            if self.phase is Phase.OPTIMIZER and func in values.SCALAR_READS:
+                # Inside optimizer.step() a scalar read sizes the update, not memory:
+                # Adafactor's relative step and update clipping read p.norm().item() and
+                # update.norm().item() (torch/optim/_adafactor.py) and only multiply by them.
+                self.placeholders += 1
+                return values.placeholder(args[0])
+            # A question the fake/meta tensor cannot answer: the real batch's answer, if the
+            # tensor was computed from the batch alone (see oomdoctor.sim.values).
+            if self.shadows is None:
+                raise
+            answered, value = self.shadows.answer(func, args, kwargs or {})
+            if not answered:
+                raise
+            return value
+        if self.shadows is not None:
+            self.shadows.mirror(func, args, kwargs or {}, out)
+        if self.fusion.depth:
+            self.fusion.note(func, args, kwargs or {}, len(self.raw), self.handle_of)
+        fresh = self._fresh_outputs(func)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for i, o in enumerate(outs):
+            is_fresh = fresh[i] if i < len(fresh) else True
+            for t in tree_leaves(o) if isinstance(o, (tuple, list)) else (o,):
+                if not isinstance(t, torch.Tensor) or t.is_sparse:
+                    continue
+                st = t.untyped_storage()
+                key = st._cdata
+                if key in self.live:
+                    # resize_ and friends can grow a storage in place: a new allocation.
+                    h = self.live[key]
+                    if st.nbytes() > self.storages[h].nbytes:
+                        self._on_free(key, h)
+                        self.add(st, None, func.__name__)
+                    continue
+                if is_fresh:
+                    self.add(st, None, func.__name__)
+                else:
+                    # A view of a storage made before tracing began (not ours to count).
+                    self.external.add(key)
+        return out
+
+
+def module_hooks(model: torch.nn.Module, rec: Recorder) -> list:
+    handles = []
+    for name, mod in model.named_modules():
+        def pre(_m, _a, name=name):
+            rec.module_stack.append(name or type(model).__name__)
+
+        def post(_m, _a, _o):
+            if rec.module_stack:
+                rec.module_stack.pop()
+        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_hook(post, always_call=True))
+    return handles
+
+
+@contextlib.contextmanager
+def in_phase(rec: Recorder, marks: list[PhaseMark], phase: Phase, it: int, micro: int
+             ) -> Iterator[None]:
+    if rec.progress is not None:
+        rec.progress(f"step {it + 1}/{rec.steps}: {phase.value}"
+                     + (f" (micro-batch {micro + 1})" if micro else ""))
+    rec.phase = phase
+    rec.iteration = it
+    marks.append(PhaseMark(len(rec.raw), phase, it, micro))
+    yield
