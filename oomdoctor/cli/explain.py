@@ -65,6 +65,7 @@ def explain_command(file, as_json: bool, model_file, gpu_name, batch_size, preci
 def _oom_plan(result, model_file, gpu_name, batch_size, precision, debug):
     """The simulator's side of `explain --model`: the card from --gpu or from the capacity the
     log states, the batch from --batch-size or from the log."""
+    from oomdoctor.plans import oom
     from oomdoctor.plans import probe as probe_mod
     from oomdoctor.plans.estimate import Budget
     from oomdoctor.models.spec import ModelFileError
@@ -80,9 +81,9 @@ def _oom_plan(result, model_file, gpu_name, batch_size, precision, debug):
     batch_size = batch_size or result.context.get("batch_size")
     try:
         spec = _load_model(model_file)
-        return probe_mod.oom_plan(spec, Budget(gpu), batch_size, precision,
-                                  progress=lambda m: click.echo(m, err=True),
-                                  jobs=probe_mod.default_jobs())
+        return oom.oom_plan(spec, Budget(gpu), batch_size, precision,
+                            progress=lambda m: click.echo(m, err=True),
+                            jobs=probe_mod.default_jobs())
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:

@@ -123,16 +123,8 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
     4 --device cuda[:i] and no such GPU here.
     """
     from oomdoctor.plans import probe as probe_mod
-    from oomdoctor.models.spec import ModelFileError
-    from oomdoctor.sim.trace import TraceConfig
     if device:     # before minutes of simulation: is the device there at all?
-        from oomdoctor.runs import measure
-        try:
-            measure.TorchRunner(device)
-        except measure.NoDeviceError as e:
-            _die(e, debug, EXIT_NO_GPU)
-        except measure.MeasureError as e:
-            _die(e, debug, EXIT_USAGE)
+        _check_device(device, debug)
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     if _wants_longest_context():
@@ -142,6 +134,45 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
     if context_batch is not None:
         raise click.UsageError("-b/--batch-size goes with --seq-len max (probe searches the "
                                "batch size otherwise)")
+    spec, base, result = _probe_matrix(model_file, precisions, checkpointing, max_batch_size,
+                                       jobs, strategy, num_gpus, budget, alloc,
+                                       checkpoint_class, grad_accum, optimizer, zero_grad,
+                                       no_cuda_emulation, debug)
+    if device:     # measures, prints and exits: the plan below would be thrown away
+        _measure_probe(spec, base, result, device, max_batch_size, as_json, debug)
+    best = probe_mod.recommended(result) if strategy == "single" else None
+    plan = None
+    if strategy == "single":
+        plan = _plan_if_several_gpus(spec, best, budget, alloc, base, gpu_name, memory,
+                                     num_gpus, target_batch, jobs, debug)
+    smoke = None
+    if run_smoke and best is not None:
+        smoke = _smoke_best(spec, best, checkpoint_class, grad_accum, optimizer, budget, alloc,
+                            debug)
+    _render_probe(result, strategy, best, plan, smoke, as_json)
+    fits = any(r.max_batch_size for r in result.results)
+    sys.exit(EXIT_OK if fits and (smoke is None or smoke.ok) else EXIT_PROBLEM)
+
+
+def _check_device(device, debug):
+    """`probe --device`: exit 4 when there is no such GPU here, 2 when it cannot measure."""
+    from oomdoctor.runs import measure
+    try:
+        measure.TorchRunner(device)
+    except measure.NoDeviceError as e:
+        _die(e, debug, EXIT_NO_GPU)
+    except measure.MeasureError as e:
+        _die(e, debug, EXIT_USAGE)
+
+
+def _probe_matrix(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
+                  num_gpus, budget, alloc, checkpoint_class, grad_accum, optimizer, zero_grad,
+                  no_cuda_emulation, debug):
+    """The probe itself (probe.probe over the configuration matrix): the spec, the base
+    configuration and the result."""
+    from oomdoctor.plans import probe as probe_mod
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.sim.trace import TraceConfig
     try:
         configs = probe_mod.matrix(budget.gpu, precisions, checkpointing)
     except ValueError as e:
@@ -159,22 +190,33 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
-    if device:     # measures, prints and exits: the plan below would be thrown away
-        _measure_probe(spec, base, result, device, max_batch_size, as_json, debug)
-    best = probe_mod.recommended(result) if strategy == "single" else None
-    plan = None
-    if strategy == "single":
-        detected = _detect_gpus(gpu_name, memory, num_gpus)
-        n = num_gpus or (detected[1] if detected else 1)
-        if n > 1:
-            plan = _multi_gpu_plan(spec, best, budget, alloc, base, n, detected, target_batch,
-                                   jobs, debug)
-    smoke = None
-    if run_smoke and best is not None:
-        from oomdoctor.runs import smoke as smoke_mod
-        smoke = _smoke_run(spec, smoke_mod.SmokeConfig(
-            "single", 1, best.precision, best.checkpointing, checkpoint_class,
-            best.max_batch_size, grad_accum, optimizer=optimizer), budget, alloc, debug)
+    return spec, base, result
+
+
+def _plan_if_several_gpus(spec, best, budget, alloc, base, gpu_name, memory, num_gpus,
+                          target_batch, jobs, debug):
+    """The multi-GPU plan of a single-GPU probe, when --num-gpus or the detected GPUs make
+    more than one; None otherwise."""
+    detected = _detect_gpus(gpu_name, memory, num_gpus)
+    n = num_gpus or (detected[1] if detected else 1)
+    if n > 1:
+        return _multi_gpu_plan(spec, best, budget, alloc, base, n, detected, target_batch,
+                               jobs, debug)
+    return None
+
+
+def _smoke_best(spec, best, checkpoint_class, grad_accum, optimizer, budget, alloc, debug):
+    """`probe --smoke`: a few real training steps of the recommended configuration."""
+    from oomdoctor.runs import smoke as smoke_mod
+    return _smoke_run(spec, smoke_mod.SmokeConfig(
+        "single", 1, best.precision, best.checkpointing, checkpoint_class,
+        best.max_batch_size, grad_accum, optimizer=optimizer), budget, alloc, debug)
+
+
+def _render_probe(result, strategy, best, plan, smoke, as_json):
+    """The probe's table and recommendation, then the multi-GPU plan and the smoke run (or all
+    of them as one JSON document)."""
+    from oomdoctor.plans import probe as probe_mod
     if as_json:
         doc = result.to_json()
         if plan is not None:
@@ -182,21 +224,20 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
         if smoke is not None:
             doc["smoke"] = smoke.to_json()
         click.echo(json.dumps(doc, indent=2))
-    else:
-        click.echo(probe_mod.render_table(result))
-        if strategy == "single":
-            click.echo(probe_mod.render_recommendation(result))
-        if plan is not None:
-            from oomdoctor.plans import recommend as rec
-            scope = ("at the recommended precision (all precisions and strategies: "
-                     "`oomdoctor recommend`)" if best is not None
-                     else "every precision, since none fits one card")
-            click.echo(f"\non {plan.num_gpus} GPUs, {scope}:\n")
-            click.echo(rec.render_text(plan))
-        if smoke is not None:
-            click.echo("\n" + smoke_mod.render_text(smoke))
-    fits = any(r.max_batch_size for r in result.results)
-    sys.exit(EXIT_OK if fits and (smoke is None or smoke.ok) else EXIT_PROBLEM)
+        return
+    click.echo(probe_mod.render_table(result))
+    if strategy == "single":
+        click.echo(probe_mod.render_recommendation(result))
+    if plan is not None:
+        from oomdoctor.plans import recommend as rec
+        scope = ("at the recommended precision (all precisions and strategies: "
+                 "`oomdoctor recommend`)" if best is not None
+                 else "every precision, since none fits one card")
+        click.echo(f"\non {plan.num_gpus} GPUs, {scope}:\n")
+        click.echo(rec.render_text(plan))
+    if smoke is not None:
+        from oomdoctor.runs import smoke as smoke_mod
+        click.echo("\n" + smoke_mod.render_text(smoke))
 
 
 def _multi_gpu_plan(spec, best, budget, alloc, base, num_gpus, detected, target_batch, jobs,

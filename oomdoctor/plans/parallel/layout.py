@@ -5,9 +5,10 @@ import contextlib
 import gc
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomdoctor.models.spec import ModelSpec
 
@@ -139,155 +140,235 @@ def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2) 
     """Build the model on fake tensors, run one forward + backward at ``batch_size`` (FLOPs,
     execution order, block inputs) and one forward at batch 1 (the batch-independent part of
     each block input)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils.flop_counter import FlopCounterMode
+    with _rebuilt_model(spec, precision) as model:
+        root = type(model).__name__
+        defined = execution_blocks(model)
+        st = _storages(model, defined)
+        calls2, order, out2, counts, first_use = _run(spec, model, precision, defined,
+                                                      st.owner_by_key, batch_size, True)
+        calls1, _, out1, _, _ = _run(spec, model, precision, defined, st.owner_by_key, 1, False)
+        model.zero_grad(set_to_none=True)
+    exec_defs = _execution_order(len(defined), order, st.owner_by_key, first_use)
+    to_exec = {d: e for e, d in enumerate(exec_defs)}
 
-    from oomdoctor.sim import emulate
-    from oomdoctor.models.training import build_for_training, compute_loss, make_configured_batch
+    def ex(i: int) -> int:
+        return MAIN if i < 0 else to_exec[i]
+
+    inputs = _block_inputs(calls1, calls2, batch_size, ex)
+    block_flops = _block_flops(counts, root, [defined[d] for d in exec_defs], batch_size)
+    total = sum(counts.get("Global", {}).values()) / batch_size
+    out_slope = (out2 - out1) // (batch_size - 1) if batch_size > 1 else 0
+    return Layout(
+        model=spec.name, precision=precision, root=root,
+        blocks=tuple(defined[d] for d in exec_defs),
+        block_params=tuple(st.block_numel[d] for d in exec_defs),
+        param_names=tuple(st.names), param_owner=tuple(ex(o) for o in st.owners_def),
+        param_trainable=tuple(st.trainable), param_numel=tuple(st.numel),
+        num_param_storages=len(st.param_keys),
+        persistent=tuple(n in st.persistent_names for n in st.names),
+        tied=tuple(tuple(sorted(ex(i) for i in g)) for g in st.tied_def),
+        inputs=tuple(inputs), output_bytes_at_1=out1, output_bytes_per_sample=out_slope,
+        block_flops=tuple(block_flops), flops_per_sample=total,
+        num_parameters=sum(t.numel() for t in st.tensors.values()),
+        num_trainable=sum(t.numel() for t in st.tensors.values() if t.requires_grad),
+        largest_leaf_params=st.largest_leaf, has_batchnorm=st.has_bn)
+
+
+@contextlib.contextmanager
+def _rebuilt_model(spec: ModelSpec, precision: str) -> Iterator[torch.nn.Module]:
+    """The model built again from the spec, seeded, on fake tensors: the layout's passes run
+    inside this fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from oomdoctor.models.training import build_for_training
 
     gc.collect()
     torch.manual_seed(0)
     with FakeTensorMode():
         model, _ = build_for_training(spec, precision)
-        root = type(model).__name__
-        defined = execution_blocks(model)
-        def_index = {n: i for i, n in enumerate(defined)}
+        yield model
 
-        def owner_of(names: list[str]) -> int:
-            for name in names:
-                parts = name.split(".")[:-1]
-                for k in range(len(parts), 0, -1):
-                    i = def_index.get(".".join(parts[:k]))
-                    if i is not None:
-                        return i
-            return MAIN
 
-        # Parameter and buffer storages in the order trace.py registers them.
-        names_by_key: dict[int, list[str]] = defaultdict(list)
-        for n, p in model.named_parameters(remove_duplicate=False):
-            names_by_key[p.untyped_storage()._cdata].append(n)
-        param_keys: list[int] = []
-        tensors: dict[int, torch.Tensor] = {}
-        for p in model.parameters():
-            k = p.untyped_storage()._cdata
-            if k not in tensors:
-                tensors[k] = p
-                param_keys.append(k)
-        buffer_names: dict[int, str] = {}
-        persistent_names = set(model.state_dict().keys())
-        for n, b in model.named_buffers():
-            k = b.untyped_storage()._cdata
-            if k not in tensors and k not in buffer_names:
-                buffer_names[k] = n
-        keys = param_keys + list(buffer_names)
-        names = [names_by_key[k][0] if k in names_by_key else buffer_names[k] for k in keys]
-        owners_def = [owner_of(names_by_key[k] if k in names_by_key else [buffer_names[k]])
-                      for k in keys]
-        tied_def = []
-        for k in param_keys:
-            group = sorted({owner_of([n]) for n in names_by_key[k]})
-            if len(group) > 1:
-                tied_def.append(tuple(group))
-        trainable = [bool(k in names_by_key and tensors[k].requires_grad) for k in keys]
-        numel = [tensors[k].numel() if k in tensors else 0 for k in keys]
-        block_numel = [0] * len(defined)
-        for k, o in zip(param_keys, owners_def[:len(param_keys)]):
-            if o >= 0:
-                block_numel[o] += tensors[k].numel()
-        owner_by_key = dict(zip(keys, owners_def))
-        largest_leaf = max((sum(p.numel() for p in m.parameters(recurse=False))
-                            for m in model.modules()), default=0)
-        has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+@dataclass
+class _Storages:
+    """The model's parameter and buffer storages, by storage key, and who owns them (blocks in
+    definition order)."""
 
-        amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    param_keys: list[int]                    # parameter storages, then ...
+    keys: list[int]                          # ... the buffers' after them
+    tensors: dict[int, torch.Tensor]         # parameter storage -> a tensor on it
+    names: list[str]
+    owners_def: list[int]                    # per key: owning block (definition index) or MAIN
+    owner_by_key: dict[int, int]
+    tied_def: list[tuple[int, ...]]
+    trainable: list[bool]
+    numel: list[int]
+    block_numel: list[int]
+    persistent_names: set[str]
+    largest_leaf: int
+    has_bn: bool
 
-        class Tagger(TorchDispatchMode):
-            """Tags every fresh storage with the block running (or last run) when it was made."""
 
-            def __init__(self) -> None:
-                super().__init__()
-                self.tags: dict[int, int] = {}
-                self.stack: list[int] = []
-                self.last = MAIN
-                self.cache: dict = {}
-                self.first_use: dict[int, int] = {}     # parameter storage -> block context
+def _storages(model: torch.nn.Module, defined: list[str]) -> _Storages:
+    """Parameter and buffer storages in the order trace.py registers them, their owners, and
+    the parameter counts per block."""
+    def_index = {n: i for i, n in enumerate(defined)}
 
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                tag = self.stack[-1] if self.stack else self.last
-                for a in args:
-                    if isinstance(a, torch.Tensor):
-                        k = a.untyped_storage()._cdata
-                        if k in owner_by_key and k not in self.first_use:
-                            self.first_use[k] = tag
-                out = func(*args, **(kwargs or {}))
-                fresh = _fresh(func, self.cache)
-                outs = out if isinstance(out, (tuple, list)) else (out,)
-                for i, o in enumerate(outs):
-                    if isinstance(o, torch.Tensor) and (fresh[i] if i < len(fresh) else True):
-                        self.tags[o.untyped_storage()._cdata] = tag
-                return out
+    def owner_of(names: list[str]) -> int:
+        for name in names:
+            parts = name.split(".")[:-1]
+            for k in range(len(parts), 0, -1):
+                i = def_index.get(".".join(parts[:k]))
+                if i is not None:
+                    return i
+        return MAIN
 
-        def run(b: int, backward: bool):
-            tagger = Tagger()
-            calls: list[tuple[int, int, int, bool]] = []      # (def block, producer, bytes, rg)
-            order: list[int] = []
-            out_bytes = [0]
-            handles = []
+    # Parameter and buffer storages in the order trace.py registers them.
+    names_by_key: dict[int, list[str]] = defaultdict(list)
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names_by_key[p.untyped_storage()._cdata].append(n)
+    param_keys: list[int] = []
+    tensors: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        k = p.untyped_storage()._cdata
+        if k not in tensors:
+            tensors[k] = p
+            param_keys.append(k)
+    buffer_names: dict[int, str] = {}
+    persistent_names = set(model.state_dict().keys())
+    for n, b in model.named_buffers():
+        k = b.untyped_storage()._cdata
+        if k not in tensors and k not in buffer_names:
+            buffer_names[k] = n
+    keys = param_keys + list(buffer_names)
+    names = [names_by_key[k][0] if k in names_by_key else buffer_names[k] for k in keys]
+    owners_def = [owner_of(names_by_key[k] if k in names_by_key else [buffer_names[k]])
+                  for k in keys]
+    tied_def = []
+    for k in param_keys:
+        group = sorted({owner_of([n]) for n in names_by_key[k]})
+        if len(group) > 1:
+            tied_def.append(tuple(group))
+    trainable = [bool(k in names_by_key and tensors[k].requires_grad) for k in keys]
+    numel = [tensors[k].numel() if k in tensors else 0 for k in keys]
+    block_numel = [0] * len(defined)
+    for k, o in zip(param_keys, owners_def[:len(param_keys)]):
+        if o >= 0:
+            block_numel[o] += tensors[k].numel()
+    owner_by_key = dict(zip(keys, owners_def))
+    largest_leaf = max((sum(p.numel() for p in m.parameters(recurse=False))
+                        for m in model.modules()), default=0)
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return _Storages(param_keys, keys, tensors, names, owners_def, owner_by_key, tied_def,
+                     trainable, numel, block_numel, persistent_names, largest_leaf, has_bn)
 
-            def pre(i):
-                def hook(_m, args, kwargs):
-                    if i not in order:
-                        order.append(i)
-                    for t in _leaves(list(args) + list(kwargs.values())):
-                        k = t.untyped_storage()._cdata
-                        prod = owner_by_key[k] if k in owner_by_key else tagger.tags.get(k, MAIN)
-                        calls.append((i, prod, t.numel() * t.element_size(), t.requires_grad))
-                    tagger.stack.append(i)
-                return hook
 
-            def post(i):
-                def hook(_m, _a, _o):
-                    if tagger.stack:
-                        tagger.stack.pop()
-                    tagger.last = i
-                return hook
+class _Tagger(TorchDispatchMode):
+    """Tags every fresh storage with the block running (or last run) when it was made."""
 
-            for i, name in enumerate(defined):
-                mod = model.get_submodule(name)
-                handles.append(mod.register_forward_pre_hook(pre(i), with_kwargs=True))
-                handles.append(mod.register_forward_hook(post(i), always_call=True))
+    def __init__(self, owner_by_key: dict[int, int]) -> None:
+        super().__init__()
+        self.owner_by_key = owner_by_key
+        self.tags: dict[int, int] = {}
+        self.stack: list[int] = []
+        self.last = MAIN
+        self.cache: dict = {}
+        self.first_use: dict[int, int] = {}     # parameter storage -> block context
 
-            def root_out(_m, _a, out):
-                out_bytes[0] = sum(t.numel() * t.element_size() for t in _leaves(out))
-            handles.append(model.register_forward_hook(root_out))
-            flops = FlopCounterMode(display=False) if backward else contextlib.nullcontext()
-            try:
-                with flops, tagger:
-                    batch = make_configured_batch(spec, b, precision)
-                    with contextlib.ExitStack() as stack:
-                        if amp is not None:
-                            stack.enter_context(emulate.CudaAutocast(amp))
-                        if not backward:
-                            stack.enter_context(torch.no_grad())
-                        loss = compute_loss(spec, model, batch)
-                    if backward:
-                        loss.backward()
-            finally:
-                for h in handles:
-                    h.remove()
-            counts = flops.get_flop_counts() if backward else {}
-            return calls, order, out_bytes[0], counts, tagger.first_use
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tag = self.stack[-1] if self.stack else self.last
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                k = a.untyped_storage()._cdata
+                if k in self.owner_by_key and k not in self.first_use:
+                    self.first_use[k] = tag
+        out = func(*args, **(kwargs or {}))
+        fresh = _fresh(func, self.cache)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for i, o in enumerate(outs):
+            if isinstance(o, torch.Tensor) and (fresh[i] if i < len(fresh) else True):
+                self.tags[o.untyped_storage()._cdata] = tag
+        return out
 
-        calls2, order, out2, counts, first_use = run(batch_size, True)
-        calls1, _, out1, _, _ = run(1, False)
-        model.zero_grad(set_to_none=True)
 
+def _run(spec: ModelSpec, model: torch.nn.Module, precision: str, defined: list[str],
+         owner_by_key: dict[int, int], b: int, backward: bool):
+    """One step at batch ``b`` (forward only under no_grad unless ``backward``): each block's
+    inputs (def block, producer, bytes, requires_grad), the blocks in call order, the model's
+    output bytes, FLOPs per module (with ``backward``) and each parameter's first use."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from oomdoctor.sim import emulate
+    from oomdoctor.models.training import compute_loss, make_configured_batch
+
+    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    tagger = _Tagger(owner_by_key)
+    calls: list[tuple[int, int, int, bool]] = []      # (def block, producer, bytes, rg)
+    order: list[int] = []
+    out_bytes = [0]
+    handles = _hooks(model, defined, owner_by_key, tagger, calls, order, out_bytes)
+    flops = FlopCounterMode(display=False) if backward else contextlib.nullcontext()
+    try:
+        with flops, tagger:
+            batch = make_configured_batch(spec, b, precision)
+            with contextlib.ExitStack() as stack:
+                if amp is not None:
+                    stack.enter_context(emulate.CudaAutocast(amp))
+                if not backward:
+                    stack.enter_context(torch.no_grad())
+                loss = compute_loss(spec, model, batch)
+            if backward:
+                loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    counts = flops.get_flop_counts() if backward else {}
+    return calls, order, out_bytes[0], counts, tagger.first_use
+
+
+def _hooks(model: torch.nn.Module, defined: list[str], owner_by_key: dict[int, int],
+           tagger: _Tagger, calls: list, order: list[int], out_bytes: list[int]) -> list:
+    """Hooks that record each block's inputs and call order into ``calls`` and ``order``, keep
+    ``tagger``'s block stack, and put the model's output bytes in ``out_bytes``."""
+    handles = []
+
+    def pre(i):
+        def hook(_m, args, kwargs):
+            if i not in order:
+                order.append(i)
+            for t in _leaves(list(args) + list(kwargs.values())):
+                k = t.untyped_storage()._cdata
+                prod = owner_by_key[k] if k in owner_by_key else tagger.tags.get(k, MAIN)
+                calls.append((i, prod, t.numel() * t.element_size(), t.requires_grad))
+            tagger.stack.append(i)
+        return hook
+
+    def post(i):
+        def hook(_m, _a, _o):
+            if tagger.stack:
+                tagger.stack.pop()
+            tagger.last = i
+        return hook
+
+    for i, name in enumerate(defined):
+        mod = model.get_submodule(name)
+        handles.append(mod.register_forward_pre_hook(pre(i), with_kwargs=True))
+        handles.append(mod.register_forward_hook(post(i), always_call=True))
+
+    def root_out(_m, _a, out):
+        out_bytes[0] = sum(t.numel() * t.element_size() for t in _leaves(out))
+    handles.append(model.register_forward_hook(root_out))
+    return handles
+
+
+def _execution_order(num_defined: int, order: list[int], owner_by_key: dict[int, int],
+                     first_use: dict[int, int]) -> list[int]:
+    """Definition indices in execution order."""
     # Execution order. A block that is never called but whose weight the parent code uses
     # directly (BERT's `token_type_embeddings.weight[0]`) goes where that use happens; blocks
     # never used at all go last.
     exec_defs = list(order)
-    for d in range(len(defined)):
+    for d in range(num_defined):
         if d in order:
             continue
         uses = [first_use[k] for k, o in owner_by_key.items() if o == d and k in first_use]
@@ -295,12 +376,13 @@ def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2) 
             continue
         ctx = uses[0]
         exec_defs.insert(0 if ctx == MAIN else exec_defs.index(ctx) + 1, d)
-    exec_defs += [i for i in range(len(defined)) if i not in exec_defs]
-    to_exec = {d: e for e, d in enumerate(exec_defs)}
+    exec_defs += [i for i in range(num_defined) if i not in exec_defs]
+    return exec_defs
 
-    def ex(i: int) -> int:
-        return MAIN if i < 0 else to_exec[i]
 
+def _block_inputs(calls1: list, calls2: list, batch_size: int,
+                  ex: Callable[[int], int]) -> list[BlockInput]:
+    """Block inputs, affine in the batch from the batch-1 and ``batch_size`` passes."""
     inputs = []
     if len(calls1) == len(calls2):
         for (c, p, n2, rg), (_, _, n1, _) in zip(calls2, calls1):
@@ -309,23 +391,13 @@ def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2) 
     else:   # data-dependent structure: scale the batch_size pass linearly
         inputs = [BlockInput(ex(c), ex(p), n // batch_size, n // batch_size, rg)
                   for c, p, n, rg in calls2]
+    return inputs
+
+
+def _block_flops(counts: dict, root: str, blocks: list[str], batch_size: int) -> list[float]:
+    """Forward + backward FLOPs per sample of each block (``blocks``: module paths)."""
     block_flops = []
-    for d in exec_defs:
-        name = f"{root}.{defined[d]}" if defined[d] else root
+    for block in blocks:
+        name = f"{root}.{block}" if block else root
         block_flops.append(sum(counts.get(name, {}).values()) / batch_size)
-    total = sum(counts.get("Global", {}).values()) / batch_size
-    out_slope = (out2 - out1) // (batch_size - 1) if batch_size > 1 else 0
-    return Layout(
-        model=spec.name, precision=precision, root=root,
-        blocks=tuple(defined[d] for d in exec_defs),
-        block_params=tuple(block_numel[d] for d in exec_defs),
-        param_names=tuple(names), param_owner=tuple(ex(o) for o in owners_def),
-        param_trainable=tuple(trainable), param_numel=tuple(numel),
-        num_param_storages=len(param_keys),
-        persistent=tuple(n in persistent_names for n in names),
-        tied=tuple(tuple(sorted(ex(i) for i in g)) for g in tied_def),
-        inputs=tuple(inputs), output_bytes_at_1=out1, output_bytes_per_sample=out_slope,
-        block_flops=tuple(block_flops), flops_per_sample=total,
-        num_parameters=sum(t.numel() for t in tensors.values()),
-        num_trainable=sum(t.numel() for t in tensors.values() if t.requires_grad),
-        largest_leaf_params=largest_leaf, has_batchnorm=has_bn)
+    return block_flops

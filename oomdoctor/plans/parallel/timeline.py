@@ -65,7 +65,6 @@ class _Timing:
     def __init__(self, trace: Trace, layout: Layout) -> None:
         self.trace = trace
         self.layout = layout
-        nblocks = len(layout.blocks)
         end = 1 + max((max(s.t_alloc, s.t_free or 0) for s in trace.storages.values()),
                       default=0)
         self.end = end
@@ -76,11 +75,16 @@ class _Timing:
         lookup = _block_lookup(layout)
         self.block: dict[int, int | None] = {
             h: (lookup(s.module) if s.module else None) for h, s in trace.storages.items()}
+        by_alloc = sorted(trace.storages.values(), key=lambda s: s.t_alloc)
+        self._forward_spans(by_alloc)
+        self._backward_windows(by_alloc)
+
+    def _forward_spans(self, by_alloc: list) -> None:
+        """``fwd_spans`` and ``_fwd_last`` from the storages in allocation order."""
         # Forward: each block's first and last allocation per forward phase, and which block ran
         # last at each allocation (root-level code runs on that block's device).
         self.fwd_spans: dict[int, dict[int, list[int]]] = defaultdict(dict)
         self._fwd_last: dict[int, tuple[list[int], list[int]]] = {}
-        by_alloc = sorted(trace.storages.values(), key=lambda s: s.t_alloc)
         for s in by_alloc:
             ph = self.phase_index(s.t_alloc)
             if self.phases[ph][2].phase is not Phase.FORWARD:
@@ -94,10 +98,13 @@ class _Timing:
             if not blk or blk[-1] != b:
                 pos.append(s.t_alloc)
                 blk.append(b)
+
+    def _backward_windows(self, by_alloc: list) -> None:
+        """``grad_owner`` and ``bwd_windows`` from the storages in allocation order."""
         # Backward: a block's backward ends with its parameters' gradients (the weight gradient
         # of its first op comes last). Each gradient is matched to the latest-registered
         # trainable parameter of its size still without one: backward runs the blocks in reverse.
-        setup = sorted((s for s in trace.storages.values() if s.phase is Phase.SETUP),
+        setup = sorted((s for s in self.trace.storages.values() if s.phase is Phase.SETUP),
                        key=lambda s: s.t_alloc)
         self.grad_owner: dict[int, int] = {}        # gradient handle -> parameter index
         by_phase: dict[int, list] = defaultdict(list)
@@ -115,19 +122,7 @@ class _Timing:
             grads = by_phase.get(ph, [])
             ends: dict[int, float] = {}
             if grads:
-                free: dict[int, list[int]] = defaultdict(list)
-                for i, p in enumerate(setup[:layout.num_param_storages]):
-                    if layout.param_trainable[i]:
-                        free[p.nbytes].append(i)
-                for g in grads:
-                    stack = free.get(g.nbytes)
-                    if not stack:
-                        continue
-                    i = stack.pop()
-                    self.grad_owner[g.handle] = i
-                    b = layout.param_owner[i]
-                    if b >= 0:
-                        ends[b] = max(ends.get(b, -1), g.t_alloc)
+                ends = self._gradient_ends(grads, setup)
                 ordinals = allocs[ph]
                 template = (ph, [(bisect.bisect_right(ordinals, e), b)
                                  for b, e in ends.items()])
@@ -139,20 +134,45 @@ class _Timing:
                 for k, b in template[1]:
                     if ordinals:
                         ends[b] = ordinals[min(k, len(ordinals)) - 1] if k else start
-            wins: list[tuple[float, float, int]] = []
-            prev: float = start
-            for b in range(nblocks - 1, -1, -1):
-                e = ends.get(b)
-                if e is not None and e + 0.5 > prev:
-                    wins.append((prev, e + 0.5, b))
-                    prev = e + 0.5
-            # What runs after the earliest block's last gradient belongs to block 0.
-            if wins and wins[-1][2] == 0:
-                lo, _, _ = wins.pop()
-                wins.append((lo, stop, 0))
-            else:
-                wins.append((prev, stop, 0))
-            self.bwd_windows[ph] = wins
+            self.bwd_windows[ph] = self._windows(ends, start, stop)
+
+    def _gradient_ends(self, grads: list, setup: list) -> dict[int, float]:
+        """Block -> allocation of its last gradient in one backward phase (``grads``, in
+        allocation order); records each gradient's parameter in ``grad_owner``."""
+        layout = self.layout
+        ends: dict[int, float] = {}
+        free: dict[int, list[int]] = defaultdict(list)
+        for i, p in enumerate(setup[:layout.num_param_storages]):
+            if layout.param_trainable[i]:
+                free[p.nbytes].append(i)
+        for g in grads:
+            stack = free.get(g.nbytes)
+            if not stack:
+                continue
+            i = stack.pop()
+            self.grad_owner[g.handle] = i
+            b = layout.param_owner[i]
+            if b >= 0:
+                ends[b] = max(ends.get(b, -1), g.t_alloc)
+        return ends
+
+    def _windows(self, ends: dict[int, float], start: float, stop: float
+                 ) -> list[tuple[float, float, int]]:
+        """One backward phase's (start, stop, block) windows, last block first."""
+        wins: list[tuple[float, float, int]] = []
+        prev: float = start
+        for b in range(len(self.layout.blocks) - 1, -1, -1):
+            e = ends.get(b)
+            if e is not None and e + 0.5 > prev:
+                wins.append((prev, e + 0.5, b))
+                prev = e + 0.5
+        # What runs after the earliest block's last gradient belongs to block 0.
+        if wins and wins[-1][2] == 0:
+            lo, _, _ = wins.pop()
+            wins.append((lo, stop, 0))
+        else:
+            wins.append((prev, stop, 0))
+        return wins
 
     def phase_index(self, pos: float) -> int:
         return max(0, bisect.bisect_right(self._starts, pos) - 1)
