@@ -1,7 +1,8 @@
 """Real runs: what happens on real hardware, measured against the plans.
 
 Owns the measured probe on a GPU (``measure``), short real training runs of a plan (``smoke``;
-``smoke_nodes`` for a multi-node plan's ranks; ``ranks``, gathering what each rank reports), and
+``smoke_result``, its result judged against the prediction; ``smoke_nodes`` for a multi-node
+plan's ranks; ``ranks``, gathering what each rank reports), and
 the driver's view of the GPUs (``nvml``, the one NVML choke point; ``watch``, sampling them while
 a training command runs).
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import multiprocessing
 import os
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -35,9 +34,10 @@ from oomdoctor.models.loader import for_process, in_process
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.models.training import build_checked_model, compute_loss
 from oomdoctor.runs.ranks import collect_ranks
+# TOLERANCE, MemoryCheck and render_text are this module's too (smoke.X: the CLI, the tests).
+from oomdoctor.runs.smoke_result import TOLERANCE, MemoryCheck, SmokeResult, judge, render_text
 from oomdoctor.plans.parallel import NODE_STRATEGIES, STRATEGIES, StrategyEstimate, execution_blocks
 
-TOLERANCE = 0.10          # measured peak vs prediction, relative
 DISTRIBUTED = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 Progress = Callable[[str], None]
 
@@ -79,57 +79,6 @@ class SmokeConfig:
             raise ValueError("--steps, --batch-size and --grad-accum must be >= 1")
         if self.strategy == "pipeline2" and self.num_gpus != 2:
             raise ValueError("pipeline2 runs on exactly 2 GPUs")
-
-
-@dataclass(frozen=True)
-class MemoryCheck:
-    """One GPU: measured next to predicted, bytes."""
-
-    device: str
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    predicted_allocated_bytes: int | None
-    predicted_reserved_bytes: int | None
-
-    def off(self, which: str) -> float | None:
-        pred = getattr(self, f"predicted_{which}_bytes")
-        meas = getattr(self, f"peak_{which}_bytes")
-        return None if not pred else meas / pred - 1
-
-    @property
-    def ok(self) -> bool:
-        return all(o is None or abs(o) <= TOLERANCE
-                   for o in (self.off("allocated"), self.off("reserved")))
-
-
-@dataclass(frozen=True)
-class SmokeResult:
-    model: str
-    strategy: str
-    num_gpus: int
-    precision: str                    # asked
-    ran_precision: str                # run (fp16 runs as bf16 autocast on the CPU)
-    checkpointing: bool
-    micro_batch: int                  # asked
-    ran_micro_batch: int              # run
-    grad_accum: int
-    steps: int
-    device: str                       # cuda | cpu
-    cuda_exercised: bool
-    processes: int
-    losses: tuple[float, ...]         # per step, averaged over ranks
-    step_seconds: tuple[float, ...]
-    memory: tuple[MemoryCheck, ...]
-    ok: bool
-    problems: tuple[str, ...]
-    notes: tuple[str, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for m, obj in zip(d["memory"], self.memory):
-            m["allocated_off"] = obj.off("allocated")
-            m["reserved_off"] = obj.off("reserved")
-        return d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,66 +126,16 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
     """Build, wrap and train ``cfg.steps`` steps in this process; return losses, step times,
     per-GPU peaks (CUDA) and, if asked, the model's final state (rank 0's full parameters).
     ``on_step(step, seconds)`` is told as each step completes."""
-    from oomdoctor.models.training import (build_for_training, make_configured_batch,
-                                           make_configured_optimizer)
-
-    strategy = cfg.strategy
     b = cfg.micro_batch if cuda else min(cfg.micro_batch, cfg.cpu_batch)
-    if cuda:
-        device = torch.device("cuda", rank if strategy in DISTRIBUTED else 0)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    torch.manual_seed(0)
-    build_on = torch.device("cpu") if strategy == "pipeline2" else device
-    with build_on:
-        model, _ = build_for_training(spec, cfg.precision, cfg.checkpointing, cfg.checkpoint_class)
-    input_device = device
-    wrapped: torch.nn.Module = model
-    if strategy in ("ddp", "zero1"):
-        wrapped = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if cuda else None)
-    elif strategy in ("zero2", "zero3", "hsdp"):
-        from torch.distributed.device_mesh import init_device_mesh
-        try:
-            from torch.distributed.fsdp import fully_shard        # FSDP2, torch >= 2.6
-        except ImportError:                                         # torch 2.4 / 2.5
-            from torch.distributed._composable.fsdp import fully_shard
-        # hsdp: a 2-D mesh, replicas across nodes and shards within one (FSDP2's HSDP).
-        hsdp = strategy == "hsdp"
-        mesh = init_device_mesh("cuda" if cuda else "cpu", (cfg.nodes, world // cfg.nodes)
-                                if hsdp else (world,),
-                                mesh_dim_names=("replicate", "shard") if hsdp else None)
-        reshard = strategy != "zero2"
-        for name in execution_blocks(model):
-            if name:
-                fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    elif strategy == "dp" and cuda:
-        wrapped = torch.nn.DataParallel(model, device_ids=list(range(cfg.num_gpus)))
-        if spec.loss_fn is None:
-            wrapped = _MeanLoss(wrapped)
-    elif strategy == "pipeline2":
-        model, input_device = dispatch_split(model, cfg.device_map or {}, cfg.main_device, cuda)
-        wrapped = model
-    opt = make_configured_optimizer(spec, model, cfg.optimizer)
-    if strategy == "zero1":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer([p for p in model.parameters() if p.requires_grad],
-                                      optimizer_class=type(opt),
-                                      **_opt_kwargs(type(opt), opt.defaults))
+    device = _process_device(cfg, cuda, rank)
+    model = _build(spec, cfg, device)
+    model, wrapped, input_device = _wrap(model, spec, cfg, cuda, device, world)
+    opt = _optimizer(spec, cfg, model)
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     if amp is not None and not cuda:
         amp = torch.bfloat16          # CPU autocast runs bf16
     scaler = torch.amp.GradScaler("cuda") if cuda and cfg.precision == "fp16" else None
-    # The data, fixed per rank and micro-batch so the loss falls if training works.
-    dp_batch = b * cfg.num_gpus if strategy == "dp" and cuda else b
-    batches = []
-    for micro in range(cfg.grad_accum):
-        torch.manual_seed(batch_seed(rank, micro))
-        with torch.device("cpu"):
-            batch = make_configured_batch(spec, dp_batch, cfg.precision)
-        batches.append(_to(batch, input_device))
+    batches = _fixed_batches(spec, cfg, cuda, rank, b, input_device)
     devices = _devices(cfg, cuda, device)
     if cuda:
         for d in devices:
@@ -244,40 +143,9 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
         torch.cuda.empty_cache()
         for d in devices:
             torch.cuda.reset_peak_memory_stats(d)
-    losses: list[float] = []
-    inspected: dict[str, Any] = {}       # inspect_last's answer at the last step
-    times: list[float] = []
-    error = None
-    try:
-        for _ in range(cfg.steps):
-            t0 = time.perf_counter()
-            total = 0.0
-            for micro, batch in enumerate(batches):
-                quiet = (strategy in ("ddp", "zero1") and micro < cfg.grad_accum - 1)
-                with (wrapped.no_sync() if quiet else contextlib.nullcontext()):
-                    with (torch.autocast(device_type=input_device.type, dtype=amp)
-                          if amp is not None else contextlib.nullcontext()):
-                        loss = compute_loss(spec, wrapped, batch)
-                    loss = loss / cfg.grad_accum
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                total += float(loss.detach().float())
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-            if inspect_last is not None and len(losses) == cfg.steps - 1:
-                inspected["inspect"] = inspect_last(model, opt)   # grads and state alive
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                for d in devices:
-                    torch.cuda.synchronize(d)
-            times.append(time.perf_counter() - t0)
-            losses.append(total)
-            if on_step is not None:
-                on_step(len(times), times[-1])
-    except torch.cuda.OutOfMemoryError as e:    # the caching allocator's OOM (torch >= 1.13)
-        error = f"CUDA out of memory at step {len(losses) + 1}: {str(e).splitlines()[0]}"
+    losses, times, inspected, error = _train_steps(
+        spec, cfg, model, wrapped, opt, amp, scaler, batches, input_device, devices, on_step,
+        inspect_last)
     memory = []
     if cuda:
         for d in devices:
@@ -288,6 +156,154 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
     if want_state:
         out["state"] = _full_state(model)
     return out
+
+
+def _process_device(cfg: SmokeConfig, cuda: bool, rank: int) -> torch.device:
+    """This process's device: its rank's GPU for a distributed strategy, else cuda:0 (made the
+    current device), or the CPU."""
+    if cuda:
+        device = torch.device("cuda", rank if cfg.strategy in DISTRIBUTED else 0)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return device
+
+
+def _build(spec: ModelSpec, cfg: SmokeConfig, device: torch.device) -> torch.nn.Module:
+    """The model as the user trains it (precision, checkpointing), seeded; a split model is
+    built on the CPU and placed stage by stage later."""
+    from oomdoctor.models.training import build_for_training
+
+    torch.manual_seed(0)
+    build_on = torch.device("cpu") if cfg.strategy == "pipeline2" else device
+    with build_on:
+        model, _ = build_for_training(spec, cfg.precision, cfg.checkpointing, cfg.checkpoint_class)
+    return model
+
+
+def _wrap(model: torch.nn.Module, spec: ModelSpec, cfg: SmokeConfig, cuda: bool,
+          device: torch.device, world: int
+          ) -> tuple[torch.nn.Module, torch.nn.Module, torch.device]:
+    """The strategy applied: the model (FSDP2-sharded or dispatched in place), the module the
+    loss is computed through, and the device the inputs go to."""
+    strategy = cfg.strategy
+    input_device = device
+    wrapped: torch.nn.Module = model
+    if strategy in ("ddp", "zero1"):
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if cuda else None)
+    elif strategy in ("zero2", "zero3", "hsdp"):
+        _fully_shard(model, cfg, cuda, world)
+    elif strategy == "dp" and cuda:
+        wrapped = torch.nn.DataParallel(model, device_ids=list(range(cfg.num_gpus)))
+        if spec.loss_fn is None:
+            wrapped = _MeanLoss(wrapped)
+    elif strategy == "pipeline2":
+        model, input_device = dispatch_split(model, cfg.device_map or {}, cfg.main_device, cuda)
+        wrapped = model
+    return model, wrapped, input_device
+
+
+def _fully_shard(model: torch.nn.Module, cfg: SmokeConfig, cuda: bool, world: int) -> None:
+    """ZeRO-2/3 and HSDP with FSDP2: every execution block sharded, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import fully_shard        # FSDP2, torch >= 2.6
+    except ImportError:                                         # torch 2.4 / 2.5
+        from torch.distributed._composable.fsdp import fully_shard
+    strategy = cfg.strategy
+    # hsdp: a 2-D mesh, replicas across nodes and shards within one (FSDP2's HSDP).
+    hsdp = strategy == "hsdp"
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (cfg.nodes, world // cfg.nodes)
+                            if hsdp else (world,),
+                            mesh_dim_names=("replicate", "shard") if hsdp else None)
+    reshard = strategy != "zero2"
+    for name in execution_blocks(model):
+        if name:
+            fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+
+def _optimizer(spec: ModelSpec, cfg: SmokeConfig, model: torch.nn.Module) -> Any:
+    """The model file's optimizer (or ``cfg.optimizer``); zero1 partitions its state."""
+    from oomdoctor.models.training import make_configured_optimizer
+
+    opt = make_configured_optimizer(spec, model, cfg.optimizer)
+    if cfg.strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer([p for p in model.parameters() if p.requires_grad],
+                                      optimizer_class=type(opt),
+                                      **_opt_kwargs(type(opt), opt.defaults))
+    return opt
+
+
+def _fixed_batches(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int, b: int,
+                   input_device: torch.device) -> list[Any]:
+    """One batch per micro-batch, on the input device; DataParallel's covers every GPU."""
+    from oomdoctor.models.training import make_configured_batch
+
+    # The data, fixed per rank and micro-batch so the loss falls if training works.
+    dp_batch = b * cfg.num_gpus if cfg.strategy == "dp" and cuda else b
+    batches = []
+    for micro in range(cfg.grad_accum):
+        torch.manual_seed(batch_seed(rank, micro))
+        with torch.device("cpu"):
+            batch = make_configured_batch(spec, dp_batch, cfg.precision)
+        batches.append(_to(batch, input_device))
+    return batches
+
+
+def _train_steps(spec: ModelSpec, cfg: SmokeConfig, model: torch.nn.Module,
+                 wrapped: torch.nn.Module, opt: Any, amp: torch.dtype | None, scaler: Any,
+                 batches: list[Any], input_device: torch.device, devices: list[torch.device],
+                 on_step: Callable[[int, float], None] | None,
+                 inspect_last: Callable[[Any, Any], Any] | None
+                 ) -> tuple[list[float], list[float], dict[str, Any], str | None]:
+    """``cfg.steps`` optimizer steps: the losses, the step times, ``inspect_last``'s answer at
+    the last step, and the OOM message when the caching allocator ran out (else None)."""
+    losses: list[float] = []
+    inspected: dict[str, Any] = {}       # inspect_last's answer at the last step
+    times: list[float] = []
+    error = None
+    try:
+        for _ in range(cfg.steps):
+            t0 = time.perf_counter()
+            total = _accumulate(spec, cfg, wrapped, amp, scaler, batches, input_device)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            if inspect_last is not None and len(losses) == cfg.steps - 1:
+                inspected["inspect"] = inspect_last(model, opt)   # grads and state alive
+            opt.zero_grad(set_to_none=True)
+            for d in devices:                # none without CUDA
+                torch.cuda.synchronize(d)
+            times.append(time.perf_counter() - t0)
+            losses.append(total)
+            if on_step is not None:
+                on_step(len(times), times[-1])
+    except torch.cuda.OutOfMemoryError as e:    # the caching allocator's OOM (torch >= 1.13)
+        error = f"CUDA out of memory at step {len(losses) + 1}: {str(e).splitlines()[0]}"
+    return losses, times, inspected, error
+
+
+def _accumulate(spec: ModelSpec, cfg: SmokeConfig, wrapped: torch.nn.Module,
+                amp: torch.dtype | None, scaler: Any, batches: list[Any],
+                input_device: torch.device) -> float:
+    """Forward and backward of every micro-batch (DDP syncs gradients on the last only); the
+    step's loss."""
+    total = 0.0
+    for micro, batch in enumerate(batches):
+        quiet = (cfg.strategy in ("ddp", "zero1") and micro < cfg.grad_accum - 1)
+        with (wrapped.no_sync() if quiet else contextlib.nullcontext()):
+            with (torch.autocast(device_type=input_device.type, dtype=amp)
+                  if amp is not None else contextlib.nullcontext()):
+                loss = compute_loss(spec, wrapped, batch)
+            loss = loss / cfg.grad_accum
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        total += float(loss.detach().float())
+    return total
 
 
 def _devices(cfg: SmokeConfig, cuda: bool, device: torch.device) -> list[torch.device]:
@@ -454,30 +470,13 @@ def _available_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _predicted(prediction: StrategyEstimate | None, cfg: SmokeConfig, index: int):
-    if prediction is None:
-        return None
-    gpus = prediction.gpus
-    if cfg.strategy == "dp":
-        return gpus[0] if index == 0 else gpus[-1]
-    return gpus[min(index, len(gpus) - 1)]
-
-
 def run_smoke(spec: ModelSpec, cfg: SmokeConfig, prediction: StrategyEstimate | None = None,
               progress: Progress = lambda _: None) -> SmokeResult:
     """Run the configuration and judge it: finite, moving loss; with CUDA, no OOM and peaks
     within :data:`TOLERANCE` of ``prediction``."""
-    want_cuda = cfg.device in ("auto", "cuda")
     asked = cfg.precision
-    have = torch.cuda.is_available() and torch.cuda.device_count() >= cfg.num_gpus
-    if cfg.device == "cuda" and not have:
-        raise NoDeviceError(f"--device cuda asked for {cfg.num_gpus} CUDA GPU(s) but "
-                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} are "
-                         "visible; check CUDA_VISIBLE_DEVICES, or drop --device cuda to run on "
-                         "the CPU")
-    cuda = want_cuda and have
+    cuda = _use_cuda(cfg)
     notes: list[str] = []
-    problems: list[str] = []
     ran_precision = cfg.precision if cuda or cfg.precision != "fp16" else "bf16"
     if not cuda and ran_precision.startswith("bf16") and cfg.cpu_fp32_fallback \
             and not cpu_has_fast_bf16():
@@ -489,95 +488,61 @@ def run_smoke(spec: ModelSpec, cfg: SmokeConfig, prediction: StrategyEstimate | 
         ran_precision = "fp32"
         cfg = replace(cfg, precision="fp32")
     if not cuda:
-        need = host_bytes_needed(spec, cfg)
-        avail = _available_host_bytes()
-        if need > 0.8 * avail:
-            raise SmokeError(f"a CPU smoke of {spec.name} needs about {need / 2**30:.1f} GiB of "
-                             f"host memory (weights, gradients, optimizer state per process) and "
-                             f"{avail / 2**30:.1f} GiB are available; run it on the GPUs, or "
-                             "smoke a smaller configuration of the model")
-        notes.append("no CUDA device here: ran on the CPU; GPU memory was NOT measured and the "
-                     "CUDA code path (NCCL, cuda:0/cuda:1, GradScaler) was not exercised")
-        ran_b = min(cfg.micro_batch, cfg.cpu_batch)
-        if ran_b != cfg.micro_batch:
-            notes.append(f"micro-batch {ran_b} on the CPU (asked {cfg.micro_batch}; "
-                         "--cpu-batch sets the cap)")
-        if cfg.precision == "fp16":
-            notes.append("fp16 AMP runs as bf16 autocast on the CPU (no GradScaler)")
-        if cfg.strategy == "dp":
-            notes.append("DataParallel needs CUDA: on the CPU the module ran as one process")
-        if cfg.strategy in DISTRIBUTED:
-            notes.append(f"{cfg.num_gpus} processes over gloo on the CPU")
-        if cfg.strategy == "pipeline2":
-            notes.append("split via accelerate's dispatch_model hooks with both stages on the CPU")
+        _check_host_memory(spec, cfg)
+        notes += _cpu_notes(cfg)
     progress(f"smoke: {cfg.steps} steps of {cfg.strategy} on "
              f"{'CUDA' if cuda else 'the CPU'}")
     outs = run_training(spec, cfg, cuda, progress=progress)
     rank0 = outs[0]
-    losses = tuple(rank0["losses"])
-    for o in outs:
-        if o.get("oom"):
-            problems.append(f"rank {o['rank']}: {o['oom']}")
-    if losses and not all(math.isfinite(x) for x in losses):
-        problems.append(f"loss is not finite: {', '.join(f'{x:.4g}' for x in losses)}")
-    elif len(losses) >= 2 and all(abs(x - losses[0]) <= 1e-7 * max(1.0, abs(losses[0]))
-                                  for x in losses[1:]):
-        problems.append(f"loss did not change over {len(losses)} steps ({losses[0]:.6g}): is the "
-                        "optimizer stepping the parameters that the loss depends on?")
-    elif len(losses) >= 2 and losses[-1] >= losses[0]:
-        notes.append(f"loss did not fall on a repeated batch ({losses[0]:.4g} -> "
-                     f"{losses[-1]:.4g}) in {len(losses)} steps; a learning-rate warm-up or a "
-                     "tiny learning rate can explain it")
-    memory = []
-    if cuda:
-        index = 0
-        for o in outs:
-            for dev, alloc, reserved in o["memory"]:
-                pred = _predicted(prediction, cfg, index)
-                check = MemoryCheck(dev, alloc, reserved,
-                                    pred.peak_allocated_bytes if pred else None,
-                                    pred.peak_reserved_bytes if pred else None)
-                memory.append(check)
-                if not check.ok:
-                    problems.append(
-                        f"{dev}: measured peak {alloc / 2**30:.2f} GiB allocated / "
-                        f"{reserved / 2**30:.2f} GiB reserved is more than {TOLERANCE:.0%} off "
-                        f"the prediction ({check.predicted_allocated_bytes / 2**30:.2f} / "
-                        f"{check.predicted_reserved_bytes / 2**30:.2f} GiB)")
-                index += 1
-        if prediction is None:
-            notes.append("no prediction given: peaks measured, not compared")
+    memory, problems, judged = judge(outs, cuda, cfg.strategy, prediction)
+    notes += judged
     return SmokeResult(
         model=spec.name, strategy=cfg.strategy, num_gpus=cfg.num_gpus, precision=asked,
         ran_precision=ran_precision, checkpointing=cfg.checkpointing, micro_batch=cfg.micro_batch,
         ran_micro_batch=rank0["batch"], grad_accum=cfg.grad_accum, steps=cfg.steps,
         device="cuda" if cuda else "cpu", cuda_exercised=cuda, processes=len(outs),
-        losses=losses, step_seconds=tuple(rank0["times"]), memory=tuple(memory),
+        losses=tuple(rank0["losses"]), step_seconds=tuple(rank0["times"]), memory=tuple(memory),
         ok=not problems, problems=tuple(problems), notes=tuple(notes))
 
 
-def render_text(r: SmokeResult) -> str:
-    from tabulate import tabulate
-    verdict = "SMOKE PASSED" if r.ok else "SMOKE FAILED"
-    lines = [f"{verdict}: {r.model}, {r.strategy} x{r.num_gpus}, {r.ran_precision}"
-             f"{', checkpointing' if r.checkpointing else ''}, micro-batch {r.ran_micro_batch} x "
-             f"{r.grad_accum} accumulation, {r.steps} steps on "
-             f"{'CUDA' if r.cuda_exercised else 'the CPU'} ({r.processes} process"
-             f"{'es' if r.processes > 1 else ''})", ""]
-    rows = [(i + 1, f"{loss:.5g}", f"{t * 1000:.1f}")
-            for i, (loss, t) in enumerate(zip(r.losses, r.step_seconds))]
-    lines.append(tabulate(rows, headers=("step", "loss", "ms"), colalign=("right",) * 3))
-    if r.memory:
-        rows = []
-        for m in r.memory:
-            rows.append((m.device, f"{m.peak_allocated_bytes / 2**30:.2f}",
-                         "-" if m.predicted_allocated_bytes is None
-                         else f"{m.predicted_allocated_bytes / 2**30:.2f}",
-                         f"{m.peak_reserved_bytes / 2**30:.2f}",
-                         "-" if m.predicted_reserved_bytes is None
-                         else f"{m.predicted_reserved_bytes / 2**30:.2f}",
-                         "ok" if m.ok else "OFF"))
-        lines += ["", tabulate(rows, headers=("GPU", "allocated", "predicted", "reserved",
-                                              "predicted", f"within {TOLERANCE:.0%}"))]
-    lines += [""] + [f"PROBLEM: {p}" for p in r.problems] + [f"note: {n}" for n in r.notes]
-    return "\n".join(lines).rstrip()
+def _use_cuda(cfg: SmokeConfig) -> bool:
+    """Whether the smoke runs on CUDA: enough GPUs are visible and --device allows it;
+    --device cuda without them is a :class:`NoDeviceError`."""
+    want_cuda = cfg.device in ("auto", "cuda")
+    have = torch.cuda.is_available() and torch.cuda.device_count() >= cfg.num_gpus
+    if cfg.device == "cuda" and not have:
+        raise NoDeviceError(f"--device cuda asked for {cfg.num_gpus} CUDA GPU(s) but "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} are "
+                         "visible; check CUDA_VISIBLE_DEVICES, or drop --device cuda to run on "
+                         "the CPU")
+    return want_cuda and have
+
+
+def _check_host_memory(spec: ModelSpec, cfg: SmokeConfig) -> None:
+    """A CPU smoke that would not fit in host memory is refused before it starts."""
+    need = host_bytes_needed(spec, cfg)
+    avail = _available_host_bytes()
+    if need > 0.8 * avail:
+        raise SmokeError(f"a CPU smoke of {spec.name} needs about {need / 2**30:.1f} GiB of "
+                         f"host memory (weights, gradients, optimizer state per process) and "
+                         f"{avail / 2**30:.1f} GiB are available; run it on the GPUs, or "
+                         "smoke a smaller configuration of the model")
+
+
+def _cpu_notes(cfg: SmokeConfig) -> list[str]:
+    """What a CPU smoke did not check, and what it ran instead of what was asked."""
+    notes = ["no CUDA device here: ran on the CPU; GPU memory was NOT measured and the "
+             "CUDA code path (NCCL, cuda:0/cuda:1, GradScaler) was not exercised"]
+    ran_b = min(cfg.micro_batch, cfg.cpu_batch)
+    if ran_b != cfg.micro_batch:
+        notes.append(f"micro-batch {ran_b} on the CPU (asked {cfg.micro_batch}; "
+                     "--cpu-batch sets the cap)")
+    if cfg.precision == "fp16":
+        notes.append("fp16 AMP runs as bf16 autocast on the CPU (no GradScaler)")
+    if cfg.strategy == "dp":
+        notes.append("DataParallel needs CUDA: on the CPU the module ran as one process")
+    if cfg.strategy in DISTRIBUTED:
+        notes.append(f"{cfg.num_gpus} processes over gloo on the CPU")
+    if cfg.strategy == "pipeline2":
+        notes.append("split via accelerate's dispatch_model hooks with both stages on the CPU")
+    return notes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from oomdoctor.sim.allocator.sizes import K_LARGE_BUFFER, MiB
@@ -110,103 +111,133 @@ class AllocatorConfig:
         """
         if not isinstance(value, str):
             raise ValueError(f"{_ENV} must be a string, got {type(value).__name__}")
-        tokens = _tokenize(value)
         expandable = False
         max_split: int | None = None
-        i = 0
-        n = len(tokens)
-        while i < n:
-            key = tokens[i]
-            if key in ",:[]":
-                raise ValueError(
-                    f"{_ENV}={value!r}: expected an option name at token {i + 1}, found "
-                    f"{key!r}. The format is key:value pairs separated by commas, e.g. "
-                    f"'expandable_segments:True,max_split_size_mb:128'."
-                )
-            if key not in _KNOWN_KEYS:
-                close = difflib.get_close_matches(key, _KNOWN_KEYS, n=1)
-                hint = f" Did you mean {close[0]!r}?" if close else ""
-                raise ValueError(
-                    f"{_ENV}={value!r}: unknown option {key!r}; PyTorch would refuse it "
-                    f"('Unrecognized key').{hint} Known options: {', '.join(_KNOWN_KEYS)}."
-                )
-            if key in _NOT_MODELLED:
-                raise ValueError(
-                    f"{_ENV}={value!r}: option {key!r} exists in PyTorch but is not "
-                    f"modelled by oomdoctor's allocator simulator ({_NOT_MODELLED[key]}), so "
-                    f"a prediction would differ from the real run. Remove {key!r} from the "
-                    f"string given to oomdoctor; modelled options are expandable_segments "
-                    f"and max_split_size_mb."
-                )
-            if i + 1 >= n or tokens[i + 1] != ":":
-                raise ValueError(
-                    f"{_ENV}={value!r}: option {key!r} needs a value, written "
-                    f"'{key}:VALUE'."
-                )
-            if i + 2 >= n or tokens[i + 2] in ",:[]":
-                raise ValueError(
-                    f"{_ENV}={value!r}: option {key!r} has no value after ':' (lists in "
-                    f"[...] are only used by options this simulator does not model)."
-                )
-            val = tokens[i + 2]
-            if key == "expandable_segments" or key in _NO_EFFECT_BOOL:
-                if val not in ("True", "False"):
-                    raise ValueError(
-                        f"{_ENV}={value!r}: {key} must be True or False (capitalised, as "
-                        f"PyTorch requires), got {val!r}."
-                    )
-                if key == "expandable_segments":
-                    expandable = val == "True"
-            elif key == "max_split_size_mb" or key in _NO_EFFECT_INT:
-                if not val.isdigit():
-                    raise ValueError(
-                        f"{_ENV}={value!r}: {key} must be a whole number"
-                        f"{' of MiB' if key.endswith('_mb') else ''}, got {val!r}."
-                    )
-                num = int(val)
-                if key == "max_split_size_mb":
-                    if num < K_LARGE_BUFFER // MiB:
-                        raise ValueError(
-                            f"{_ENV}={value!r}: max_split_size_mb:{num} is too small; "
-                            f"PyTorch requires max_split_size_mb >= {K_LARGE_BUFFER // MiB} "
-                            f"(the 20 MiB large-segment size) and refuses to start otherwise. "
-                            f"Use a value of at least {K_LARGE_BUFFER // MiB}, or drop the "
-                            f"option (unlimited)."
-                        )
-                    max_split = num * MiB
-                elif key == "pinned_num_register_threads" and (num & (num - 1) or num == 0):
-                    raise ValueError(
-                        f"{_ENV}={value!r}: pinned_num_register_threads must be a power of "
-                        f"2, got {num}."
-                    )
-                elif key == "pinned_reserve_segment_size_mb" and num == 0:
-                    raise ValueError(
-                        f"{_ENV}={value!r}: pinned_reserve_segment_size_mb must be > 0."
-                    )
-            elif key == "backend":
-                if val == "cudaMallocAsync":
-                    raise ValueError(
-                        f"{_ENV}={value!r}: backend:cudaMallocAsync exists in PyTorch but is "
-                        f"not modelled by oomdoctor's allocator simulator (the CUDA driver's "
-                        f"stream-ordered pool replaces the caching allocator, so its reserved "
-                        f"memory follows different rules). Drop the option or use "
-                        f"backend:native to simulate the default caching allocator."
-                    )
-                if val != "native":
-                    raise ValueError(
-                        f"{_ENV}={value!r}: unknown allocator backend {val!r}; PyTorch's "
-                        f"options are native and cudaMallocAsync."
-                    )
-            i += 3
-            if i < n:
-                if tokens[i] != ",":
-                    raise ValueError(
-                        f"{_ENV}={value!r}: expected ',' after {key}:{val}, found "
-                        f"{tokens[i]!r}. Separate options with commas."
-                    )
-                i += 1
-                if i == n:
-                    raise ValueError(
-                        f"{_ENV}={value!r}: trailing ',' with no option after it."
-                    )
+        for key, val in _options(value):
+            if key == "expandable_segments":
+                expandable = val == "True"
+            elif key == "max_split_size_mb":
+                max_split = int(val) * MiB
         return cls(expandable_segments=expandable, max_split_size=max_split)
+
+
+def _options(value: str) -> Iterator[tuple[str, str]]:
+    """The ``key:value`` pairs of ``value`` in order, each checked (name, shape, value, the
+    comma after it) before it is yielded; the first problem raises :class:`ValueError`."""
+    tokens = _tokenize(value)
+    i = 0
+    n = len(tokens)
+    while i < n:
+        key = tokens[i]
+        _check_option_name(value, key, i)
+        val = _option_value(value, tokens, i, key)
+        _check_value(value, key, val)
+        i += 3
+        if i < n:
+            if tokens[i] != ",":
+                raise ValueError(
+                    f"{_ENV}={value!r}: expected ',' after {key}:{val}, found "
+                    f"{tokens[i]!r}. Separate options with commas."
+                )
+            i += 1
+            if i == n:
+                raise ValueError(
+                    f"{_ENV}={value!r}: trailing ',' with no option after it."
+                )
+        yield key, val
+
+
+def _check_option_name(value: str, key: str, i: int) -> None:
+    """Token ``i`` must name an option that PyTorch knows and this simulator models (or that
+    has no effect on device memory)."""
+    if key in ",:[]":
+        raise ValueError(
+            f"{_ENV}={value!r}: expected an option name at token {i + 1}, found "
+            f"{key!r}. The format is key:value pairs separated by commas, e.g. "
+            f"'expandable_segments:True,max_split_size_mb:128'."
+        )
+    if key not in _KNOWN_KEYS:
+        close = difflib.get_close_matches(key, _KNOWN_KEYS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"{_ENV}={value!r}: unknown option {key!r}; PyTorch would refuse it "
+            f"('Unrecognized key').{hint} Known options: {', '.join(_KNOWN_KEYS)}."
+        )
+    if key in _NOT_MODELLED:
+        raise ValueError(
+            f"{_ENV}={value!r}: option {key!r} exists in PyTorch but is not "
+            f"modelled by oomdoctor's allocator simulator ({_NOT_MODELLED[key]}), so "
+            f"a prediction would differ from the real run. Remove {key!r} from the "
+            f"string given to oomdoctor; modelled options are expandable_segments "
+            f"and max_split_size_mb."
+        )
+
+
+def _option_value(value: str, tokens: list[str], i: int, key: str) -> str:
+    """The value token of the option named at token ``i``: ``key`` ``:`` ``VALUE``."""
+    n = len(tokens)
+    if i + 1 >= n or tokens[i + 1] != ":":
+        raise ValueError(
+            f"{_ENV}={value!r}: option {key!r} needs a value, written "
+            f"'{key}:VALUE'."
+        )
+    if i + 2 >= n or tokens[i + 2] in ",:[]":
+        raise ValueError(
+            f"{_ENV}={value!r}: option {key!r} has no value after ':' (lists in "
+            f"[...] are only used by options this simulator does not model)."
+        )
+    return tokens[i + 2]
+
+
+def _check_value(value: str, key: str, val: str) -> None:
+    """``val`` must be a value PyTorch accepts for ``key`` (for ``backend``: the modelled one)."""
+    if key == "expandable_segments" or key in _NO_EFFECT_BOOL:
+        if val not in ("True", "False"):
+            raise ValueError(
+                f"{_ENV}={value!r}: {key} must be True or False (capitalised, as "
+                f"PyTorch requires), got {val!r}."
+            )
+    elif key == "max_split_size_mb" or key in _NO_EFFECT_INT:
+        _check_whole_number(value, key, val)
+    elif key == "backend":
+        if val == "cudaMallocAsync":
+            raise ValueError(
+                f"{_ENV}={value!r}: backend:cudaMallocAsync exists in PyTorch but is "
+                f"not modelled by oomdoctor's allocator simulator (the CUDA driver's "
+                f"stream-ordered pool replaces the caching allocator, so its reserved "
+                f"memory follows different rules). Drop the option or use "
+                f"backend:native to simulate the default caching allocator."
+            )
+        if val != "native":
+            raise ValueError(
+                f"{_ENV}={value!r}: unknown allocator backend {val!r}; PyTorch's "
+                f"options are native and cudaMallocAsync."
+            )
+
+
+def _check_whole_number(value: str, key: str, val: str) -> None:
+    """An integer option: digits only, and within the bounds PyTorch enforces for ``key``."""
+    if not val.isdigit():
+        raise ValueError(
+            f"{_ENV}={value!r}: {key} must be a whole number"
+            f"{' of MiB' if key.endswith('_mb') else ''}, got {val!r}."
+        )
+    num = int(val)
+    if key == "max_split_size_mb":
+        if num < K_LARGE_BUFFER // MiB:
+            raise ValueError(
+                f"{_ENV}={value!r}: max_split_size_mb:{num} is too small; "
+                f"PyTorch requires max_split_size_mb >= {K_LARGE_BUFFER // MiB} "
+                f"(the 20 MiB large-segment size) and refuses to start otherwise. "
+                f"Use a value of at least {K_LARGE_BUFFER // MiB}, or drop the "
+                f"option (unlimited)."
+            )
+    elif key == "pinned_num_register_threads" and (num & (num - 1) or num == 0):
+        raise ValueError(
+            f"{_ENV}={value!r}: pinned_num_register_threads must be a power of "
+            f"2, got {num}."
+        )
+    elif key == "pinned_reserve_segment_size_mb" and num == 0:
+        raise ValueError(
+            f"{_ENV}={value!r}: pinned_reserve_segment_size_mb must be > 0."
+        )
