@@ -54,6 +54,36 @@ _FACTS: tuple[tuple[str, str, re.Pattern], ...] = (
 )
 
 
+def _squash(lines: list[tuple[int, str]]) -> tuple[str, list[int]]:
+    """The region's lines without whitespace, joined, and where each line starts in that text."""
+    starts: list[int] = []
+    parts: list[str] = []
+    pos = 0
+    for _, body in lines:
+        sq = _WS.sub("", body)
+        starts.append(pos)
+        parts.append(sq)
+        pos += len(sq)
+    return "".join(parts), starts
+
+
+def _add_assertion(draft: _Draft, lines: list[tuple[int, str]]) -> None:
+    """A device-side assert: the first assertion text in the region."""
+    for _, text in lines:
+        a = _ASSERT_TEXT.search(text)
+        if a:
+            draft.details["assertion"] = a.group(1)[:200]
+            break
+
+
+def _line_draft(kind: Kind, sig: tuple, detail: str, value: str) -> _Draft:
+    """The draft of a message recognised by a whole line: one detail and its signature."""
+    d = _Draft(kind)
+    d.details[detail] = value
+    d.sig = sig
+    return d
+
+
 # --- scanning --------------------------------------------------------------------------------
 
 class _KeyState:
@@ -301,18 +331,20 @@ class _Scanner:
 
     def _parse_region(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]],
                       stop_line: int | None) -> None:
-        starts: list[int] = []
-        parts: list[str] = []
-        pos = 0
-        for _, body in lines:
-            sq = _WS.sub("", body)
-            starts.append(pos)
-            parts.append(sq)
-            pos += len(sq)
-        sq = "".join(parts)
-        self._collect_facts(lines, sq, sq.lower())
-
+        """Facts, anchored messages and whole-line messages of one region (none from stop_line on)."""
+        sq, starts = _squash(lines)
         low = sq.lower()
+        self._collect_facts(lines, sq, low)
+        kept = self._anchors(sq, low)
+        self._place_anchored(st, key, lines, stop_line, sq, starts, kept)
+        # Messages recognised by a whole line.
+        kinds = {spec.kind for _, spec, _ in kept}
+        self._place_p2p_table(st, key, lines, stop_line, low)
+        self._place_whole_lines(st, key, lines, stop_line, low, kinds)
+
+    def _anchors(self, sq: str, low: str) -> list[tuple[int, _AnchorSpec, re.Match]]:
+        """Every anchor in the squashed region, in order, less the fallbacks of a kind already
+        anchored and the matches an earlier one absorbs."""
         found: list[tuple[int, _AnchorSpec, re.Match]] = []
         for spec in _ANCHORS:
             if not any(t in low for t in spec.triggers):
@@ -328,7 +360,11 @@ class _Scanner:
                 continue
             if not self._absorbed(item, kept):
                 kept.append(item)
+        return kept
 
+    def _place_anchored(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]], stop_line: int | None,
+                        sq: str, starts: list[int], kept: list[tuple[int, _AnchorSpec, re.Match]]) -> None:
+        """One draft per kept anchor before stop_line, from its text up to the next anchor."""
         for i, (start, spec, m) in enumerate(kept):
             idx = bisect.bisect_right(starts, start) - 1
             lineno, body = lines[idx]
@@ -339,20 +375,22 @@ class _Scanner:
             pre = sq[max(0, start - _PRE_SPAN):start]
             draft = _EXTRACT[spec.kind](span, pre, m)
             if draft.kind is Kind.DEVICE_ASSERT:
-                for _, text in lines:
-                    a = _ASSERT_TEXT.search(text)
-                    if a:
-                        draft.details["assertion"] = a.group(1)[:200]
-                        break
+                _add_assertion(draft, lines)
             self._place(draft, st, key, lineno, body)
 
-        # Messages recognised by a whole line; the last two only when no anchor of their kind is here.
-        kinds = {spec.kind for _, spec, _ in kept}
-        cut_async = "allocationondevice" in low and Kind.CUDA_ASYNC_OOM not in kinds
-        bare_env = Kind.MISSING_LAUNCH_ENV not in kinds and "os.environ[" in low
+    def _place_p2p_table(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]], stop_line: int | None,
+                         low: str) -> None:
         if "gpu0" in low and "gpu1" in low and (table := _p2p_table(lines)) is not None:
             if stop_line is None or table[0] < stop_line:
                 self._place(table[2], st, key, table[0], table[1])
+
+    def _place_whole_lines(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]], stop_line: int | None,
+                           low: str, kinds: set[Kind]) -> None:
+        """'Killed', 'Bus error', the cudaMallocAsync message cut at the device, and a bare
+        launcher variable that the code reads with os.environ[...]: each a line of its own."""
+        # The cut message and the bare variable only when no anchor of their kind is here.
+        cut_async = "allocationondevice" in low and Kind.CUDA_ASYNC_OOM not in kinds
+        bare_env = Kind.MISSING_LAUNCH_ENV not in kinds and "os.environ[" in low
         if "killed" not in low and "buserror" not in low and not cut_async and not bare_env:
             return
         for lineno, body in lines:
@@ -361,28 +399,18 @@ class _Scanner:
             b = body.strip().strip(_EMPHASIS).strip()
             if cut_async and _CUT_ASYNC_LINE.search(b):
                 cut_async = False
-                d = _Draft(Kind.CUDA_ASYNC_OOM)
-                d.details["format"] = _CUT_AT_DEVICE
-                d.sig = (None, None)
-                self._place(d, st, key, lineno, body)
+                self._place(_line_draft(Kind.CUDA_ASYNC_OOM, (None, None), "format", _CUT_AT_DEVICE),
+                            st, key, lineno, body)
             elif bare_env and (bare := _BARE_ENV_LINE.match(b)):
                 var = bare.group(1)
                 if f"os.environ[\"{var.lower()}\"]" in low or f"os.environ['{var.lower()}']" in low:
                     bare_env = False
-                    d = _Draft(Kind.MISSING_LAUNCH_ENV)
-                    d.details["variable"] = var
-                    d.sig = (var,)
-                    self._place(d, st, key, lineno, body)
+                    self._place(_line_draft(Kind.MISSING_LAUNCH_ENV, (var,), "variable", var), st, key, lineno, body)
             elif _KILLED_LINE.match(b):
-                d = _Draft(Kind.OOM_KILLER)
-                d.details["source"] = "shell reported 'Killed'"
-                d.sig = ("shell",)
-                self._place(d, st, key, lineno, body)
+                self._place(_line_draft(Kind.OOM_KILLER, ("shell",), "source", "shell reported 'Killed'"),
+                            st, key, lineno, body)
             elif _BUS_ERROR_LINE.match(b):
-                d = _Draft(Kind.SHARED_MEMORY)
-                d.details["signal"] = "Bus error"
-                d.sig = ()
-                self._place(d, st, key, lineno, body)
+                self._place(_line_draft(Kind.SHARED_MEMORY, (), "signal", "Bus error"), st, key, lineno, body)
 
     @staticmethod
     def _absorbed(item: tuple[int, _AnchorSpec, re.Match], kept: list) -> bool:

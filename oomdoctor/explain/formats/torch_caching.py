@@ -339,38 +339,14 @@ def _diag_other_memory(d: _Draft, out: _Out, cap: int | None, free: int | None, 
     """Memory on the card that this process's allocator does not hold: other processes, the
     container PID-namespace look-alike, and non-PyTorch memory."""
     procs = list(d.processes)
-    self_proc = None
-    if this is None and procs and reserved is not None:
-        # No "this process has" sentence: in a container NVML reports host PIDs, so this process
-        # appears as "Process <pid>" - recognisable because it holds ~ its own reserved memory.
-        candidates = [p for p in procs if reserved * 0.95 <= p.bytes <= reserved + _CONTEXT_MARGIN + GiB]
-        if candidates:
-            self_proc = min(candidates, key=lambda p: p.bytes - reserved)
-            procs.remove(self_proc)
-            out.diag("container_pid_namespace",
-                     f"Process {self_proc.pid} ({_F(self_proc.bytes)}) matches this process's own reserved "
-                     f"{_F(reserved)} plus the CUDA context, and the message has no 'this process has' sentence: "
-                     "inside a container NVML reports host PIDs, so this is almost certainly this very process "
-                     "seen through the PID namespace, not a competitor.")
+    self_proc = _container_self(procs, this, reserved, out)
+    if self_proc is not None:
+        procs.remove(self_proc)
     others = sum(p.bytes for p in procs)
     if others:
         out.derived["other_processes"] = others
     if others >= max(256 * MiB, (cap or 0) // 50):
-        listing = ", ".join(f"PID {p.pid}: {_F(p.bytes)}" for p in procs[:6]) + (" ..." if len(procs) > 6 else "")
-        would = ""
-        if req is not None and free is not None:
-            would = (f" Without them this process would have had {_F(free + others)} free - "
-                     + ("enough" if free + others >= req else "still not enough") + f" for the {_F(req)} request.")
-        if len(procs) == 1:
-            who = f"Another process (PID {procs[0].pid}) holds {_F(others)} on {where}."
-        else:
-            who = f"{len(procs)} other processes hold {_F(others)} on {where} ({listing})."
-        out.diag("other_process", f"{who} That is the 'two trainings on one GPU' situation: each job sees only "
-                 f"what the other leaves.{would}")
-        out.fix("one_job_per_gpu", "Give each job its own GPU (CUDA_VISIBLE_DEVICES=0 for one, =1 for the "
-                "other) or stop the other process", others, "about", "faster (no contention for compute either)",
-                _QUALITY_NONE, "nvidia-smi lists who holds memory on which GPU. Two jobs on the same GPUs both "
-                "run out of memory or both crawl.", cost=0, primary=True)
+        _diag_other_processes(out, procs, others, free, req, where)
     if cap is None or free is None:
         return
     used = max(0, cap - free)
@@ -378,40 +354,91 @@ def _diag_other_memory(d: _Draft, out: _Out, cap: int | None, free: int | None, 
         own = this if this is not None else (self_proc.bytes if self_proc else reserved)
         if own is None:
             return
-        unexplained = used - own - others
-        if this is not None and reserved is not None and this - reserved > _CONTEXT_MARGIN + GiB:
-            non_pt = this - reserved
-            out.derived["non_pytorch_in_process"] = non_pt
-            out.diag("non_pytorch_memory",
-                     f"This process holds {_F(non_pt)} outside PyTorch's allocator - far more than a CUDA context "
-                     "(~0.3-1.3 GiB): NCCL buffers, cuDNN/cuBLAS workspaces, or another GPU library in the same "
-                     "process (TensorFlow and JAX preallocate most of the card by default; CuPy, TensorRT).")
-            out.fix("stop_preallocation", "Stop the other GPU library in this process from preallocating "
-                    "(TF: tf.config.experimental.set_memory_growth; JAX: XLA_PYTHON_CLIENT_PREALLOCATE=false)",
-                    non_pt - _CONTEXT_MARGIN, "up to", _SPEED_NONE, _QUALITY_NONE,
-                    "Or load only one framework onto the GPU per process.", cost=0, primary=True)
-        # "this process has" already counts this process's CUDA context, so anything beyond it
-        # (a few hundred MiB tolerance for rounding and driver reservations) belongs to others.
-        if unexplained > max(256 * MiB, cap // 10) and not others:
-            out.derived["outside_allocator"] = unexplained
-            out.diag("invisible_process",
-                     f"{_F(unexplained)} of {where} is in use by something this message does not list: usually "
-                     "another process that NVML cannot see from inside a container, or a display/desktop session "
-                     "on the same GPU.")
-            out.fix("find_gpu_users", "Find and stop what else uses the GPU (nvidia-smi on the host)",
-                    unexplained, "up to", _SPEED_NONE, _QUALITY_NONE,
-                    "Run nvidia-smi outside the container; a notebook kernel that still holds a model is a common "
-                    "culprit.", cost=0, primary=True)
+        _diag_non_pytorch(out, this, reserved)
+        _diag_invisible_process(out, used - own - others, cap, others, where)
     elif reserved is not None:
-        outside = used - reserved
-        if outside > max(_CONTEXT_MARGIN, cap // 10):
-            out.derived["outside_allocator"] = outside
-            out.diag("outside_allocator",
-                     f"{_F(outside)} of {where} is in use but not reserved by this process's PyTorch allocator. "
-                     "The CUDA context explains only ~0.3-1.3 GiB; the rest is another process (two trainings "
-                     "on the same GPU, a notebook kernel still holding a model) or non-PyTorch memory in this "
-                     "process (cuDNN/NCCL workspaces, TensorFlow, TensorRT).")
-            out.fix("find_gpu_users", "Find and stop what else uses the GPU (nvidia-smi), or run each job on its "
-                    "own GPU with CUDA_VISIBLE_DEVICES", outside - 512 * MiB, "up to", _SPEED_NONE, _QUALITY_NONE,
-                    "This message format (torch <= 2.0) does not list processes; nvidia-smi does.",
-                    cost=0, primary=True)
+        _diag_outside_allocator(out, used - reserved, cap, where)
+
+
+def _container_self(procs: list[ProcessUse], this: int | None, reserved: int | None,
+                    out: _Out) -> ProcessUse | None:
+    """The listed process that is this very process seen through a container's PID namespace, if any."""
+    if this is None and procs and reserved is not None:
+        # No "this process has" sentence: in a container NVML reports host PIDs, so this process
+        # appears as "Process <pid>" - recognisable because it holds ~ its own reserved memory.
+        candidates = [p for p in procs if reserved * 0.95 <= p.bytes <= reserved + _CONTEXT_MARGIN + GiB]
+        if candidates:
+            self_proc = min(candidates, key=lambda p: p.bytes - reserved)
+            out.diag("container_pid_namespace",
+                     f"Process {self_proc.pid} ({_F(self_proc.bytes)}) matches this process's own reserved "
+                     f"{_F(reserved)} plus the CUDA context, and the message has no 'this process has' sentence: "
+                     "inside a container NVML reports host PIDs, so this is almost certainly this very process "
+                     "seen through the PID namespace, not a competitor.")
+            return self_proc
+    return None
+
+
+def _diag_other_processes(out: _Out, procs: list[ProcessUse], others: int, free: int | None, req: int | None,
+                          where: str) -> None:
+    """Other processes on the card hold enough to matter: two jobs on one GPU."""
+    listing = ", ".join(f"PID {p.pid}: {_F(p.bytes)}" for p in procs[:6]) + (" ..." if len(procs) > 6 else "")
+    would = ""
+    if req is not None and free is not None:
+        would = (f" Without them this process would have had {_F(free + others)} free - "
+                 + ("enough" if free + others >= req else "still not enough") + f" for the {_F(req)} request.")
+    if len(procs) == 1:
+        who = f"Another process (PID {procs[0].pid}) holds {_F(others)} on {where}."
+    else:
+        who = f"{len(procs)} other processes hold {_F(others)} on {where} ({listing})."
+    out.diag("other_process", f"{who} That is the 'two trainings on one GPU' situation: each job sees only "
+             f"what the other leaves.{would}")
+    out.fix("one_job_per_gpu", "Give each job its own GPU (CUDA_VISIBLE_DEVICES=0 for one, =1 for the "
+            "other) or stop the other process", others, "about", "faster (no contention for compute either)",
+            _QUALITY_NONE, "nvidia-smi lists who holds memory on which GPU. Two jobs on the same GPUs both "
+            "run out of memory or both crawl.", cost=0, primary=True)
+
+
+def _diag_non_pytorch(out: _Out, this: int | None, reserved: int | None) -> None:
+    """torch >= 2.1: this process holds far more than its allocator's reserve plus a CUDA context."""
+    if this is not None and reserved is not None and this - reserved > _CONTEXT_MARGIN + GiB:
+        non_pt = this - reserved
+        out.derived["non_pytorch_in_process"] = non_pt
+        out.diag("non_pytorch_memory",
+                 f"This process holds {_F(non_pt)} outside PyTorch's allocator - far more than a CUDA context "
+                 "(~0.3-1.3 GiB): NCCL buffers, cuDNN/cuBLAS workspaces, or another GPU library in the same "
+                 "process (TensorFlow and JAX preallocate most of the card by default; CuPy, TensorRT).")
+        out.fix("stop_preallocation", "Stop the other GPU library in this process from preallocating "
+                "(TF: tf.config.experimental.set_memory_growth; JAX: XLA_PYTHON_CLIENT_PREALLOCATE=false)",
+                non_pt - _CONTEXT_MARGIN, "up to", _SPEED_NONE, _QUALITY_NONE,
+                "Or load only one framework onto the GPU per process.", cost=0, primary=True)
+
+
+def _diag_invisible_process(out: _Out, unexplained: int, cap: int, others: int, where: str) -> None:
+    """torch >= 2.1: memory in use that neither this process nor a listed process accounts for."""
+    # "this process has" already counts this process's CUDA context, so anything beyond it
+    # (a few hundred MiB tolerance for rounding and driver reservations) belongs to others.
+    if unexplained > max(256 * MiB, cap // 10) and not others:
+        out.derived["outside_allocator"] = unexplained
+        out.diag("invisible_process",
+                 f"{_F(unexplained)} of {where} is in use by something this message does not list: usually "
+                 "another process that NVML cannot see from inside a container, or a display/desktop session "
+                 "on the same GPU.")
+        out.fix("find_gpu_users", "Find and stop what else uses the GPU (nvidia-smi on the host)",
+                unexplained, "up to", _SPEED_NONE, _QUALITY_NONE,
+                "Run nvidia-smi outside the container; a notebook kernel that still holds a model is a common "
+                "culprit.", cost=0, primary=True)
+
+
+def _diag_outside_allocator(out: _Out, outside: int, cap: int, where: str) -> None:
+    """torch <= 2.0 (no process list): memory in use beyond what the allocator reserved."""
+    if outside > max(_CONTEXT_MARGIN, cap // 10):
+        out.derived["outside_allocator"] = outside
+        out.diag("outside_allocator",
+                 f"{_F(outside)} of {where} is in use but not reserved by this process's PyTorch allocator. "
+                 "The CUDA context explains only ~0.3-1.3 GiB; the rest is another process (two trainings "
+                 "on the same GPU, a notebook kernel still holding a model) or non-PyTorch memory in this "
+                 "process (cuDNN/NCCL workspaces, TensorFlow, TensorRT).")
+        out.fix("find_gpu_users", "Find and stop what else uses the GPU (nvidia-smi), or run each job on its "
+                "own GPU with CUDA_VISIBLE_DEVICES", outside - 512 * MiB, "up to", _SPEED_NONE, _QUALITY_NONE,
+                "This message format (torch <= 2.0) does not list processes; nvidia-smi does.",
+                cost=0, primary=True)
