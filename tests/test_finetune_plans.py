@@ -108,24 +108,37 @@ def test_qlora_model_states_per_strategy_by_hand(llama):
         e = par.estimate_strategy(trace, layout, par.Strategy(name, 2), Budget(gpu))
         return [g.resting_state_bytes for g in e.gpus]
     full = PARAMS + TRAINABLE + STATE
-    assert resting("ddp") == [full]                                   # a replica each
+    # The 4-bit weights' statistics (absmax, code tables) are held with the weights, whole on
+    # every rank; the estimator counts the model's buffers (rotary inv_freq) with them.
+    stats = ABSMAX + _codebooks(spec)
+    held = stats + _buffer_bytes(spec)
+    assert resting("ddp") == [full + held]                            # a replica each
     # ZeRO-1 gives each rank whole adapters' state (ZeroRedundancyOptimizer): the two ranks
     # together hold it once, each holds every parameter and gradient.
     z1 = resting("zero1")
-    assert sum(z1) == 2 * (PARAMS + TRAINABLE) + STATE
-    assert resting("zero2")[0] == pytest.approx(PARAMS + (TRAINABLE + STATE) / 2, abs=64 * 8)
-    # ZeRO-3/FSDP shards the frozen 4-bit base too (every storage split in two).
-    assert resting("zero3")[0] == pytest.approx(full / 2, abs=64 * 8)
+    assert sum(z1) == 2 * (PARAMS + held + TRAINABLE) + STATE
+    assert resting("zero2")[0] == pytest.approx(PARAMS + held + (TRAINABLE + STATE) / 2,
+                                                abs=64 * 8)
+    # ZeRO-3/FSDP shards the frozen 4-bit base too (every parameter storage split in two).
+    assert resting("zero3")[0] == pytest.approx(full / 2 + held, abs=64 * 8)
     # recommend's lower bound: the same counts, measured on the built model (no trace).
-    # The quantization statistics stay whole on every rank.
     facts = rec.model_facts(spec, ["bf16"])
     assert facts.num_trainable == LORA
     assert facts.state_bytes("bf16") == (PARAMS, TRAINABLE)
-    stats = ABSMAX + _codebooks(spec)
     assert rec.floor_bytes(facts, "bf16", par.Strategy("ddp", 2)) == full + stats
     assert rec.floor_bytes(facts, "bf16", par.Strategy("zero2", 2)) == \
         PARAMS + (TRAINABLE + STATE) // 2 + stats
     assert rec.floor_bytes(facts, "bf16", par.Strategy("zero3", 2)) == full // 2 + stats
+
+
+def _buffer_bytes(spec) -> int:
+    """The Llama's own buffers (rotary inv_freq and its original copy)."""
+    from oomdoctor.models.training import build_for_training
+    from oomdoctor.sim.device import on_meta
+    from oomdoctor.sim.stepping import unique_storages
+    with on_meta():
+        model, _ = build_for_training(spec, "bf16")
+    return sum(t.untyped_storage().nbytes() for t in unique_storages(model.buffers()).values())
 
 
 def _codebooks(spec) -> int:
@@ -172,3 +185,21 @@ def test_a_model_file_that_moves_its_model_plans_on_two_gpus(tmp_path, command):
     r = _run(*argv, "--gpu", "rtx3090")
     assert r.exit_code == EXIT_OK, r.output
     assert "swap" not in r.output and "error" not in r.output.lower()
+
+
+def test_a_failed_multi_gpu_plan_never_hides_the_single_gpu_probe(monkeypatch):
+    """probe on several GPUs ends with a plan; when that part fails, the finished single-GPU
+    table is still printed, then the plan's error with its own exit code (not a verdict)."""
+    from oomdoctor.cli import EXIT_INTERNAL
+    from oomdoctor.plans import recommend as rec
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("_apply(): Couldn't swap Linear.weight")
+    monkeypatch.setattr(rec, "recommend", broken)
+    mlp = str(Path(__file__).resolve().parent.parent / "sample_models" / "tiny_mlp.py")
+    r = CliRunner().invoke(cli, ["probe", mlp, "--gpu", "rtx3090", "--num-gpus", "2", "-j", "1",
+                                 "--precision", "fp32"])
+    assert r.exit_code == EXIT_INTERNAL
+    assert "max batch" in r.stdout and "recommended" in r.stdout
+    assert "the 2-GPU plan could not be simulated (RuntimeError: _apply()" in r.stderr
+    assert "single-GPU result above stands" in r.stderr

@@ -6,7 +6,8 @@ import sys
 
 import click
 
-from oomdoctor.cli.group import EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, cli
+from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
+                              EXIT_USAGE, cli)
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _detect_gpus, _die, _load_model,
                                    _make_budget, _progress, _slow_trace_progress,
                                    _wants_longest_context)
@@ -141,15 +142,17 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
     if device:     # measures, prints and exits: the plan below would be thrown away
         _measure_probe(spec, base, result, device, max_batch_size, as_json, debug)
     best = probe_mod.recommended(result) if strategy == "single" else None
-    plan = None
+    plan, failed = None, None
     if strategy == "single":
-        plan = _plan_if_several_gpus(spec, best, budget, alloc, base, gpu_name, memory,
-                                     num_gpus, target_batch, jobs, debug)
+        plan, failed = _plan_if_several_gpus(spec, best, budget, alloc, base, gpu_name, memory,
+                                             num_gpus, target_batch, jobs)
     smoke = None
     if run_smoke and best is not None:
         smoke = _smoke_best(spec, best, checkpoint_class, grad_accum, optimizer, budget, alloc,
                             debug)
     _render_probe(result, strategy, best, plan, smoke, as_json)
+    if failed is not None:       # the single-GPU answer above stands; then the plan's error
+        _die(failed[0], debug, failed[1])
     fits = any(r.max_batch_size for r in result.results)
     sys.exit(EXIT_OK if fits and (smoke is None or smoke.ok) else EXIT_PROBLEM)
 
@@ -194,15 +197,28 @@ def _probe_matrix(model_file, precisions, checkpointing, max_batch_size, jobs, s
 
 
 def _plan_if_several_gpus(spec, best, budget, alloc, base, gpu_name, memory, num_gpus,
-                          target_batch, jobs, debug):
+                          target_batch, jobs):
     """The multi-GPU plan of a single-GPU probe, when --num-gpus or the detected GPUs make
-    more than one; None otherwise."""
+    more than one, or why it failed as (error, exit code): a failure there never hides the
+    finished single-GPU table (issue #24). (None, None) on one GPU."""
     detected = _detect_gpus(gpu_name, memory, num_gpus)
     n = num_gpus or (detected[1] if detected else 1)
-    if n > 1:
+    if n <= 1:
+        return None, None
+    from oomdoctor.models.spec import ModelFileError
+    try:
         return _multi_gpu_plan(spec, best, budget, alloc, base, n, detected, target_batch,
-                               jobs, debug)
-    return None
+                               jobs), None
+    except ModelFileError as e:
+        return None, (e, EXIT_MODEL)
+    except ValueError as e:
+        return None, (e, EXIT_USAGE)
+    except Exception as e:     # a construct the planner cannot follow: not a verdict
+        return None, (RuntimeError(
+            f"the {n}-GPU plan could not be simulated ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'}); the "
+            "single-GPU result above stands - report it, or plan with `oomdoctor recommend`"),
+            EXIT_INTERNAL)
 
 
 def _smoke_best(spec, best, checkpoint_class, grad_accum, optimizer, budget, alloc, debug):
@@ -240,30 +256,23 @@ def _render_probe(result, strategy, best, plan, smoke, as_json):
         click.echo("\n" + smoke_mod.render_text(smoke))
 
 
-def _multi_gpu_plan(spec, best, budget, alloc, base, num_gpus, detected, target_batch, jobs,
-                    debug):
+def _multi_gpu_plan(spec, best, budget, alloc, base, num_gpus, detected, target_batch, jobs):
     """The end of a single-GPU probe on N > 1 GPUs: the recommended precision and
     checkpointing (``best``), planned across every strategy (recommend.recommend, restricted)."""
     from dataclasses import replace as dc_replace
 
     from oomdoctor.plans import probe as probe_mod
     from oomdoctor.plans import recommend as rec
-    from oomdoctor.models.spec import ModelFileError
     # Nothing fits one card: plan every precision (sharding or the split may still fit).
     precisions = [best.precision] if best is not None else None
     checkpointing = [best.checkpointing] if best is not None else None
     click.echo(f"planning {num_gpus} GPUs for an effective batch of {target_batch}", err=True)
-    try:
-        hw = rec.hardware(budget.gpu, num_gpus, detected[2] if detected else None,
-                          detected is not None)
-        return rec.recommend(spec, hw, target_batch, budget, precisions, None, alloc,
-                             dc_replace(base, grad_accum=1), checkpointing,
-                             jobs=jobs or probe_mod.default_jobs(), top=5, detail=False,
-                             progress=_progress)
-    except ModelFileError as e:
-        _die(e, debug, EXIT_MODEL)
-    except ValueError as e:
-        _die(e, debug, EXIT_USAGE)
+    hw = rec.hardware(budget.gpu, num_gpus, detected[2] if detected else None,
+                      detected is not None)
+    return rec.recommend(spec, hw, target_batch, budget, precisions, None, alloc,
+                         dc_replace(base, grad_accum=1), checkpointing,
+                         jobs=jobs or probe_mod.default_jobs(), top=5, detail=False,
+                         progress=_progress)
 
 
 def _measure_probe(spec, base, predicted, device, max_batch, as_json, debug):

@@ -344,7 +344,9 @@ def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
                 for fut in as_completed(futures):
                     r = results[futures[fut]] = fut.result()
                     label = f"{r.precision}{' + checkpointing' if r.checkpointing else ''}"
-                    progress(f"{label}: max batch size {r.max_batch_size} "
+                    found = (f"max batch size {r.max_batch_size}" if r.max_batch_size
+                             else "does not fit even at batch 1")
+                    progress(f"{label}: {found} "
                              f"({sum(t.method == 'traced' for t in r.trials)} traces)")
         finally:
             _WORKER_SPEC = None

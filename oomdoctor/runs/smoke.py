@@ -449,8 +449,8 @@ def cpu_has_fast_bf16() -> bool:
 def host_bytes_needed(spec: ModelSpec, cfg: SmokeConfig) -> int:
     """Host memory a CPU smoke needs, roughly: every process holds the full model while it is
     built (params), plus gradients and optimizer state (AdamW: 2 slots) of its share."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode():
+    from oomdoctor.sim.device import on_meta   # builds as the trace does
+    with on_meta():
         model = build_checked_model(spec)
         seen = {p.untyped_storage()._cdata: p.numel() for p in model.parameters()}
     n = sum(seen.values())

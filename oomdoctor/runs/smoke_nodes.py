@@ -125,11 +125,11 @@ def planned_state_bytes(spec: ModelSpec, cfg: SmokeConfig, nodes: int, per_node:
     """Each rank's model states as the plan counts them (the model built on fake tensors):
     the closed form of :func:`oomdoctor.plans.parallel.model_state_floor`, and for ZeRO-1 the whole
     parameters ZeroRedundancyOptimizer gives each rank (:func:`zero_partition`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from oomdoctor.sim.device import on_meta   # builds as the trace does
 
     from oomdoctor.plans.recommend.facts import _state_slots
     world = nodes * per_node
-    with FakeTensorMode():
+    with on_meta():
         model = build_checked_model(spec)
         slots = _state_slots(make_optimizer(spec, model))
         seen = {p.untyped_storage()._cdata: p for p in model.parameters()}

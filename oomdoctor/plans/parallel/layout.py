@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomdoctor.models.spec import ModelSpec
+from oomdoctor.sim.device import dispatch_with_values, mirrored_batch
 
 
 MAIN = -1          # attribution: the main device (accelerate's io_same_device root), not a block
@@ -176,15 +177,15 @@ def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2) 
 
 @contextlib.contextmanager
 def _rebuilt_model(spec: ModelSpec, precision: str) -> Iterator[torch.nn.Module]:
-    """The model built again from the spec, seeded, on fake tensors: the layout's passes run
-    inside this fake mode."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    """The model built again from the spec, seeded, on the meta device as the trace builds it
+    (oomdoctor.sim.device: on fake CPU tensors a user's or peft's ``Module.to`` failed to swap
+    tensors, and 4-bit weights could not be built): the layout's passes run there too."""
     from oomdoctor.models.training import build_for_training
+    from oomdoctor.sim.device import on_meta
 
     gc.collect()
     torch.manual_seed(0)
-    with FakeTensorMode():
+    with on_meta():
         model, _ = build_for_training(spec, precision)
         yield model
 
@@ -236,7 +237,9 @@ def _storages(model: torch.nn.Module, defined: list[str]) -> _Storages:
             param_keys.append(k)
     buffer_names: dict[int, str] = {}
     persistent_names = set(model.state_dict().keys())
-    for n, b in model.named_buffers():
+    # bitsandbytes' quantization statistics, registered by the trace as buffers (same order)
+    from oomdoctor.models.adapters import named_quant_states
+    for n, b in (*model.named_buffers(), *named_quant_states(model)):
         k = b.untyped_storage()._cdata
         if k not in tensors and k not in buffer_names:
             buffer_names[k] = n
@@ -267,8 +270,10 @@ class _Tagger(TorchDispatchMode):
     """Tags every fresh storage with the block running (or last run) when it was made."""
 
     def __init__(self, owner_by_key: dict[int, int]) -> None:
+        from oomdoctor.sim.values import Shadows
         super().__init__()
         self.owner_by_key = owner_by_key
+        self.shadows = Shadows()                # the batch's real values (sim.device)
         self.tags: dict[int, int] = {}
         self.stack: list[int] = []
         self.last = MAIN
@@ -282,7 +287,7 @@ class _Tagger(TorchDispatchMode):
                 k = a.untyped_storage()._cdata
                 if k in self.owner_by_key and k not in self.first_use:
                     self.first_use[k] = tag
-        out = func(*args, **(kwargs or {}))
+        out = dispatch_with_values(self.shadows, func, args, kwargs or {})
         fresh = _fresh(func, self.cache)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for i, o in enumerate(outs):
@@ -310,7 +315,8 @@ def _run(spec: ModelSpec, model: torch.nn.Module, precision: str, defined: list[
     flops = FlopCounterMode(display=False) if backward else contextlib.nullcontext()
     try:
         with flops, tagger:
-            batch = make_configured_batch(spec, b, precision)
+            batch = mirrored_batch(lambda: make_configured_batch(spec, b, precision),
+                                   tagger.shadows)
             with contextlib.ExitStack() as stack:
                 if amp is not None:
                     stack.enter_context(emulate.CudaAutocast(amp))
