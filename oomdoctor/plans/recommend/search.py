@@ -12,7 +12,8 @@ from oomdoctor.plans.estimate import Budget, allocator_conf_string, trace_for
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel import (STRATEGIES, Layout, Sizes, StrategyEstimate, Strategy,
-                                deepspeed_zero3_gpu_bytes, estimate_strategy, model_layout)
+                                estimate_strategy, model_layout)
+from oomdoctor.plans.recommend.alternatives import what_would_fit, zero3_extra
 from oomdoctor.plans.recommend.cost import step_time, throughput
 from oomdoctor.plans.recommend.facts import (_Facts, floor_bytes, model_facts,
                                        tensor_parallel_bytes)
@@ -202,13 +203,13 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
     alternatives: list[str] = []
     offload: tuple[OffloadPlan, ...] = ()
     if best is None:
-        alternatives = _alternatives(facts, hw, budget, alloc, allowed, by_strategy, reference,
-                                     progress)
+        alternatives = what_would_fit(facts, hw, budget, alloc, allowed, by_strategy, reference,
+                                       progress)
         if spec.adapters is None:
             alternatives.append(adapter_alternative(spec, facts, hw, budget, base, alloc,
                                                     progress))
         world = hw.num_gpus * hw.nodes
-        offload = offload_plans(facts, hw, budget, _zero3_extra(by_strategy), host_ram,
+        offload = offload_plans(facts, hw, budget, zero3_extra(by_strategy), host_ram,
                                 per_sample * target_batch / world if per_sample else None,
                                 target_batch)
     return Recommendation(
@@ -459,16 +460,6 @@ def _every_strategy(trace: Trace, layout: Layout, budget: Budget, alloc: Allocat
     return tuple(out)
 
 
-def _zero3_extra(by_strategy: tuple[StrategyEstimate, ...]) -> int | None:
-    """What the traced configuration holds besides model states (activations, temporaries,
-    allocator overhead) on ZeRO-3's fullest GPU; None when it was not traced."""
-    zero3 = [e for e in by_strategy if e.strategy == "zero3"]
-    if not zero3:
-        return None
-    g = max(zero3[0].gpus, key=lambda g: g.peak_reserved_bytes)
-    return g.peak_reserved_bytes - g.model_state_bytes
-
-
 def _tensor_parallel(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[str]
                      ) -> tuple[TensorParallelPlan, ...]:
     """Tensor parallelism of each degree that divides a node's GPUs, DDP across the rest: model
@@ -482,101 +473,3 @@ def _tensor_parallel(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[
         need = tensor_parallel_bytes(facts, p, t)
         out.append(TensorParallelPlan(t, world // t, need, need <= budget.limit_bytes))
     return tuple(out)
-
-
-def _more_gpus(trace: Trace, layout: Layout, hw: Hardware, budget: Budget,
-               alloc: AllocatorConfig, progress: Progress) -> str | None:
-    """The fewest GPUs over which ZeRO-3 fits the traced configuration, each count estimated
-    as the tables are (every sharded state, the foreach temporaries that shard with it, the
-    allocator): N fits and N - 1 does not, both shown. None past MAX_GPUS."""
-    world = hw.num_gpus * hw.nodes
-    cfg = trace.config
-    tried: dict[int, StrategyEstimate] = {}
-
-    def at(n: int) -> StrategyEstimate:
-        if n not in tried:
-            tried[n] = estimate_strategy(trace, layout, Strategy("zero3", n), budget, alloc,
-                                         grad_accum=cfg.grad_accum)
-        return tried[n]
-    progress(f"counting the GPUs ZeRO-3 needs at {cfg.precision}, micro-batch "
-             f"{cfg.batch_size}")
-    gib = 2**30
-    label = f"{cfg.precision}{' + checkpointing' if cfg.checkpointing else ''}"
-    if at(world).fits:      # a strategy left out of the search (--strategy) fits as it is
-        return (f"ZeRO-3/FSDP on these {world} GPUs: {at(world).peak_device_bytes / gib:.1f} "
-                f"GiB on the fullest GPU ({label}, micro-batch {cfg.batch_size})")
-    lo, hi = world, world + 1           # lo: does not fit
-    while not at(hi).fits:
-        if hi >= MAX_GPUS:
-            return None
-        lo, hi = hi, min(2 * hi, MAX_GPUS)
-    while hi - lo > 1:                  # fitting is monotone in N: more shards, less each
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if at(mid).fits else (mid, hi)
-    fit, short = at(hi), at(hi - 1)
-    return (f"more GPUs: ZeRO-3/FSDP over {hi} x {hw.gpu.name} fits: "
-            f"{fit.peak_device_bytes / gib:.1f} GiB on the fullest GPU ({label}, micro-batch "
-            f"{cfg.batch_size}, estimated as the tables are); over {hi - 1} it needs "
-            f"{short.peak_device_bytes / gib:.1f} GiB, over the {budget.limit_bytes / gib:.1f} "
-            "GiB budget")
-
-
-def _more_gpus_by_model_states(facts: _Facts, hw: Hardware, limit: int, precision: str
-                               ) -> str | None:
-    """Without a trace: the GPU count at which ZeRO-3's model states alone fit - a lower
-    bound, and said to be one."""
-    for n in range(hw.num_gpus * hw.nodes + 1, MAX_GPUS + 1):
-        need = floor_bytes(facts, precision, Strategy("zero3", n))
-        if need <= limit:
-            return (f"more GPUs: ZeRO-3/FSDP over at least {n} x {hw.gpu.name}: its model "
-                    f"states alone need about {need / 2**30:.1f} GiB per GPU ({precision}); "
-                    "activations and temporaries come on top - not traced here")
-    return None
-
-
-# The most GPUs "what would fit" looks at: past this, the answer is another plan, not more cards.
-MAX_GPUS = 64
-
-
-def _alternatives(facts: _Facts, hw: Hardware, budget: Budget, alloc: AllocatorConfig,
-                  allowed: list[str], by_strategy: tuple[StrategyEstimate, ...],
-                  reference: tuple[Trace, Layout] | None, progress: Progress) -> list[str]:
-    """What would fit when nothing does, each with its numbers."""
-    out = []
-    lim = budget.limit_bytes
-    p = "bf16-pure" if "bf16-pure" in allowed else allowed[-1]
-    # What the traced configuration holds besides model states (activations, temporaries,
-    # allocator overhead) on the leanest strategy: a realistic margin for the suggestions.
-    extra = _zero3_extra(by_strategy) or 0
-    zero3 = [e for e in by_strategy if e.strategy == "zero3"]
-    world = hw.num_gpus * hw.nodes
-    more = (_more_gpus(*reference, hw, budget, alloc, progress) if reference is not None
-            else _more_gpus_by_model_states(facts, hw, lim, p))
-    if more:
-        out.append(more)
-    for slots, name in ((0, "plain SGD (no momentum: no optimizer state)"),
-                        (1, "SGD with momentum or Adafactor-like state (1 slot)")):
-        for st in (Strategy("zero3", world),) + ((Strategy("pipeline2", 2),)
-                                                 if world == 2 else ()):
-            need = floor_bytes(facts, p, st, slots) + extra
-            if need <= lim:
-                out.append(f"a lighter optimizer: {name} with {st.name} on {world} GPUs "
-                           f"needs about {need / 2**30:.1f} GiB per GPU in {p}"
-                           + ("" if zero3 else " before activations"))
-                break
-        else:
-            continue
-        break
-    temps = max((g.breakdown["temporaries"] for e in zero3 for g in e.gpus), default=0)
-    if temps > lim // 8:
-        out.append(f"a fused optimizer: torch.optim.AdamW(..., fused=True) steps without the "
-                   f"foreach implementation's temporaries ({temps / 2**30:.1f} GiB per GPU at "
-                   "ZeRO-3's peak here)")
-    ds = deepspeed_zero3_gpu_bytes(facts.num_parameters, facts.largest_leaf_params, world,
-                                   offload_optimizer=True)
-    cpu = int(facts.num_parameters * 16 / hw.nodes * 1.5)
-    out.append(f"CPU offload (the plans above): DeepSpeed ZeRO-3 with offload_optimizer=cpu "
-               f"keeps about {ds / 2**30:.1f} GiB of model states per GPU (its estimator: "
-               f"4L + 2P/N) but needs about {cpu / 2**30:.0f} GiB of host RAM per node "
-               "(16P x 1.5) and runs the optimizer on the CPU (slow)")
-    return out
