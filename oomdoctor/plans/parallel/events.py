@@ -51,7 +51,10 @@ class _Context:
                                key=lambda s: s.t_alloc)
         self.first_handle = len(sizes) + 16
         self.with_workspaces = workspaces
-        setup = [s for s in self.storages if s.phase is Phase.SETUP]
+        # The model's parameters and buffers (fp16's GradScaler also makes its scale and growth
+        # tracker during setup: 4-byte temporaries, not the model's).
+        setup = [s for s in self.storages if s.phase is Phase.SETUP
+                 and s.category in (Category.PARAMETERS, Category.BUFFERS)]
         if len(setup) != len(layout.param_owner):
             raise ValueError(f"{layout.model}: the trace registered {len(setup)} parameter/buffer "
                              f"storages, the layout {len(layout.param_owner)}; trace and layout "

@@ -20,8 +20,8 @@ class _Pipeline:
         rows = []          # (t_alloc, t_free, handle, size, key, attr, producer)
         for s in ctx.storages:
             h = s.handle
-            if s.phase is Phase.SETUP:
-                attr = lay.param_owner[ctx.param_index[h]]
+            if s.phase is Phase.SETUP:      # the model's storages; the GradScaler's on main
+                attr = lay.param_owner[ctx.param_index[h]] if h in ctx.param_index else MAIN
             elif s.phase is Phase.DATA:
                 attr = MAIN
             elif s.phase is Phase.FORWARD:
