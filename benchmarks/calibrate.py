@@ -37,12 +37,36 @@ def _driver() -> str | None:
         return None
 
 
+def _write(path: str, doc: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def _context_after(runner, dev) -> int:
+    """The memory outside the allocator once the runs are over. CUDA loads kernel modules
+    lazily (CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7), so the context grows past
+    what it held after the first allocation as cuBLAS, cuDNN and the step's kernels load; the
+    largest batch that fits sees this one."""
+    import torch
+    runner.cleanup()
+    free, total = torch.cuda.mem_get_info(dev)
+    return total - free - torch.cuda.memory_reserved(dev)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", help="sample model names (default: all)")
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 2, 4])
     ap.add_argument("--out", help="output file (default benchmarks/results/<gpu>-<torch>.json)")
     ap.add_argument("--no-max-batch", action="store_true", help="skip measured max-batch searches")
+    ap.add_argument("--search-every", action="store_true",
+                    help="measure the max batch of every configuration, not only fp32 and 16-bit "
+                         "AMP with checkpointing")
+    ap.add_argument("--precisions", nargs="*", help="fp32 fp16 bf16 bf16-pure (default: all the "
+                                                    "card runs)")
     args = ap.parse_args(argv)
 
     import torch
@@ -72,14 +96,24 @@ def main(argv: list[str] | None = None) -> int:
     profile = profile_for_device(props.name, props.total_memory, cc)
     budget = Budget(profile, margin=0.0, context_bytes=context)
     bf16 = torch.cuda.is_bf16_supported()
-    precisions = ["fp32", "fp16"] + (["bf16", "bf16-pure"] if bf16 else [])
+    precisions = args.precisions or ["fp32", "fp16"] + (["bf16", "bf16-pure"] if bf16 else [])
     runner = TorchRunner("cuda:0")
 
     names = args.models or sorted(os.path.splitext(os.path.basename(p))[0]
                                   for p in glob.glob(os.path.join(ROOT, "sample_models", "*.py")))
     if "llama7b" in names and props.total_memory < 80 * 2**30 and not args.models:
         names.remove("llama7b")
-    records = []
+    gpu_slug = re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-")
+    torch_slug = torch.__version__.split("+")[0]
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"{gpu_slug}-{torch_slug}.json")
+    records: list[dict] = []
+    doc = {"schema": SCHEMA_VERSION,
+           "gpu": {"name": props.name, "total_bytes": props.total_memory,
+                   "compute_capability": list(cc), "profile": profile.name,
+                   "context_bytes": context, "driver": _driver(),
+                   "cuda": torch.version.cuda, "torch": torch.__version__,
+                   "python": platform.python_version()},
+           "records": records}
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -107,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
                                     "oom": not t.fits})
                     log(f"{name} {precision} ck={ck} b={b}: allocated {t.max_memory_allocated}"
                         f" reserved {t.max_memory_reserved}{' OOM' if not t.fits else ''}")
+                _write(out, doc)     # after each configuration: a run cut off keeps its records
                 amp16 = "bf16" if bf16 else "fp16"
-                if args.no_max_batch or (precision, ck) not in (("fp32", False), (amp16, True)):
+                searched = args.search_every or (precision, ck) in (("fp32", False), (amp16, True))
+                if args.no_max_batch or not searched:
                     continue
                 if predicted is None or predicted >= MAX_SEARCH:
                     continue                   # nothing fits, or a search the cap would cut
@@ -124,20 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "measured_max_batch": r.max_batch_size,
                                 "predicted_max_batch": predicted})
 
-    gpu_slug = re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-")
-    torch_slug = torch.__version__.split("+")[0]
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"{gpu_slug}-{torch_slug}.json")
-    doc = {"schema": SCHEMA_VERSION,
-           "gpu": {"name": props.name, "total_bytes": props.total_memory,
-                   "compute_capability": list(cc), "profile": profile.name,
-                   "context_bytes": context, "driver": _driver(),
-                   "cuda": torch.version.cuda, "torch": torch.__version__,
-                   "python": platform.python_version()},
-           "records": records}
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+    doc["gpu"]["context_after_bytes"] = _context_after(runner, dev)
+    _write(out, doc)
     log(f"wrote {len(records)} records to {out}")
     return 0
 

@@ -243,8 +243,10 @@ def test_real_cpu_model_errors_propagate(tmp_path):
     ("NVIDIA GeForce RTX 3090", 23 * 2**30, (8, 6), "rtx3090"),
     ("Tesla T4", 14 * 2**30, (7, 5), "t4"),
     ("NVIDIA L4", 22 * 2**30, (8, 9), "l4"),
-    ("NVIDIA H200", 139 * 2**30, (9, 0), "custom"),
-    ("NVIDIA L40S", 44 * 2**30, (8, 9), "custom"),
+    ("NVIDIA H200", 150109880320, (9, 0), "h200"),      # as torch 2.11 reported it
+    ("NVIDIA L40S", 44 * 2**30, (8, 9), "l40s"),
+    ("NVIDIA L40", 44 * 2**30, (8, 9), "custom"),
+    ("NVIDIA GeForce RTX 4080", 15 * 2**30, (8, 9), "rtx4080"),
 ])
 def test_profile_for_device(name, total, cc, key):
     p = profile_for_device(name, total, cc)

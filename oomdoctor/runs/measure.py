@@ -346,16 +346,25 @@ def _double_thenbisect_largest(fits: Callable[[int], bool], max_batch: int) -> t
 
 # Device names as torch.cuda.get_device_name() reports them -> oomdoctor.sim.gpus.PROFILES keys.
 # Checked in order: "A100" before "A10", "L40" must not read as "L4".
+# First match wins, so a name that contains another comes first (L40S before L40 and L4).
+# "NVIDIA H200" is what torch 2.11 reported on an H200 (benchmarks/results/).
 _NAME_RULES: tuple[tuple[str, Callable[[int], str]], ...] = (
     ("H100", lambda total: "h100-80"),
+    ("H200", lambda total: "h200"),
+    ("B200", lambda total: "b200"),
+    ("MI300X", lambda total: "mi300x"),
+    ("MI250", lambda total: "mi250"),
     ("A100", lambda total: "a100-80" if total > 50 * GiB else "a100-40"),
     ("A6000", lambda total: "a6000"),
     ("A10", lambda total: "a10"),
+    ("L40S", lambda total: "l40s"),
     ("L40", lambda total: ""),
     ("L4", lambda total: "l4"),
     ("T4", lambda total: "t4"),
     ("V100", lambda total: "v100-32" if total > 20 * GiB else "v100-16"),
+    ("5090", lambda total: "rtx5090"),
     ("4090", lambda total: "rtx4090"),
+    ("4080", lambda total: "rtx4080"),
     ("3090", lambda total: "rtx3090"),
     ("3060", lambda total: "rtx3060-12"),
 )

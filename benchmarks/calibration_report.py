@@ -1,0 +1,85 @@
+"""Print the simulator's figures next to each committed real-GPU measurement.
+
+    python benchmarks/calibration_report.py                        # every benchmarks/results/*.json
+    python benchmarks/calibration_report.py path/to/results.json
+
+For each record of a calibration file (written by benchmarks/calibrate.py on a CUDA machine):
+the measured max_memory_allocated/reserved, oomdoctor's estimate of the same configuration
+with the torch this process runs, and the error in percent; then the median and worst absolute
+errors. tests/test_calibration.py asserts the tolerances; this prints the figures, including the
+torch the measurement ran on next to the one simulating it.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+MiB = 2**20
+
+
+def report(path: str) -> list[float]:
+    import torch
+
+    from oomdoctor.models.loader import load_model_file
+    from oomdoctor.plans.estimate import Budget, estimate
+    from oomdoctor.runs.measure import profile_for_device
+    from oomdoctor.sim.trace import TraceConfig
+
+    with open(path) as f:
+        doc = json.load(f)
+    gpu = doc["gpu"]
+    profile = profile_for_device(gpu["name"], gpu["total_bytes"], tuple(gpu["compute_capability"]))
+    budget = Budget(profile, margin=0.0, context_bytes=gpu["context_bytes"])
+    print(f"{os.path.basename(path)}: {gpu['name']}, driver {gpu['driver']}, measured with torch "
+          f"{gpu['torch']}; simulated with torch {torch.__version__}")
+    print(f"{'model':<11} {'precision':<9} ck {'batch':>5}  {'alloc MiB':>10} {'pred':>10} "
+          f"{'err':>6}  {'resv MiB':>10} {'pred':>10} {'err':>6}")
+    specs: dict[str, object] = {}
+    errors: list[float] = []
+    for rec in doc["records"]:
+        name = rec["model"]
+        if name not in specs:
+            specs[name] = load_model_file(os.path.join(ROOT, "sample_models", f"{name}.py"))
+        cfg = TraceConfig(rec["batch_size"], precision=rec["precision"],
+                          checkpointing=rec["checkpointing"])
+        e = estimate(specs[name], cfg, budget)
+        row = f"{name:<11} {rec['precision']:<9} {'y' if rec['checkpointing'] else 'n':>2} " \
+              f"{rec['batch_size']:>5}"
+        if rec["oom"]:
+            print(f"{row}  OOM on the GPU; predicted {'fits' if e.fits else 'does not fit'}")
+            continue
+        cells = []
+        for key, pred in (("max_memory_allocated", e.peak_allocated_bytes),
+                          ("max_memory_reserved", e.peak_reserved_bytes)):
+            err = 100 * (pred - rec[key]) / rec[key]
+            errors.append(abs(err))
+            cells.append(f"{rec[key] / MiB:>10.1f} {pred / MiB:>10.1f} {err:>+5.1f}%")
+        extra = ""
+        if rec.get("measured_max_batch") is not None:
+            extra = f"  max batch measured {rec['measured_max_batch']}, " \
+                    f"predicted {rec['predicted_max_batch']} (on the measuring machine)"
+        print(f"{row}  {'  '.join(cells)}{extra}")
+    return errors
+
+
+def main(argv: list[str]) -> int:
+    paths = argv or sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json")))
+    errors: list[float] = []
+    for path in paths:
+        errors += report(path)
+        print()
+    if errors:
+        print(f"{len(errors)} figures: median |error| {statistics.median(errors):.2f}%, "
+              f"worst {max(errors):.2f}%")
+    else:
+        print("no measurements found")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
