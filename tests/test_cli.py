@@ -229,3 +229,31 @@ def test_probe_measured_on_a_device():
         res = run("probe", MLP, "--gpu", "rtx3090", "--precision", "fp32",
                   "--no-checkpointing", "--max-batch-size", "32", "-j", "1", "--device", "cuda")
         assert res.exit_code == 4 and "CUDA" in res.stderr
+
+
+def test_probe_says_its_allocator_setting_and_what_expandable_segments_buy():
+    """Issue #24 item 6: probe says which PYTORCH_CUDA_ALLOC_CONF its numbers assume, and when
+    expandable segments buy the recommended configuration a larger micro-batch it says so, with
+    the same answer `probe --alloc-conf` and `estimate --alloc-conf` give for that setting."""
+    gpt2 = os.path.join(ROOT, "sample_models", "gpt2_small.py")
+    args = ("probe", gpt2, "--gpu", "rtx3090", "--precision", "bf16", "--no-checkpointing",
+            "-j", "1")
+    res = run(*args, "--json")
+    assert res.exit_code == EXIT_OK, res.stderr
+    d = json.loads(res.stdout)
+    gain = d["allocator_gain"]
+    assert d["allocator"] is None and gain["setting"] == "expandable_segments:True"
+    assert gain["default_batch_size"] == d["recommended"]["batch_size"] < gain["batch_size"]
+    text = run(*args).stdout
+    assert "PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's defaults)" in text
+    assert (f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True would allow micro-batch "
+            f"{gain['batch_size']} instead of {gain['default_batch_size']}") in text
+    # With the setting given, probe assumes it, says so, and finds the same batch.
+    res = run(*args, "--alloc-conf", "expandable_segments:True", "--json")
+    d = json.loads(res.stdout)
+    assert d["allocator"] == "expandable_segments:True" and d["allocator_gain"] is None
+    assert d["recommended"]["batch_size"] == gain["batch_size"]
+    for b, code in ((gain["batch_size"], EXIT_OK), (gain["batch_size"] + 1, EXIT_PROBLEM)):
+        res = run("estimate", gpt2, "--gpu", "rtx3090", "--precision", "bf16", "-b", str(b),
+                  "--alloc-conf", "expandable_segments:True")
+        assert res.exit_code == code, (b, res.stdout)

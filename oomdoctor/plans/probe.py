@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.configs import MAX_BATCH
-from oomdoctor.plans.estimate import Budget, Estimate, estimate_trace, trace_for
+from oomdoctor.plans.estimate import Budget, Estimate, allocator_conf_string, estimate_trace, trace_for
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.sim.trace import SpliceMismatch, Trace, TraceConfig
@@ -69,6 +69,15 @@ class ConfigResult:
 
 
 @dataclass(frozen=True)
+class AllocatorGain:
+    """A larger micro-batch for the recommended configuration from an allocator setting."""
+    setting: str                # the PYTORCH_CUDA_ALLOC_CONF value that buys it
+    batch_size: int             # the recommended configuration's max batch with it
+    default_batch_size: int     # ... with the setting the table assumes
+    overhead_bytes: int         # allocator overhead at batch_size with the setting
+
+
+@dataclass(frozen=True)
 class ProbeResult:
     model: str
     gpu: str
@@ -77,6 +86,8 @@ class ProbeResult:
     margin: float
     grad_accum: int
     results: tuple[ConfigResult, ...]
+    allocator: str = ""                      # the PYTORCH_CUDA_ALLOC_CONF the numbers assume
+    allocator_gain: AllocatorGain | None = None
 
     def to_json(self) -> dict[str, Any]:
         best = recommended(self)
@@ -85,6 +96,8 @@ class ProbeResult:
                 "device_total_bytes": self.device_total_bytes,
                 "budget_bytes": self.budget_bytes, "margin": self.margin,
                 "grad_accum": self.grad_accum,
+                "allocator": self.allocator or None,
+                "allocator_gain": None if self.allocator_gain is None else vars(self.allocator_gain),
                 "results": [r.to_json() for r in self.results],
                 "checkpointing": ck.to_json() if ck is not None else None,
                 "recommended": None if best is None else {
@@ -354,8 +367,33 @@ def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
         for i, c in enumerate(cfgs):
             results[i] = _probe_one(spec, c, budget, alloc, progress, max_batch, strategy,
                                     num_gpus)
-    return ProbeResult(spec.name, budget.gpu.name, budget.gpu.total_bytes, budget.limit_bytes,
-                       budget.margin, base.grad_accum, tuple(results))
+    result = ProbeResult(spec.name, budget.gpu.name, budget.gpu.total_bytes,
+                         budget.limit_bytes, budget.margin, base.grad_accum, tuple(results),
+                         allocator_conf_string(alloc))
+    if strategy != "single" or recommended(result) is None or alloc.expandable_segments:
+        return result
+    progress("checking what expandable segments would buy the recommended configuration")
+    return replace(result, allocator_gain=allocator_gain(spec, result, base, budget, alloc,
+                                                         max_batch))
+
+
+def allocator_gain(spec: ModelSpec, r: ProbeResult, base: TraceConfig, budget: Budget,
+                   alloc: AllocatorConfig, max_batch: int = MAX_BATCH) -> AllocatorGain | None:
+    """What expandable segments would buy the recommended configuration, when the probe
+    assumed they are off and they allow a larger micro-batch (one more probe of that one
+    configuration). Fragmentation left between the caching allocator's fixed-size segments is
+    what they remove (docs: "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF")."""
+    best = recommended(r)
+    if best is None or best.capped or alloc.expandable_segments:
+        return None
+    cfg = replace(base, precision=best.precision, checkpointing=best.checkpointing, batch_size=1)
+    other = probe_config(spec, cfg, budget, replace(alloc, expandable_segments=True),
+                         max_batch=max_batch)
+    if not other.max_batch_size or other.max_batch_size <= best.max_batch_size:
+        return None
+    return AllocatorGain(allocator_conf_string(replace(alloc, expandable_segments=True)),
+                         other.max_batch_size, best.max_batch_size,
+                         other.estimate.breakdown["allocator_overhead"])
 
 
 def render_table(r: ProbeResult) -> str:
@@ -390,7 +428,8 @@ def render_table(r: ProbeResult) -> str:
                      f"({sum(t.method == 'traced' for t in c.trials)} traces)"))
     head = (f"{r.model} on {r.gpu}: {format_size(r.device_total_bytes)} capacity, "
             f"{format_size(r.budget_bytes)} for the allocator after the CUDA context and a "
-            f"{r.margin:.0%} margin")
+            f"{r.margin:.0%} margin; PYTORCH_CUDA_ALLOC_CONF "
+            + (f"={r.allocator}" if r.allocator else "unset (PyTorch's defaults)"))
     table = tabulate(rows, headers=("config", "max batch", "reserved", "params", "grads",
                                     "optim", "activ", "temp", "alloc ovh", "peak in"),
                      colalign=("left", "right") + ("right",) * 7 + ("left",))
@@ -494,4 +533,10 @@ def render_recommendation(r: ProbeResult) -> str:
     if other and not best.checkpointing and other[0].max_batch_size > best.max_batch_size:
         lines.append(f"  checkpointing would allow micro-batch {other[0].max_batch_size} at "
                      "about a third more compute per step")
+    gain = r.allocator_gain
+    if gain is not None:
+        lines.append(f"  PYTORCH_CUDA_ALLOC_CONF={gain.setting} would allow micro-batch "
+                     f"{gain.batch_size} instead of {gain.default_batch_size}, the same step with "
+                     f"less fragmentation (allocator overhead {gain.overhead_bytes / 2**30:.2f} GiB there): set "
+                     "it in the environment of the training run")
     return "\n".join(lines)
