@@ -145,9 +145,14 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
 @click.option("--host-ram", metavar="SIZE",
               help="RAM of each node for the CPU offload plans, e.g. 128GiB (default: this "
                    "machine's when planning for its own GPUs).")
+@click.option("--trainings", type=click.IntRange(2), default=None, metavar="N",
+              help="N equal trainings on these GPUs (this one included): compare one per GPU, "
+                   "one after the other, and side by side (memory split N ways, compute "
+                   "time-sliced).")
 @_card_options
 def recommend_command(model_file, target_batch, precisions, strategies, link, top, jobs, quick,
-                      run_smoke, nodes, inter_node, inter_node_gbps, host_ram, gpu_name, memory,
+                      run_smoke, nodes, inter_node, inter_node_gbps, host_ram, trainings,
+                      gpu_name, memory,
                       num_gpus, overhead, other_mem, margin, alloc_conf, checkpoint_class,
                       optimizer, as_json, debug):
     """Recommend precision, checkpointing, strategy, micro-batch and accumulation.
@@ -178,11 +183,19 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
                           detected is not None, nodes, inter_node, inter_node_gbps)
         spec = _load_model(model_file)
         base = TraceConfig(1, "fp32", False, checkpoint_class, 1, optimizer)
-        result = rec.recommend(spec, hw, target_batch, budget, list(precisions) or None,
-                               list(dict.fromkeys(parse_strategy(s) for s in strategies))
-                               or None, alloc, base, jobs=jobs or probe_mod.default_jobs(),
-                               top=top, detail=not quick, progress=_progress,
-                               host_ram=ram, host_ram_source=ram_source)
+        def plan(hw, budget, detail=not quick):
+            return rec.recommend(spec, hw, target_batch, budget, list(precisions) or None,
+                                 list(dict.fromkeys(parse_strategy(s) for s in strategies))
+                                 or None, alloc, base, jobs=jobs or probe_mod.default_jobs(),
+                                 top=top, detail=detail, progress=_progress,
+                                 host_ram=ram, host_ram_source=ram_source)
+        result = plan(hw, budget)
+        shared = None
+        if trainings:
+            from oomdoctor.plans.recommend.sharing import sharing
+            _progress(f"planning {trainings} trainings on these GPUs")
+            shared = sharing(result, hw, budget, trainings,
+                             lambda hw, budget: plan(hw, budget, detail=False))
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
@@ -195,9 +208,14 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
         doc = result.to_json()
         if smoked is not None:
             doc["smoke"] = smoked.to_json()
+        if shared is not None:
+            doc["sharing"] = shared.to_json()
         click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(rec.render_text(result))
+        if shared is not None:
+            from oomdoctor.plans.recommend.sharing import render_sharing
+            click.echo("\n" + render_sharing(shared))
         if smoked is not None:
             from oomdoctor.runs import smoke as smoke_mod
             from oomdoctor.runs import smoke_nodes

@@ -34,7 +34,6 @@ import configparser
 import json
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
@@ -47,6 +46,7 @@ from oomdoctor.plans.estimate import Budget, estimate
 from oomdoctor.sim.gpus import custom_profile, get_profile, parse_size
 from oomdoctor.models.loader import load_model
 from oomdoctor.models.spec import ModelFileError
+from oomdoctor.plans.workers import forked_pool
 from oomdoctor.sim.trace import PRECISIONS, TraceConfig
 
 SCHEMA = 1
@@ -280,8 +280,7 @@ def measure_all(cfg: CheckConfig, jobs: int = 1, progress=lambda _: None) -> lis
     work = [(c, cfg.root) for c in cfg.cases]
     if jobs > 1 and len(work) > 1 and "fork" in multiprocessing.get_all_start_methods():
         progress(f"estimating {len(work)} cases in {min(jobs, len(work))} processes")
-        with ProcessPoolExecutor(min(jobs, len(work)),
-                                 mp_context=multiprocessing.get_context("fork")) as pool:
+        with forked_pool(min(jobs, len(work))) as pool:
             return list(pool.map(_measure_star, work))
     out = []
     for c, root in work:

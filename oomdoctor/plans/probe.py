@@ -15,7 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -24,6 +24,7 @@ from oomdoctor.configs import MAX_BATCH
 from oomdoctor.plans.estimate import Budget, Estimate, allocator_conf_string, estimate_trace, trace_for
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.models.spec import ModelSpec
+from oomdoctor.plans.workers import forked_pool
 from oomdoctor.sim.trace import SpliceMismatch, Trace, TraceConfig
 
 Progress = Callable[[str], None]
@@ -348,8 +349,7 @@ def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
     if jobs > 1 and len(cfgs) > 1 and "fork" in multiprocessing.get_all_start_methods():
         _WORKER_SPEC = spec
         try:
-            with ProcessPoolExecutor(min(jobs, len(cfgs)),
-                                     mp_context=multiprocessing.get_context("fork")) as pool:
+            with forked_pool(min(jobs, len(cfgs))) as pool:
                 futures = {pool.submit(_worker, c, budget, alloc, max_batch, strategy,
                                        num_gpus): i for i, c in enumerate(cfgs)}
                 progress(f"probing {len(cfgs)} configurations in {min(jobs, len(cfgs))} "

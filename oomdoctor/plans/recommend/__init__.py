@@ -32,6 +32,7 @@ The package, in dependency order:
 - :mod:`~oomdoctor.plans.recommend.node_launch`: per-node torchrun lines and a SLURM script;
 - :mod:`~oomdoctor.plans.recommend.launch`: the launch line, code snippet and quality notes;
 - :mod:`~oomdoctor.plans.recommend.offload`: CPU offload plans (GPU, host RAM, rough slowdown);
+- :mod:`~oomdoctor.plans.recommend.sharing`: N trainings on the same GPUs, three ways compared;
 - :mod:`~oomdoctor.plans.recommend.render`: the text report;
 - :mod:`~oomdoctor.plans.recommend.search`: the search and ranking (:func:`recommend`).
 """

@@ -40,24 +40,27 @@ def adapter_alternative(spec: ModelSpec, facts: _Facts, hw: Hardware, budget: Bu
                 "GiB, with gradients and optimizer state only for the adapters; "
                 + missing_library("peft", "tracing it (--lora 16)", e))
     amp = "bf16" if hw.gpu.bf16 else "fp16"
-    cfg = dataclasses.replace(base, batch_size=1, precision=amp, checkpointing=True,
+    # A model without repeated blocks has nothing to checkpoint: trace it without.
+    ck = facts.has_blocks or base.checkpoint_class is not None
+    cfg = dataclasses.replace(base, batch_size=1, precision=amp, checkpointing=ck,
                               grad_accum=1)
+    how = f"{amp}{', checkpointing' if ck else ''}"
     tried = []
     for quantize in (None, "nf4"):
         adapted = dataclasses.replace(spec, adapters=Adapters(RANK, quantize=quantize))
         kind = "QLoRA (nf4)" if quantize else "LoRA"
-        progress(f"tracing {kind} r{RANK} at micro-batch 1 ({amp}, checkpointing)")
+        progress(f"tracing {kind} r{RANK} at micro-batch 1 ({how})")
         try:
             e = estimate(adapted, cfg, budget, alloc)
-        except ModelFileError as err:
+        except (ModelFileError, ValueError) as err:   # e.g. no layer peft can adapt
             return f"train adapters instead (LoRA/QLoRA): could not be traced here ({err})"
         flags = f"--lora {RANK}" + (f" --quantize {quantize}" if quantize else "")
         tried.append(f"{kind} {e.peak_reserved_bytes / 2**30:.1f} GiB")
         if e.fits:
-            return (f"train adapters instead: {kind} r{RANK} ({amp}, checkpointing, "
+            return (f"train adapters instead: {kind} r{RANK} ({how}, "
                     f"micro-batch 1) needs {e.peak_reserved_bytes / 2**30:.1f} GiB on one "
                     f"{hw.gpu.name} (traced with peft/bitsandbytes); find its largest batch "
                     f"with `oomdoctor probe {command_line(spec)}{_gpu_flag(hw)} {flags}`; it "
                     "changes what is trained")
     return (f"train adapters instead: does not fit one {hw.gpu.name} either at micro-batch 1 "
-            f"with checkpointing ({', '.join(tried)} reserved)")
+            f"({how}; {', '.join(tried)} reserved)")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
@@ -25,6 +24,8 @@ from oomdoctor.plans.recommend.offload import offload_plans
 from oomdoctor.plans.recommend.records import (Candidate, Floor, OffloadPlan, Recommendation,
                                          TensorParallelPlan)
 from oomdoctor.plans.recommend.render import _duration
+from oomdoctor.plans.recommend.sharing import other_process_note
+from oomdoctor.plans.workers import forked_pool
 from oomdoctor.sim.trace import Trace, TraceConfig
 
 
@@ -218,7 +219,8 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         _launch(best, hw, spec, facts, allocator_conf_string(alloc)) if best is not None
         else None,
         by_strategy, ref, tuple(floors), tuple(alternatives),
-        tuple(_notes(best, candidates, names, hw, by_strategy, floors)), tuple(errors),
+        tuple(_notes(best, candidates, names, hw, by_strategy, floors)
+              + [n for n in [other_process_note(budget)] if n]), tuple(errors),
         _speedup(best, candidates), hw.nodes, hw.inter_node, hw.inter_node_gbps,
         _tensor_parallel(facts, hw, budget, allowed) if hw.nodes > 1 else (), offload,
         host_ram, host_ram_source, allocator_conf_string(alloc))
@@ -326,8 +328,7 @@ def _search_forked(spec: ModelSpec, hw: Hardware, budget: Budget, alloc: Allocat
     global _WORKER
     _WORKER = (spec, hw, budget, alloc, target, base)
     try:
-        with ProcessPoolExecutor(processes,
-                                 mp_context=multiprocessing.get_context("fork")) as pool:
+        with forked_pool(processes) as pool:
             futures = [pool.submit(_worker, p, ck, feasible[p]) for p, ck in configs]
             return [f.result() for f in futures]
     finally:
