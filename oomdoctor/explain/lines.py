@@ -15,9 +15,18 @@ _PREFIX = re.compile(
     | \[(?:rank|default)\s?(?P<r1>\d+)\]:?                  # [rank3]: / torchrun --tee [default0]:
     | \[Rank\s?(?P<r2>\d+)\]:?                              # [Rank 0] (NCCL, DeepSpeed log_dist)
     | \[\d+,(?P<r3>\d+)\]<std(?:out|err)>:                  # OpenMPI --tag-output
+    | \[(?P<r5>\d+)\]<std(?:out|err)>:                       # horovodrun: [1]<stderr>:
+    | std(?:out|err):\ ?                                    # stderr: (Ray job logs, wrappers)
+    | (?:stdout|stderr)\ [FP]\                              # Kubernetes CRI log: <time> stderr F
+    | [a-z0-9][\w.\-]*?[-_]\d+\s+\|\ ?                      # docker compose: trainer-1  |
     | \((?:[\w.]+\s+)?pid=\d+(?:,\s*ip=[\d.:a-f]+)?\)       # Ray (pid=123) (Worker pid=1, ip=..)
     | (?P<r4>\d{1,4}):\s                                    # srun --label "3: "
     | \[\d{1,9}\]                                           # [123] line numbers or pids
+    | \[\s*\d+\.\d+\]                                        # dmesg: [86400.000037]
+    | \[[A-Z][a-z]{2}\ [A-Z][a-z]{2}\s+\d{1,2}\ [\d:]{8}\ \d{4}\]  # dmesg -T: [Tue Mar 12 14:02:31 2024]
+    # syslog (RFC 3164) and journalctl -o short-iso: time, host, tag[pid]:
+    | (?:[A-Z][a-z]{2}\s+\d{1,2}\ [\d:]{8}|\d{4}-\d\d-\d\dT[\d:]{8}(?:[.,]\d+)?[+-]\d\d:?\d\d)
+      \ [\w.\-]+\ [\w.\-/@]+(?:\[\d+\])?:\ ?
     | \d{4}-\d\d-\d\d[T\ ]\d\d:\d\d:\d\d(?:[.,]\d+)?Z?(?:\s?[+-]\d\d:?\d\d)?(?:\s?[-|:])?  # ISO time
     | \[\d{4}-\d\d-\d\d[T\ ][\d:.,]+\]                      # [2023-10-13 17:40:02,544]
     | \d\d:\d\d:\d\d(?:[.,]\d+)?(?=\s)                      # 23:34:07.661
@@ -28,6 +37,8 @@ _PREFIX = re.compile(
     | \[(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\]  # [ERROR]
     | (?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)(?::[\w.<>]*:|\s*[:|\-]\s|\s)  # ERROR:root:
     | \|\s*(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*\|[^|]*?-\s  # loguru | ERROR | mod:fn:1 -
+    | [\w.<>]+:[\w.<>]+:\d+\ -\                              # loguru's location: mod:fn:12 -
+    | [\w.]+\ -\ (?=(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\ -\ )  # logging: %(name)s - %(levelname)s -
     | E\ {2,}|E\t                                           # pytest
     | >\ ?                                                  # quoted markdown
     | [│┃|]\ ?                                              # rich/box drawing frames
@@ -44,7 +55,7 @@ def _strip_prefixes(text: str) -> tuple[int | None, str]:
         m = _PREFIX.match(text)
         if not m or m.end() == 0:
             break
-        for g in ("r1", "r2", "r3", "r4"):
+        for g in ("r1", "r2", "r3", "r4", "r5"):
             if m.group(g) is not None:
                 rank = int(m.group(g))
         text = text[m.end():]

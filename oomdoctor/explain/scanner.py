@@ -25,6 +25,8 @@ from .sizes import _parse_count
 # A line that starts something of its own, never the wrapped rest of the line before.
 _STARTS_ANEW = re.compile(r"Traceback \(|File \"|During handling|The above exception|[\w.]+(?:Error|Exception|"
                           r"Warning|Interrupt)\b:?")
+# Digits in a line's prefix (timestamps, pids) do not make two prefixes different.
+_DIGITS = re.compile(r"\d+")
 # Markdown emphasis around a whole line ("**Killed**").
 _EMPHASIS = "*_`"
 
@@ -126,6 +128,7 @@ class _Scanner:
         # / "0.30 GiB is allocated by PyTorch, ...").
         self.wrap_rank: int | None = None
         self.wrap_line = -1
+        self.wrap_lead = ""
 
     # batches: a cheap pre-filter decides which lines need real work
     def feed_batch(self, batch: list[str]) -> None:
@@ -184,12 +187,16 @@ class _Scanner:
     def _line(self, raw: str, lineno: int, check: bool = True) -> None:
         if raw.endswith("\n"):
             raw = raw[:-1]
+        if raw.endswith("\r"):
+            raw = raw[:-1]    # CRLF: the line's end, not a carriage return that rewrites it
         if "\x1b" in raw:
             raw = _ANSI.sub("", raw)
         pieces = raw.split("\r") if "\r" in raw else (raw,)
         for piece in pieces:
             if "[rank" in piece or "[default" in piece:
                 parts = [p for p in _RANK_SPLIT.split(piece) if p]
+                if len(parts) > 1 and not _strip_prefixes(parts[0])[1].strip():
+                    parts[:2] = [parts[0] + parts[1]]   # "<time> [rank3]: ...": one line, the time its prefix
             else:
                 parts = [piece]
             for part in parts:
@@ -210,12 +217,16 @@ class _Scanner:
 
     def _logical(self, text: str, lineno: int, check: bool = True) -> None:
         rank, body = _strip_prefixes(text)
+        lead = _DIGITS.sub("0", text[:len(text) - len(body)].strip())
+        # The wrapped rest carries no rank tag of its own: at most the prefix every line of the log
+        # has (a timestamp, a pod name), which is then the start of the previous line's prefix.
         if rank is None and self.wrap_rank is not None and lineno == self.wrap_line + 1 \
-                and body == text.lstrip() and not _STARTS_ANEW.match(body):
+                and self.wrap_lead.startswith(lead) and not _STARTS_ANEW.match(body):
             rank = self.wrap_rank
         tail = body.rstrip()[-1:]
         self.wrap_rank = rank if rank is not None and (tail.isalnum() or tail in ",;(") else None
         self.wrap_line = lineno
+        self.wrap_lead = lead
         if rank is not None and len(self.ranks_seen) < _MAX_RANKS:
             self.ranks_seen.add(rank)
         st = self._state(rank)
