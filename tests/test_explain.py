@@ -398,6 +398,26 @@ EXPECTED = {
                                 first_fix="free_memory_for_nccl", numbers=dict(requested=10485760)),
     "nccl_warn_cuda_failure_oom.log": dict(kind=Kind.NCCL_CUDA_OOM, cause="nccl_buffers_oom",
                                            first_fix="free_memory_for_nccl"),
+    # NCCL's generic codes (issue 22, item 1): tests/test_explain_generalizes.py checks the ladders.
+    "nccl_error1_terminate_rtx4090.log": dict(
+        kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=1), first_fix="nccl_debug_info",
+        details=dict(status="ncclUnhandledCudaError", gpu_model="NVIDIA GeForce RTX 4090")),
+    "nccl_unhandled_last_error_driver.log": dict(
+        kind=Kind.NCCL_ERROR, ranks=(0,), numbers=dict(nccl_result=1), first_fix="match_driver",
+        details=dict(nccl_version="2.21.5")),
+    "horovod_comm_init_unhandled.log": dict(
+        kind=Kind.NCCL_ERROR, ranks=(0, 1), occurrences=2, details=dict(call="ncclCommInitRank")),
+    "nccl_system_error_shm_fallocate.log": dict(
+        kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=2), first_fix="grow_shm",
+        details=dict(nccl_warn="Call to posix_fallocate failed : No space left on device")),
+    "nccl_remote_error.log": dict(kind=Kind.NCCL_ERROR, ranks=(3,), numbers=dict(nccl_result=6),
+                                  causes={"nccl_peer_gone"}),
+    "nccl_invalid_usage_duplicate_gpu.log": dict(kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=5),
+                                                 first_fix="set_device_nccl", causes={"nccl_same_gpu"}),
+    "nccl_internal_error_old.log": dict(kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=3),
+                                        details=dict(nccl_version="2.4.8")),
+    "cupy_nccl_unhandled.log": dict(kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=1),
+                                    details=dict(status="ncclUnhandledCudaError")),
 }
 
 MULTI = {

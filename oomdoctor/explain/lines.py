@@ -1,7 +1,9 @@
 """Reading one line: ANSI codes and prefixes (ranks, timestamps, log levels) off, and the keyword pre-filter."""
 from __future__ import annotations
 
+import bisect
 import re
+from itertools import accumulate
 
 # --- line normalisation ----------------------------------------------------------------------
 
@@ -77,6 +79,12 @@ _KEYWORDS = (
     "parameters:", "batch size", "batch_size",
     "accumulat", "world_size", "world size", "nproc", "unable to write", "unable to find", "tried to",
     "'local_rank'", "keyboardinterrupt", "gpu0", "not supported", "10048", "calloc", "rtx 4000",
+    # NCCL's generic failures (formats/nccl.py): "unhandled cuda/system error", "NCCL error in:",
+    # "NCCL Error 1:", and its WARN lines, which name the failed call; a GPU model to weigh causes by
+    "unhandled", "nccl error", "nccl failure", "nccl warn", "geforce",
+    # any "...Error:" line ("ncclSystemError:", "NCCL_ERROR_REMOTE_ERROR:"), and the last exception of a
+    # log that has no known error (explain/exceptions.py)
+    "error:", "exception:",
 )
 _TRACEBACK_HINTS = ("Traceback (most recent", 'File "', "File ~", "Cell In[", ".py:")
 
@@ -87,3 +95,28 @@ def _has_keyword(text: str) -> bool:
         if k in low:
             return True
     return False
+
+
+def _keyword_lines(text: str, lines: list[str]) -> list[int] | None:
+    """Indices of the `lines` (joined by newlines into `text`) that hold a keyword, in order: one
+    find() pass per keyword over the whole text, instead of a search per line. None when lower-
+    casing changed the text's length (rare Unicode), so offsets cannot be mapped to lines."""
+    low = text.lower()
+    if len(low) != len(text):
+        return None if _has_keyword(text) else []
+    positions: list[int] = []
+    for k in _KEYWORDS:
+        pos = low.find(k)
+        while pos >= 0:
+            positions.append(pos)
+            end = low.find("\n", pos)
+            pos = low.find(k, end + 1) if end >= 0 else -1
+    if not positions:
+        return []
+    starts = [0, *accumulate(len(line) + 1 for line in lines)]
+    return sorted({bisect.bisect_right(starts, pos) - 1 for pos in positions})
+
+
+def _contains(sorted_values: list[int], value: int) -> bool:
+    i = bisect.bisect_left(sorted_values, value)
+    return i < len(sorted_values) and sorted_values[i] == value

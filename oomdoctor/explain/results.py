@@ -33,6 +33,7 @@ class Kind(str, Enum):
     ILLEGAL_MEMORY_ACCESS = "illegal_memory_access"
     DEVICE_ASSERT = "device_side_assert"
     MISALIGNED_ADDRESS = "misaligned_address"
+    NCCL_ERROR = "nccl_error"
 
 
 class Category(str, Enum):
@@ -78,6 +79,7 @@ _KIND_INFO: dict[Kind, tuple[Category, str]] = {
     Kind.ILLEGAL_MEMORY_ACCESS: (Category.NOT_OOM, "Illegal memory access - not an out-of-memory error"),
     Kind.DEVICE_ASSERT: (Category.NOT_OOM, "Device-side assert - not an out-of-memory error"),
     Kind.MISALIGNED_ADDRESS: (Category.NOT_OOM, "Misaligned address - not an out-of-memory error"),
+    Kind.NCCL_ERROR: (Category.LAUNCH, "NCCL error (a CUDA or system call inside NCCL failed)"),
 }
 
 # Keys of Finding.numbers and Finding.derived that hold bytes; every other key is a plain count

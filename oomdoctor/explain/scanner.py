@@ -12,13 +12,15 @@ from .formats.frameworks import _F_TF_INUSE, _F_TF_LIMIT, _F_TF_MAXINUSE
 from .formats.host import _BUS_ERROR_LINE, _KILLED_LINE
 from .formats.launch import _BARE_ENV_LINE, _DP_HANG, _dp_hang_frames, _p2p_table
 from .formats.lookalikes import _ASSERT_TEXT
+from .formats.nccl import _GPU_MODEL, _add_nccl_evidence
 from .formats.patterns import _AnchorSpec
 from .formats.torch_async_mps import _CUT_AT_DEVICE, _CUT_ASYNC_LINE
 from .frames import _CODE_MARKER, _EXC_LINE, _FRAME_RES, _TB_HEADER, _Frame
 from .limits import (_ANCHOR_SPAN, _EXCERPT, _FRAMES_KEEP, _FRAMES_PER_FINDING, _LOOKBACK, _MAX_FINDINGS,
                      _MAX_KEYS, _MAX_LOGICAL, _MAX_RANKS, _PRE_SPAN, _REGION_CARRY, _REGION_GLOBAL_QUIET,
                      _REGION_MAX_CHARS, _REGION_MAX_LINES, _REGION_TAIL, _REGION_TAIL_CHARS, _SUB_BATCH, _TB_REACH)
-from .lines import _ANSI, _RANK_SPLIT, _TRACEBACK_HINTS, _WS, _has_keyword, _strip_prefixes
+from .lines import (_ANSI, _RANK_SPLIT, _TRACEBACK_HINTS, _WS, _contains, _has_keyword, _keyword_lines,
+                    _strip_prefixes)
 from .results import Kind
 from .sizes import _parse_count
 
@@ -123,6 +125,7 @@ class _Scanner:
         self.facts: dict[str, int] = {}
         self.ranks_seen: set[int] = set()
         self.tf_stats: tuple[int, dict[str, int]] | None = None
+        self.gpu_model: str | None = None    # the first GPU model the log names (nvidia-smi, NCCL)
         # A rank-prefixed line that stops mid-sentence, hard-wrapped by a terminal: the next line
         # arrives without the prefix but belongs to the same rank ("... Of the allocated memory 4"
         # / "0.30 GiB is allocated by PyTorch, ...").
@@ -131,19 +134,25 @@ class _Scanner:
         self.wrap_lead = ""
 
     # batches: a cheap pre-filter decides which lines need real work
-    def feed_batch(self, batch: list[str]) -> None:
+    def feed_batch(self, batch: list[str], text: str | None = None) -> None:
+        """Lines (with or without their newline). One pass of the keyword search over the batch
+        says which lines hold a keyword; only those, the lines of open regions and tracebacks,
+        and the last lines before a quiet stretch are looked at one by one."""
         start = self.lineno
-        if self._busy(start) or self._interesting("\n".join(batch)):
+        text = "\n".join(batch) if text is None else text
+        hits = _keyword_lines(text, batch)
+        if hits or self._busy(start) or self._has_traceback(text):
             for i in range(0, len(batch), _SUB_BATCH):
                 sub = batch[i:i + _SUB_BATCH]
-                text = "\n".join(sub)
-                keyword = _has_keyword(text)
-                if not keyword and not self._busy(start + i) and not self._has_traceback(text):
+                keyword = hits is None or bisect.bisect_left(hits, i) < len(hits) and hits[
+                    bisect.bisect_left(hits, i)] < i + _SUB_BATCH
+                if not keyword and not self._busy(start + i) and not self._has_traceback("\n".join(sub)):
                     self._remember_tail(sub, start + i)
                     continue
-                # Without a keyword in the sub-batch no line needs its own keyword check.
                 for j, line in enumerate(sub):
-                    self._line(line, start + i + j + 1, keyword)
+                    # A line the search did not hit has no keyword (ANSI codes may hide one).
+                    check = keyword and (hits is None or "\x1b" in line or _contains(hits, i + j))
+                    self._line(line, start + i + j + 1, check)
         else:
             self._remember_tail(batch, start)
         self.lineno = start + len(batch)
@@ -158,7 +167,7 @@ class _Scanner:
             self._remember_tail(tail, self.lineno)
             self.lineno += len(tail)
             return
-        self.feed_batch(block.split("\n"))
+        self.feed_batch(block.split("\n"), block)
 
     def _busy(self, lineno: int) -> bool:
         busy = False
@@ -387,6 +396,8 @@ class _Scanner:
             draft = _EXTRACT[spec.kind](span, pre, m)
             if draft.kind is Kind.DEVICE_ASSERT:
                 _add_assertion(draft, lines)
+            elif draft.kind is Kind.NCCL_ERROR:
+                _add_nccl_evidence(draft, lines)
             self._place(draft, st, key, lineno, body)
 
     def _place_p2p_table(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]], stop_line: int | None,
@@ -476,6 +487,9 @@ class _Scanner:
                     value = _parse_count(m.group(1))
                     if value is not None and (name.endswith("params") or value < 1_000_000):
                         self.facts[name] = value
+        if self.gpu_model is None and ("geforce" in low or "nvidia" in low or "tesla" in low):
+            found = _GPU_MODEL.search(" ".join(body for _, body in lines))
+            self.gpu_model = found.group(1) if found else None
         if "Limit:" in sq and "InUse:" in sq:
             stats = {}
             for name, rx in (("limit", _F_TF_LIMIT), ("in_use", _F_TF_INUSE), ("max_in_use", _F_TF_MAXINUSE)):
