@@ -125,3 +125,118 @@ def test_nccl_finding_fields_reach_json():
     f = data["findings"][0]
     assert f["kind"] == "nccl_error" and f["numbers"]["nccl_result"] == 1
     assert f["details"]["cuda_failure"].startswith("CUDA driver version is insufficient")
+
+
+# --- 2. kills in every form ------------------------------------------------------------------
+
+@pytest.mark.parametrize("line", [
+    "Killed",
+    "./run.sh: line 7: 48213 Killed                  python preprocess.py",
+    "bash: line 1: 60211 Killed python -u finetune.py --model llama",
+    "[1]+  Killed                  python train.py",
+    "[1]  + 48213 killed     python train.py --bs 64",
+    "zsh: killed     python prep.py --workers 32",
+    "./train.sh: 12: Killed",
+    "Killed: 9",
+    "srun: error: gpu017: task 0: Killed",
+    "Map:  61%|######    | 612000/1000000 [02:11<01:23, 4650.21 examples/s]Killed",
+    "fish: Job 1, 'python train.py' terminated by signal SIGKILL (Forced quit)",
+    "subprocess.CalledProcessError: Command '['python', 'train.py']' died with <Signals.SIGKILL: 9>.",
+    "subprocess.CalledProcessError: Command '['python', 'train.py']' returned non-zero exit status -9.",
+    "  Reason:       OOMKilled",
+    "srun: error: gpu042: task 0: Out Of Memory",
+    "Mar  3 02:17:44 gpu-node-07 kernel: [1840022.551203] Out of memory: Killed process 771204 (python3) "
+    "total-vm:96533448kB, anon-rss:62914560kB, file-rss:0kB, shmem-rss:0kB, UID:1000 pgtables:124880kB "
+    "oom_score_adj:0",
+    "Killed process 30117 (python) total-vm:41943040kB, anon-rss:31457280kB, file-rss:1024kB",
+    "Memory cgroup out of memory: Kill process 2211 (python) score 1000 or sacrifice child",
+])
+def test_every_kill_form_is_a_host_memory_kill(line):
+    f, = ex.explain_text(line + "\n").findings
+    assert f.kind is Kind.OOM_KILLER and f.cause == "host_oom_killer"
+    assert "host RAM" in f.diagnosis[-1].text
+
+
+@pytest.mark.parametrize("line", [
+    "The job was Killed by the admin, we think", "Killed 3 stale sessions in 0.2 s", "killed_count = 0",
+    "DataLoader worker (pid 30731) is killed by signal: Killed.",
+])
+def test_prose_about_killing_is_not_a_shell_kill(line):
+    kinds = [f.kind for f in ex.explain_text(line + "\n").findings]
+    assert Kind.OOM_KILLER not in kinds
+
+
+def test_kernel_numbers_parse_in_every_wording():
+    f = only("kernel3_kill_sacrifice_child.log")
+    assert f.numbers["oom_score"] == 931 and f.numbers["anon_rss"] == 31457280 * 1024
+    assert "which held 30.00 GiB of host RAM" in f.diagnosis[0].text
+    g = only("cgroup_memcg_oom.log")
+    assert g.numbers["cgroup_limit"] == 32 * 2**30 and g.details["constraint"] == "CONSTRAINT_MEMCG"
+
+
+def test_one_kill_reported_by_shell_slurm_and_cgroup_is_one_finding():
+    f = only("slurm_killed_and_oom_event.log")
+    assert f.occurrences == 3 and f.kind is Kind.OOM_KILLER
+    both = "srun: error: gpu017: task 0: Killed\nslurmstepd: error: Detected 1 oom_kill event in StepId=1.0.\n"
+    assert len(ex.explain_text(both).findings) == 1
+
+
+# --- 3. rank failures that are not kills ----------------------------------------------------
+
+def test_exit_code_1_is_not_the_error_and_says_where_it_is():
+    f = only("torchrun_exitcode1_table.log")
+    assert f.occurrences == 2                         # the failure line and the Root Cause table
+    text = f.diagnosis[0].text
+    assert "not the error" in text and "uncaught exception" in text and "Rank(s) 0" in text
+    assert "--log-dir" in f.fixes[0].title and "@record" in f.fixes[1].title
+    assert "TORCHELASTIC_ERROR_FILE" in f.fixes[1].title
+
+
+@pytest.mark.parametrize("name, words", [
+    ("torchrun_sigsegv_sigabrt.log", "segmentation fault"),
+    ("mp_spawn_abort.log", "aborted"),
+    ("deepspeed_return_code_1.log", "uncaught exception"),
+])
+def test_each_exit_code_says_what_it_means(name, words):
+    assert words in only(name).diagnosis[0].text
+
+
+def test_rank_failure_with_its_oom_is_the_oom():
+    text = ("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total "
+            "capacity of 23.69 GiB of which 1.06 GiB is free.\n"
+            "E0611 04:12:09.330000 1 api.py:869] failed (exitcode: 1) local_rank: 1 (pid: 5522) of binary: python\n")
+    assert [f.kind for f in ex.explain_text(text).findings] == [Kind.CUDA_OOM]
+
+
+# --- 5. never "no known error" for a traceback, an Error: line or a kill --------------------
+
+def test_last_exception_says_not_memory_and_why():
+    f = only("traceback_value_error.log")
+    assert f.category is ex.Category.NOT_OOM and f.details["memory_related"] == "no"
+    assert "mat1 and mat2 shapes" in f.details["message"]
+    assert "neither its type nor its message mentions memory" in f.diagnosis[0].text
+    assert "forward() in /home/li/cls/model.py" in f.diagnosis[0].text
+    assert "NOT an out-of-memory error" in ex.render_text(ex.explain_text((LOGS / "traceback_value_error.log")
+                                                                          .read_text()))
+
+
+def test_error_line_with_memory_words_is_possibly_memory():
+    f = only("error_line_memory_words.log")
+    assert f.details["memory_related"] == "possibly" and "'memory'" in f.diagnosis[0].text
+    assert "NOT an out-of-memory error" not in ex.render_text(ex.ExplainResult((f,), 2, {}))
+
+
+@pytest.mark.parametrize("text", [
+    "Traceback (most recent call last):\n  File \"a.py\", line 1, in <module>\nKeyError: 'label'\n",
+    "ValueError: too many values to unpack (expected 2)\n",
+    "Error: no such file: data/train.jsonl\n",
+    "torch.distributed.DistStoreError: Timed out after 901 seconds waiting for clients. 1/2 clients joined.\n",
+])
+def test_a_log_with_an_error_line_always_gets_a_finding(text):
+    f, = ex.explain_text(text).findings
+    assert f.kind is Kind.EXCEPTION and f.details["memory_related"] == "no"
+
+
+def test_the_exception_fallback_stays_out_when_a_known_error_is_found():
+    result = ex.explain_text((LOGS / "torch20_reserved_3090.log").read_text() + "ValueError: later\n")
+    assert [f.kind for f in result.findings] == [Kind.CUDA_OOM]

@@ -85,6 +85,8 @@ _KEYWORDS = (
     # any "...Error:" line ("ncclSystemError:", "NCCL_ERROR_REMOTE_ERROR:"), and the last exception of a
     # log that has no known error (explain/exceptions.py)
     "error:", "exception:",
+    # mp.spawn's "process 0 terminated with exit code 1" / "... with signal SIGSEGV" (formats/kills.py)
+    "terminated with",
 )
 _TRACEBACK_HINTS = ("Traceback (most recent", 'File "', "File ~", "Cell In[", ".py:")
 

@@ -9,7 +9,9 @@ from dataclasses import replace
 from .draft import _compatible, _Draft, _merge
 from .formats import _ABSORBED_BY, _ANCHORS, _EXTRACT
 from .formats.frameworks import _F_TF_INUSE, _F_TF_LIMIT, _F_TF_MAXINUSE
-from .formats.host import _BUS_ERROR_LINE, _KILLED_LINE
+from .exceptions import _exception_draft, _exception_line
+from .formats.host import _BUS_ERROR_LINE
+from .formats.kills import _KILLED_LINE, _add_kill_evidence
 from .formats.launch import _BARE_ENV_LINE, _DP_HANG, _dp_hang_frames, _p2p_table
 from .formats.lookalikes import _ASSERT_TEXT
 from .formats.nccl import _GPU_MODEL, _add_nccl_evidence
@@ -126,6 +128,7 @@ class _Scanner:
         self.ranks_seen: set[int] = set()
         self.tf_stats: tuple[int, dict[str, int]] | None = None
         self.gpu_model: str | None = None    # the first GPU model the log names (nvidia-smi, NCCL)
+        self.last_exception: tuple[int, int | None, str] | None = None   # (line, rank stream, text)
         # A rank-prefixed line that stops mid-sentence, hard-wrapped by a terminal: the next line
         # arrives without the prefix but belongs to the same rank ("... Of the allocated memory 4"
         # / "0.30 GiB is allocated by PyTorch, ...").
@@ -240,6 +243,9 @@ class _Scanner:
             self.ranks_seen.add(rank)
         st = self._state(rank)
         self._track_frames(st, body, lineno)
+        if "rror" in body or "ption" in body or "ailure" in body:
+            if _exception_line(body):
+                self.last_exception = (lineno, rank, body)
         hit = check and _has_keyword(body)
         if st.region is not None:
             st.region.append((lineno, body))
@@ -340,6 +346,12 @@ class _Scanner:
         open_regions = [(st.region[0][0], i, key, st) for i, (key, st) in enumerate(self.keys.items()) if st.region]
         for _, _, key, st in sorted(open_regions):
             self._close(st, key)
+        # Only for a log with no other error: what else is found explains the failure better.
+        if self.last_exception is not None and not any(k is not Kind.RANK_FAILED for k in self.by_kind):
+            lineno, key, body = self.last_exception
+            match = _exception_line(body)
+            if match:
+                self._place(_exception_draft(match), self._state(key), key, lineno, body)
 
     def _process(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]], stop_line: int | None) -> None:
         try:
@@ -398,6 +410,8 @@ class _Scanner:
                 _add_assertion(draft, lines)
             elif draft.kind is Kind.NCCL_ERROR:
                 _add_nccl_evidence(draft, lines)
+            elif draft.kind is Kind.OOM_KILLER:
+                _add_kill_evidence(draft, lines)
             self._place(draft, st, key, lineno, body)
 
     def _place_p2p_table(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]], stop_line: int | None,
@@ -429,7 +443,8 @@ class _Scanner:
                     bare_env = False
                     self._place(_line_draft(Kind.MISSING_LAUNCH_ENV, (var,), "variable", var), st, key, lineno, body)
             elif _KILLED_LINE.match(b):
-                self._place(_line_draft(Kind.OOM_KILLER, ("shell",), "source", "shell reported 'Killed'"),
+                # sig (): the shell's line and the kernel's or Slurm's report of one kill are one finding
+                self._place(_line_draft(Kind.OOM_KILLER, (), "source", "shell reported 'Killed'"),
                             st, key, lineno, body)
             elif _BUS_ERROR_LINE.match(b):
                 self._place(_line_draft(Kind.SHARED_MEMORY, (), "signal", "Bus error"), st, key, lineno, body)
