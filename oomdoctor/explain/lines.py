@@ -79,6 +79,7 @@ _KEYWORDS = (
     "parameters:", "batch size", "batch_size",
     "accumulat", "world_size", "world size", "nproc", "unable to write", "unable to find", "tried to",
     "'local_rank'", "keyboardinterrupt", "gpu0", "not supported", "10048", "calloc", "rtx 4000",
+    # (gates below: keep each keyword's gate a substring of it)
     # NCCL's generic failures (formats/nccl.py): "unhandled cuda/system error", "NCCL error in:",
     # "NCCL Error 1:", and its WARN lines, which name the failed call; a GPU model to weigh causes by
     "unhandled", "nccl error", "nccl failure", "nccl warn", "geforce",
@@ -90,12 +91,25 @@ _KEYWORDS = (
 )
 _TRACEBACK_HINTS = ("Traceback (most recent", 'File "', "File ~", "Cell In[", ".py:")
 
+# Keywords that share a substring rare in healthy logs are searched only when the text has it: one
+# find() instead of several for most of a log (the search is most of explain's time on a big log).
+_GATES = {"kill": ("killed", "sigkill"), "error": ("bus error", "nccl error", "error:"),
+          "not s": ("not set", "not supported"), "param": ("params", "parameters =", "parameters:"),
+          "world": ("world_size", "world size"), "unable to ": ("unable to write", "unable to find")}
+_GATED: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
+    [(gate, members) for gate, members in _GATES.items()]
+    + [(k, (k,)) for k in _KEYWORDS if not any(k in members for members in _GATES.values())])
+assert all(gate in k for gate, members in _GATED for k in members) and \
+    {k for _, members in _GATED for k in members} == set(_KEYWORDS)
+
 
 def _has_keyword(text: str) -> bool:
     low = text.lower()
-    for k in _KEYWORDS:
-        if k in low:
-            return True
+    for gate, members in _GATED:
+        if gate in low:
+            for k in members:
+                if k in low:
+                    return True
     return False
 
 
@@ -107,16 +121,24 @@ def _keyword_lines(text: str, lines: list[str]) -> list[int] | None:
     if len(low) != len(text):
         return None if _has_keyword(text) else []
     positions: list[int] = []
-    for k in _KEYWORDS:
-        pos = low.find(k)
-        while pos >= 0:
-            positions.append(pos)
-            end = low.find("\n", pos)
-            pos = low.find(k, end + 1) if end >= 0 else -1
+    for gate, members in _GATED:
+        if len(members) > 1 and gate not in low:
+            continue
+        for k in members:
+            _find_all(low, k, positions)
     if not positions:
         return []
     starts = [0, *accumulate(len(line) + 1 for line in lines)]
     return sorted({bisect.bisect_right(starts, pos) - 1 for pos in positions})
+
+
+def _find_all(low: str, k: str, positions: list[int]) -> None:
+    """The first position of `k` in each line of `low` that has it."""
+    pos = low.find(k)
+    while pos >= 0:
+        positions.append(pos)
+        end = low.find("\n", pos)
+        pos = low.find(k, end + 1) if end >= 0 else -1
 
 
 def _contains(sorted_values: list[int], value: int) -> bool:

@@ -60,6 +60,11 @@ _FACTS: tuple[tuple[str, str, re.Pattern], ...] = (
 )
 
 
+def _lead(text: str, body: str) -> str:
+    """A line's prefixes, digits made equal (timestamps and pids differ from line to line)."""
+    return _DIGITS.sub("0", text[:len(text) - len(body)].strip())
+
+
 def _squash(lines: list[tuple[int, str]]) -> tuple[str, list[int]]:
     """The region's lines without whitespace, joined, and where each line starts in that text."""
     starts: list[int] = []
@@ -150,14 +155,14 @@ class _Scanner:
                 keyword = hits is None or bisect.bisect_left(hits, i) < len(hits) and hits[
                     bisect.bisect_left(hits, i)] < i + _SUB_BATCH
                 if not keyword and not self._busy(start + i) and not self._has_traceback("\n".join(sub)):
-                    self._remember_tail(sub, start + i)
+                    self._remember_tail(sub, start + i, hits is None)
                     continue
                 for j, line in enumerate(sub):
                     # A line the search did not hit has no keyword (ANSI codes may hide one).
                     check = keyword and (hits is None or "\x1b" in line or _contains(hits, i + j))
                     self._line(line, start + i + j + 1, check)
         else:
-            self._remember_tail(batch, start)
+            self._remember_tail(batch, start, hits is None)
         self.lineno = start + len(batch)
 
     def feed_block(self, block: str) -> None:
@@ -167,7 +172,7 @@ class _Scanner:
             n = block.count("\n") + 1
             tail = block.rsplit("\n", _LOOKBACK)[-_LOOKBACK:]
             self.lineno += n - len(tail)
-            self._remember_tail(tail, self.lineno)
+            self._remember_tail(tail, self.lineno, False)
             self.lineno += len(tail)
             return
         self.feed_batch(block.split("\n"), block)
@@ -190,11 +195,12 @@ class _Scanner:
     def _has_traceback(text: str) -> bool:
         return any(h in text for h in _TRACEBACK_HINTS)
 
-    def _remember_tail(self, lines: list[str], start: int) -> None:
-        # A keyword wrapped across the batch boundary needs the lines just before it.
+    def _remember_tail(self, lines: list[str], start: int, check: bool) -> None:
+        """A keyword wrapped across the batch boundary needs the lines just before it. `check`:
+        whether these lines may hold a keyword (the search found none in them; ANSI codes may hide one)."""
         n = len(lines)
         for j in range(max(0, n - _LOOKBACK), n):
-            self._line(lines[j], start + j + 1)
+            self._line(lines[j], start + j + 1, check or "\x1b" in lines[j])
 
     def _line(self, raw: str, lineno: int, check: bool = True) -> None:
         if raw.endswith("\n"):
@@ -229,16 +235,16 @@ class _Scanner:
 
     def _logical(self, text: str, lineno: int, check: bool = True) -> None:
         rank, body = _strip_prefixes(text)
-        lead = _DIGITS.sub("0", text[:len(text) - len(body)].strip())
         # The wrapped rest carries no rank tag of its own: at most the prefix every line of the log
         # has (a timestamp, a pod name), which is then the start of the previous line's prefix.
         if rank is None and self.wrap_rank is not None and lineno == self.wrap_line + 1 \
-                and self.wrap_lead.startswith(lead) and not _STARTS_ANEW.match(body):
+                and self.wrap_lead.startswith(_lead(text, body)) and not _STARTS_ANEW.match(body):
             rank = self.wrap_rank
         tail = body.rstrip()[-1:]
         self.wrap_rank = rank if rank is not None and (tail.isalnum() or tail in ",;(") else None
         self.wrap_line = lineno
-        self.wrap_lead = lead
+        if self.wrap_rank is not None:
+            self.wrap_lead = _lead(text, body)
         if rank is not None and len(self.ranks_seen) < _MAX_RANKS:
             self.ranks_seen.add(rank)
         st = self._state(rank)
