@@ -398,6 +398,59 @@ EXPECTED = {
                                 first_fix="free_memory_for_nccl", numbers=dict(requested=10485760)),
     "nccl_warn_cuda_failure_oom.log": dict(kind=Kind.NCCL_CUDA_OOM, cause="nccl_buffers_oom",
                                            first_fix="free_memory_for_nccl"),
+    # NCCL's generic codes (issue 22, item 1): tests/test_explain_generalizes.py checks the ladders.
+    "nccl_error1_terminate_rtx4090.log": dict(
+        kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=1), first_fix="nccl_debug_info",
+        details=dict(status="ncclUnhandledCudaError", gpu_model="NVIDIA GeForce RTX 4090")),
+    "nccl_unhandled_last_error_driver.log": dict(
+        kind=Kind.NCCL_ERROR, ranks=(0,), numbers=dict(nccl_result=1), first_fix="match_driver",
+        details=dict(nccl_version="2.21.5")),
+    "horovod_comm_init_unhandled.log": dict(
+        kind=Kind.NCCL_ERROR, ranks=(0, 1), occurrences=2, details=dict(call="ncclCommInitRank")),
+    "nccl_system_error_shm_fallocate.log": dict(
+        kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=2), first_fix="grow_shm",
+        details=dict(nccl_warn="Call to posix_fallocate failed : No space left on device")),
+    "nccl_remote_error.log": dict(kind=Kind.NCCL_ERROR, ranks=(3,), numbers=dict(nccl_result=6),
+                                  causes={"nccl_peer_gone"}),
+    "nccl_invalid_usage_duplicate_gpu.log": dict(kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=5),
+                                                 first_fix="set_device_nccl", causes={"nccl_same_gpu"}),
+    "nccl_internal_error_old.log": dict(kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=3),
+                                        details=dict(nccl_version="2.4.8")),
+    "cupy_nccl_unhandled.log": dict(kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=1),
+                                    details=dict(status="ncclUnhandledCudaError")),
+    # Kills in every form (issue 22, item 2): one finding per event.
+    "shell_kills_every_form.log": dict(kind=Kind.OOM_KILLER, details=dict(source="shell reported 'Killed'")),
+    "zsh_job_table_killed.log": dict(kind=Kind.OOM_KILLER, details=dict(source="shell reported 'Killed'")),
+    "progress_bar_killed.log": dict(kind=Kind.OOM_KILLER, details=dict(source="shell reported 'Killed'")),
+    "sh_dash_killed.log": dict(kind=Kind.OOM_KILLER, details=dict(source="shell reported 'Killed'")),
+    "bash_killed_command_single_space.log": dict(kind=Kind.OOM_KILLER),
+    "fish_sigkill.log": dict(kind=Kind.OOM_KILLER, details=dict(source="shell reported the kill (SIGKILL)")),
+    "accelerate_died_sigkill.log": dict(kind=Kind.OOM_KILLER,
+                                        details=dict(source="launcher reported SIGKILL (exit code -9)")),
+    "syslog_lone_oom_kill.log": dict(
+        kind=Kind.OOM_KILLER, numbers=dict(pid=771204, anon_rss=62914560 * 1024, total_vm=96533448 * 1024),
+        details=dict(source="kernel log (dmesg)", process="python3")),
+    "kernel3_kill_sacrifice_child.log": dict(
+        kind=Kind.OOM_KILLER, numbers=dict(pid=30117, oom_score=931, anon_rss=31457280 * 1024,
+                                           total_vm=41943040 * 1024, file_rss=1024 * 1024),
+        details=dict(process="python")),
+    "cgroup_memcg_oom.log": dict(
+        kind=Kind.OOM_KILLER, numbers=dict(pid=2211, cgroup_limit=33554432 * 1024, cgroup_usage=33554432 * 1024,
+                                           anon_rss=33161216 * 1024),
+        details=dict(constraint="CONSTRAINT_MEMCG",
+                     source="kernel OOM killer inside a cgroup (container/Slurm/Kubernetes memory limit)")),
+    "slurm_killed_and_oom_event.log": dict(kind=Kind.OOM_KILLER, occurrences=3),
+    # Rank failures that are not kills (item 3) and the last exception (item 5).
+    "torchrun_exitcode1_table.log": dict(kind=Kind.RANK_FAILED, ranks=(0,), numbers=dict(exit_code=1),
+                                         first_fix="find_rank_traceback"),
+    "torchrun_sigsegv_sigabrt.log": dict(kind=Kind.RANK_FAILED, ranks=(1,), numbers=dict(exit_code=-11),
+                                         details=dict(signal="SIGSEGV")),
+    "deepspeed_return_code_1.log": dict(kind=Kind.RANK_FAILED, ranks=(1,), numbers=dict(exit_code=1)),
+    "mp_spawn_abort.log": dict(kind=Kind.RANK_FAILED, ranks=(1,), details=dict(signal="SIGABRT")),
+    "traceback_value_error.log": dict(kind=Kind.EXCEPTION, cause="not_memory_related",
+                                      details=dict(exception="RuntimeError", memory_related="no")),
+    "error_line_memory_words.log": dict(kind=Kind.EXCEPTION, cause="unrecognised_possibly_memory",
+                                        details=dict(exception="Error", memory_related="possibly")),
 }
 
 MULTI = {

@@ -237,7 +237,7 @@ def _make_budget(gpu_name, memory, overhead, other_mem, margin):
         if memory:
             gpu = card_for_arch(_card_size(memory), arch)
         elif gpu_name:
-            gpu = get_profile(gpu_name)
+            gpu = _profile_or_suggest(gpu_name)
         else:
             gpu = _local_gpu()
         frac = _share(margin, "--margin")
@@ -252,6 +252,20 @@ def _make_budget(gpu_name, memory, overhead, other_mem, margin):
         return Budget(gpu, frac, overhead_bytes, other)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
+
+
+def _profile_or_suggest(name: str):
+    """get_profile, with the closest known names in the error when NAME is unknown (rtx309 -> rtx3090)."""
+    import difflib
+    try:
+        return get_profile(name)
+    except ValueError as e:
+        key = name.lower().replace("_", "-").replace(" ", "")
+        close = difflib.get_close_matches(key, list(PROFILES), n=3, cutoff=0.6)
+        if not close:
+            raise
+        raise ValueError(f"unknown GPU {name!r}; did you mean {' or '.join(close)}? (--gpu takes one of: "
+                         f"{', '.join(PROFILES)}; or give --memory 24GiB for any card)") from e
 
 
 _MIN_CARD = 2**20     # below 1 MiB --memory is a typo (the tests plan for 40MiB toy cards)

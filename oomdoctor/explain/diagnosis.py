@@ -36,6 +36,7 @@ class _Ctx:
     world: int | None
     kinds: set[Kind]
     memory_ranks: list[int]
+    gpu_model: str | None = None     # the GPU model the log names anywhere
 
 
 class _Out:

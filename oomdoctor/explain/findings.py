@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .diagnosis import _Ctx, _Out
 from .draft import _Draft
-from .formats import _DIAGNOSE
+from .formats import _DIAGNOSE, _EXPLAINED_BY
 from .frames import _phase_of
 from .results import _KIND_INFO, Category, ExplainResult, Finding, Kind
 from .scanner import _Scanner
@@ -35,6 +35,8 @@ def _title(d: _Draft) -> str:
 def _finalise(scanner: _Scanner) -> ExplainResult:
     drafts = sorted((d for ds in scanner.by_kind.values() for d in ds), key=lambda d: d.line)
     kinds = {d.kind for d in drafts}
+    drafts = [d for d in drafts if not kinds & _EXPLAINED_BY.get(d.kind, frozenset())]
+    kinds = {d.kind for d in drafts}
     # A TensorFlow/XLA driver warning is explained by the framework error that follows it.
     if kinds & {Kind.TF_OOM, Kind.JAX_OOM}:
         drafts = [d for d in drafts if not (d.kind is Kind.CUDA_ERROR_OOM
@@ -44,7 +46,7 @@ def _finalise(scanner: _Scanner) -> ExplainResult:
     world = scanner.facts.get("world_size")
     if scanner.ranks_seen:
         world = max(world or 0, max(scanner.ranks_seen) + 1)
-    ctx = _Ctx(scanner.facts, world, kinds, memory_ranks)
+    ctx = _Ctx(scanner.facts, world, kinds, memory_ranks, scanner.gpu_model)
     findings = []
     for d in drafts:
         memory = _KIND_INFO[d.kind][0] in (Category.GPU_MEMORY, Category.HOST_MEMORY)

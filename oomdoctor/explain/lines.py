@@ -1,7 +1,9 @@
 """Reading one line: ANSI codes and prefixes (ranks, timestamps, log levels) off, and the keyword pre-filter."""
 from __future__ import annotations
 
+import bisect
 import re
+from itertools import accumulate
 
 # --- line normalisation ----------------------------------------------------------------------
 
@@ -15,9 +17,18 @@ _PREFIX = re.compile(
     | \[(?:rank|default)\s?(?P<r1>\d+)\]:?                  # [rank3]: / torchrun --tee [default0]:
     | \[Rank\s?(?P<r2>\d+)\]:?                              # [Rank 0] (NCCL, DeepSpeed log_dist)
     | \[\d+,(?P<r3>\d+)\]<std(?:out|err)>:                  # OpenMPI --tag-output
+    | \[(?P<r5>\d+)\]<std(?:out|err)>:                       # horovodrun: [1]<stderr>:
+    | std(?:out|err):\ ?                                    # stderr: (Ray job logs, wrappers)
+    | (?:stdout|stderr)\ [FP]\                              # Kubernetes CRI log: <time> stderr F
+    | [a-z0-9][\w.\-]*?[-_]\d+\s+\|\ ?                      # docker compose: trainer-1  |
     | \((?:[\w.]+\s+)?pid=\d+(?:,\s*ip=[\d.:a-f]+)?\)       # Ray (pid=123) (Worker pid=1, ip=..)
     | (?P<r4>\d{1,4}):\s                                    # srun --label "3: "
     | \[\d{1,9}\]                                           # [123] line numbers or pids
+    | \[\s*\d+\.\d+\]                                        # dmesg: [86400.000037]
+    | \[[A-Z][a-z]{2}\ [A-Z][a-z]{2}\s+\d{1,2}\ [\d:]{8}\ \d{4}\]  # dmesg -T: [Tue Mar 12 14:02:31 2024]
+    # syslog (RFC 3164) and journalctl -o short-iso: time, host, tag[pid]:
+    | (?:[A-Z][a-z]{2}\s+\d{1,2}\ [\d:]{8}|\d{4}-\d\d-\d\dT[\d:]{8}(?:[.,]\d+)?[+-]\d\d:?\d\d)
+      \ [\w.\-]+\ [\w.\-/@]+(?:\[\d+\])?:\ ?
     | \d{4}-\d\d-\d\d[T\ ]\d\d:\d\d:\d\d(?:[.,]\d+)?Z?(?:\s?[+-]\d\d:?\d\d)?(?:\s?[-|:])?  # ISO time
     | \[\d{4}-\d\d-\d\d[T\ ][\d:.,]+\]                      # [2023-10-13 17:40:02,544]
     | \d\d:\d\d:\d\d(?:[.,]\d+)?(?=\s)                      # 23:34:07.661
@@ -28,6 +39,8 @@ _PREFIX = re.compile(
     | \[(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\]  # [ERROR]
     | (?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)(?::[\w.<>]*:|\s*[:|\-]\s|\s)  # ERROR:root:
     | \|\s*(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*\|[^|]*?-\s  # loguru | ERROR | mod:fn:1 -
+    | [\w.<>]+:[\w.<>]+:\d+\ -\                              # loguru's location: mod:fn:12 -
+    | [\w.]+\ -\ (?=(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\ -\ )  # logging: %(name)s - %(levelname)s -
     | E\ {2,}|E\t                                           # pytest
     | >\ ?                                                  # quoted markdown
     | [│┃|]\ ?                                              # rich/box drawing frames
@@ -44,7 +57,7 @@ def _strip_prefixes(text: str) -> tuple[int | None, str]:
         m = _PREFIX.match(text)
         if not m or m.end() == 0:
             break
-        for g in ("r1", "r2", "r3", "r4"):
+        for g in ("r1", "r2", "r3", "r4", "r5"):
             if m.group(g) is not None:
                 rank = int(m.group(g))
         text = text[m.end():]
@@ -66,13 +79,68 @@ _KEYWORDS = (
     "parameters:", "batch size", "batch_size",
     "accumulat", "world_size", "world size", "nproc", "unable to write", "unable to find", "tried to",
     "'local_rank'", "keyboardinterrupt", "gpu0", "not supported", "10048", "calloc", "rtx 4000",
+    # (gates below: keep each keyword's gate a substring of it)
+    # NCCL's generic failures (formats/nccl.py): "unhandled cuda/system error", "NCCL error in:",
+    # "NCCL Error 1:", and its WARN lines, which name the failed call; a GPU model to weigh causes by
+    "unhandled", "nccl error", "nccl failure", "nccl warn", "geforce",
+    # any "...Error:" line ("ncclSystemError:", "NCCL_ERROR_REMOTE_ERROR:"), and the last exception of a
+    # log that has no known error (explain/exceptions.py)
+    "error:", "exception:",
+    # mp.spawn's "process 0 terminated with exit code 1" / "... with signal SIGSEGV" (formats/kills.py)
+    "terminated with",
 )
 _TRACEBACK_HINTS = ("Traceback (most recent", 'File "', "File ~", "Cell In[", ".py:")
+
+# Keywords that share a substring rare in healthy logs are searched only when the text has it: one
+# find() instead of several for most of a log (the search is most of explain's time on a big log).
+_GATES = {"kill": ("killed", "sigkill"), "error": ("bus error", "nccl error", "error:"),
+          "not s": ("not set", "not supported"), "param": ("params", "parameters =", "parameters:"),
+          "world": ("world_size", "world size"), "unable to ": ("unable to write", "unable to find")}
+_GATED: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
+    [(gate, members) for gate, members in _GATES.items()]
+    + [(k, (k,)) for k in _KEYWORDS if not any(k in members for members in _GATES.values())])
+assert all(gate in k for gate, members in _GATED for k in members) and \
+    {k for _, members in _GATED for k in members} == set(_KEYWORDS)
 
 
 def _has_keyword(text: str) -> bool:
     low = text.lower()
-    for k in _KEYWORDS:
-        if k in low:
-            return True
+    for gate, members in _GATED:
+        if gate in low:
+            for k in members:
+                if k in low:
+                    return True
     return False
+
+
+def _keyword_lines(text: str, lines: list[str]) -> list[int] | None:
+    """Indices of the `lines` (joined by newlines into `text`) that hold a keyword, in order: one
+    find() pass per keyword over the whole text, instead of a search per line. None when lower-
+    casing changed the text's length (rare Unicode), so offsets cannot be mapped to lines."""
+    low = text.lower()
+    if len(low) != len(text):
+        return None if _has_keyword(text) else []
+    positions: list[int] = []
+    for gate, members in _GATED:
+        if len(members) > 1 and gate not in low:
+            continue
+        for k in members:
+            _find_all(low, k, positions)
+    if not positions:
+        return []
+    starts = [0, *accumulate(len(line) + 1 for line in lines)]
+    return sorted({bisect.bisect_right(starts, pos) - 1 for pos in positions})
+
+
+def _find_all(low: str, k: str, positions: list[int]) -> None:
+    """The first position of `k` in each line of `low` that has it."""
+    pos = low.find(k)
+    while pos >= 0:
+        positions.append(pos)
+        end = low.find("\n", pos)
+        pos = low.find(k, end + 1) if end >= 0 else -1
+
+
+def _contains(sorted_values: list[int], value: int) -> bool:
+    i = bisect.bisect_left(sorted_values, value)
+    return i < len(sorted_values) and sorted_values[i] == value

@@ -21,6 +21,8 @@ _LABELS = {
     "timeout_ms": "timeout", "elapsed_ms": "ran for", "port": "port", "device": "device index",
     "device_count": "visible devices", "anon_rss": "anon-rss (process RAM)", "total_vm": "total-vm",
     "file_rss": "file-rss", "shmem_rss": "shmem-rss", "pid": "killed PID",
+    "nccl_result": "NCCL result code (ncclResult_t)", "exit_code": "exit code", "oom_score": "OOM score",
+    "cgroup_usage": "cgroup memory usage", "cgroup_limit": "cgroup memory limit",
 }
 
 
@@ -63,7 +65,7 @@ def render_text(result: ExplainResult, headline: str | None = None,
             where.append(f"seen {f.occurrences} times")
         if f.phase:
             where.append("during " + f.phase.value.replace("_", " "))
-        if f.category is Category.NOT_OOM:
+        if f.category is Category.NOT_OOM and f.details.get("memory_related") != "possibly":
             where.append("NOT an out-of-memory error")
         out.append("    " + " | ".join(where))
         out.append("    > " + (f.excerpt if len(f.excerpt) <= 96 else f.excerpt[:93] + "..."))

@@ -33,6 +33,9 @@ class Kind(str, Enum):
     ILLEGAL_MEMORY_ACCESS = "illegal_memory_access"
     DEVICE_ASSERT = "device_side_assert"
     MISALIGNED_ADDRESS = "misaligned_address"
+    NCCL_ERROR = "nccl_error"
+    RANK_FAILED = "rank_failed"
+    EXCEPTION = "unrecognised_exception"
 
 
 class Category(str, Enum):
@@ -78,6 +81,9 @@ _KIND_INFO: dict[Kind, tuple[Category, str]] = {
     Kind.ILLEGAL_MEMORY_ACCESS: (Category.NOT_OOM, "Illegal memory access - not an out-of-memory error"),
     Kind.DEVICE_ASSERT: (Category.NOT_OOM, "Device-side assert - not an out-of-memory error"),
     Kind.MISALIGNED_ADDRESS: (Category.NOT_OOM, "Misaligned address - not an out-of-memory error"),
+    Kind.NCCL_ERROR: (Category.LAUNCH, "NCCL error (a CUDA or system call inside NCCL failed)"),
+    Kind.RANK_FAILED: (Category.LAUNCH, "A rank failed - the launcher's report, not the error itself"),
+    Kind.EXCEPTION: (Category.NOT_OOM, "The log's last error, not a known out-of-memory message"),
 }
 
 # Keys of Finding.numbers and Finding.derived that hold bytes; every other key is a plain count
@@ -87,7 +93,7 @@ BYTE_KEYS = frozenset({
     "private_pools", "this_process", "limit", "other_allocations", "in_use", "max_in_use",
     "total_allocation", "temp_allocation", "parameter_allocation", "other_processes",
     "outside_allocator", "non_pytorch_in_process", "shortfall", "model_states", "activations",
-    "anon_rss", "total_vm", "file_rss", "shmem_rss",
+    "anon_rss", "total_vm", "file_rss", "shmem_rss", "cgroup_usage", "cgroup_limit",
 })
 
 

@@ -9,22 +9,28 @@ from dataclasses import replace
 from .draft import _compatible, _Draft, _merge
 from .formats import _ABSORBED_BY, _ANCHORS, _EXTRACT
 from .formats.frameworks import _F_TF_INUSE, _F_TF_LIMIT, _F_TF_MAXINUSE
-from .formats.host import _BUS_ERROR_LINE, _KILLED_LINE
+from .exceptions import _exception_draft, _exception_line
+from .formats.host import _BUS_ERROR_LINE
+from .formats.kills import _KILLED_LINE, _add_kill_evidence
 from .formats.launch import _BARE_ENV_LINE, _DP_HANG, _dp_hang_frames, _p2p_table
 from .formats.lookalikes import _ASSERT_TEXT
+from .formats.nccl import _GPU_MODEL, _add_nccl_evidence
 from .formats.patterns import _AnchorSpec
 from .formats.torch_async_mps import _CUT_AT_DEVICE, _CUT_ASYNC_LINE
 from .frames import _CODE_MARKER, _EXC_LINE, _FRAME_RES, _TB_HEADER, _Frame
 from .limits import (_ANCHOR_SPAN, _EXCERPT, _FRAMES_KEEP, _FRAMES_PER_FINDING, _LOOKBACK, _MAX_FINDINGS,
                      _MAX_KEYS, _MAX_LOGICAL, _MAX_RANKS, _PRE_SPAN, _REGION_CARRY, _REGION_GLOBAL_QUIET,
                      _REGION_MAX_CHARS, _REGION_MAX_LINES, _REGION_TAIL, _REGION_TAIL_CHARS, _SUB_BATCH, _TB_REACH)
-from .lines import _ANSI, _RANK_SPLIT, _TRACEBACK_HINTS, _WS, _has_keyword, _strip_prefixes
+from .lines import (_ANSI, _RANK_SPLIT, _TRACEBACK_HINTS, _WS, _contains, _has_keyword, _keyword_lines,
+                    _strip_prefixes)
 from .results import Kind
 from .sizes import _parse_count
 
 # A line that starts something of its own, never the wrapped rest of the line before.
 _STARTS_ANEW = re.compile(r"Traceback \(|File \"|During handling|The above exception|[\w.]+(?:Error|Exception|"
                           r"Warning|Interrupt)\b:?")
+# Digits in a line's prefix (timestamps, pids) do not make two prefixes different.
+_DIGITS = re.compile(r"\d+")
 # Markdown emphasis around a whole line ("**Killed**").
 _EMPHASIS = "*_`"
 
@@ -52,6 +58,11 @@ _FACTS: tuple[tuple[str, str, re.Pattern], ...] = (
     ("world|nproc", "world_size",
      re.compile(r"(?:\bworld[_ ]size\s*[=:]|nproc[_-]per[_-]node[= ]|\bWORLD_SIZE=)\s*(\d+)", re.I)),
 )
+
+
+def _lead(text: str, body: str) -> str:
+    """A line's prefixes, digits made equal (timestamps and pids differ from line to line)."""
+    return _DIGITS.sub("0", text[:len(text) - len(body)].strip())
 
 
 def _squash(lines: list[tuple[int, str]]) -> tuple[str, list[int]]:
@@ -121,28 +132,37 @@ class _Scanner:
         self.facts: dict[str, int] = {}
         self.ranks_seen: set[int] = set()
         self.tf_stats: tuple[int, dict[str, int]] | None = None
+        self.gpu_model: str | None = None    # the first GPU model the log names (nvidia-smi, NCCL)
+        self.last_exception: tuple[int, int | None, str] | None = None   # (line, rank stream, text)
         # A rank-prefixed line that stops mid-sentence, hard-wrapped by a terminal: the next line
         # arrives without the prefix but belongs to the same rank ("... Of the allocated memory 4"
         # / "0.30 GiB is allocated by PyTorch, ...").
         self.wrap_rank: int | None = None
         self.wrap_line = -1
+        self.wrap_lead = ""
 
     # batches: a cheap pre-filter decides which lines need real work
-    def feed_batch(self, batch: list[str]) -> None:
+    def feed_batch(self, batch: list[str], text: str | None = None) -> None:
+        """Lines (with or without their newline). One pass of the keyword search over the batch
+        says which lines hold a keyword; only those, the lines of open regions and tracebacks,
+        and the last lines before a quiet stretch are looked at one by one."""
         start = self.lineno
-        if self._busy(start) or self._interesting("\n".join(batch)):
+        text = "\n".join(batch) if text is None else text
+        hits = _keyword_lines(text, batch)
+        if hits or self._busy(start) or self._has_traceback(text):
             for i in range(0, len(batch), _SUB_BATCH):
                 sub = batch[i:i + _SUB_BATCH]
-                text = "\n".join(sub)
-                keyword = _has_keyword(text)
-                if not keyword and not self._busy(start + i) and not self._has_traceback(text):
-                    self._remember_tail(sub, start + i)
+                keyword = hits is None or bisect.bisect_left(hits, i) < len(hits) and hits[
+                    bisect.bisect_left(hits, i)] < i + _SUB_BATCH
+                if not keyword and not self._busy(start + i) and not self._has_traceback("\n".join(sub)):
+                    self._remember_tail(sub, start + i, hits is None)
                     continue
-                # Without a keyword in the sub-batch no line needs its own keyword check.
                 for j, line in enumerate(sub):
-                    self._line(line, start + i + j + 1, keyword)
+                    # A line the search did not hit has no keyword (ANSI codes may hide one).
+                    check = keyword and (hits is None or "\x1b" in line or _contains(hits, i + j))
+                    self._line(line, start + i + j + 1, check)
         else:
-            self._remember_tail(batch, start)
+            self._remember_tail(batch, start, hits is None)
         self.lineno = start + len(batch)
 
     def feed_block(self, block: str) -> None:
@@ -152,10 +172,10 @@ class _Scanner:
             n = block.count("\n") + 1
             tail = block.rsplit("\n", _LOOKBACK)[-_LOOKBACK:]
             self.lineno += n - len(tail)
-            self._remember_tail(tail, self.lineno)
+            self._remember_tail(tail, self.lineno, False)
             self.lineno += len(tail)
             return
-        self.feed_batch(block.split("\n"))
+        self.feed_batch(block.split("\n"), block)
 
     def _busy(self, lineno: int) -> bool:
         busy = False
@@ -175,21 +195,26 @@ class _Scanner:
     def _has_traceback(text: str) -> bool:
         return any(h in text for h in _TRACEBACK_HINTS)
 
-    def _remember_tail(self, lines: list[str], start: int) -> None:
-        # A keyword wrapped across the batch boundary needs the lines just before it.
+    def _remember_tail(self, lines: list[str], start: int, check: bool) -> None:
+        """A keyword wrapped across the batch boundary needs the lines just before it. `check`:
+        whether these lines may hold a keyword (the search found none in them; ANSI codes may hide one)."""
         n = len(lines)
         for j in range(max(0, n - _LOOKBACK), n):
-            self._line(lines[j], start + j + 1)
+            self._line(lines[j], start + j + 1, check or "\x1b" in lines[j])
 
     def _line(self, raw: str, lineno: int, check: bool = True) -> None:
         if raw.endswith("\n"):
             raw = raw[:-1]
+        if raw.endswith("\r"):
+            raw = raw[:-1]    # CRLF: the line's end, not a carriage return that rewrites it
         if "\x1b" in raw:
             raw = _ANSI.sub("", raw)
         pieces = raw.split("\r") if "\r" in raw else (raw,)
         for piece in pieces:
             if "[rank" in piece or "[default" in piece:
                 parts = [p for p in _RANK_SPLIT.split(piece) if p]
+                if len(parts) > 1 and not _strip_prefixes(parts[0])[1].strip():
+                    parts[:2] = [parts[0] + parts[1]]   # "<time> [rank3]: ...": one line, the time its prefix
             else:
                 parts = [piece]
             for part in parts:
@@ -210,16 +235,23 @@ class _Scanner:
 
     def _logical(self, text: str, lineno: int, check: bool = True) -> None:
         rank, body = _strip_prefixes(text)
+        # The wrapped rest carries no rank tag of its own: at most the prefix every line of the log
+        # has (a timestamp, a pod name), which is then the start of the previous line's prefix.
         if rank is None and self.wrap_rank is not None and lineno == self.wrap_line + 1 \
-                and body == text.lstrip() and not _STARTS_ANEW.match(body):
+                and self.wrap_lead.startswith(_lead(text, body)) and not _STARTS_ANEW.match(body):
             rank = self.wrap_rank
         tail = body.rstrip()[-1:]
         self.wrap_rank = rank if rank is not None and (tail.isalnum() or tail in ",;(") else None
         self.wrap_line = lineno
+        if self.wrap_rank is not None:
+            self.wrap_lead = _lead(text, body)
         if rank is not None and len(self.ranks_seen) < _MAX_RANKS:
             self.ranks_seen.add(rank)
         st = self._state(rank)
         self._track_frames(st, body, lineno)
+        if "rror" in body or "ption" in body or "ailure" in body:
+            if _exception_line(body):
+                self.last_exception = (lineno, rank, body)
         hit = check and _has_keyword(body)
         if st.region is not None:
             st.region.append((lineno, body))
@@ -320,6 +352,12 @@ class _Scanner:
         open_regions = [(st.region[0][0], i, key, st) for i, (key, st) in enumerate(self.keys.items()) if st.region]
         for _, _, key, st in sorted(open_regions):
             self._close(st, key)
+        # Only for a log with no other error: what else is found explains the failure better.
+        if self.last_exception is not None and not any(k is not Kind.RANK_FAILED for k in self.by_kind):
+            lineno, key, body = self.last_exception
+            match = _exception_line(body)
+            if match:
+                self._place(_exception_draft(match), self._state(key), key, lineno, body)
 
     def _process(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]], stop_line: int | None) -> None:
         try:
@@ -376,6 +414,10 @@ class _Scanner:
             draft = _EXTRACT[spec.kind](span, pre, m)
             if draft.kind is Kind.DEVICE_ASSERT:
                 _add_assertion(draft, lines)
+            elif draft.kind is Kind.NCCL_ERROR:
+                _add_nccl_evidence(draft, lines)
+            elif draft.kind is Kind.OOM_KILLER:
+                _add_kill_evidence(draft, lines)
             self._place(draft, st, key, lineno, body)
 
     def _place_p2p_table(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]], stop_line: int | None,
@@ -407,7 +449,8 @@ class _Scanner:
                     bare_env = False
                     self._place(_line_draft(Kind.MISSING_LAUNCH_ENV, (var,), "variable", var), st, key, lineno, body)
             elif _KILLED_LINE.match(b):
-                self._place(_line_draft(Kind.OOM_KILLER, ("shell",), "source", "shell reported 'Killed'"),
+                # sig (): the shell's line and the kernel's or Slurm's report of one kill are one finding
+                self._place(_line_draft(Kind.OOM_KILLER, (), "source", "shell reported 'Killed'"),
                             st, key, lineno, body)
             elif _BUS_ERROR_LINE.match(b):
                 self._place(_line_draft(Kind.SHARED_MEMORY, (), "signal", "Bus error"), st, key, lineno, body)
@@ -465,6 +508,9 @@ class _Scanner:
                     value = _parse_count(m.group(1))
                     if value is not None and (name.endswith("params") or value < 1_000_000):
                         self.facts[name] = value
+        if self.gpu_model is None and ("geforce" in low or "nvidia" in low or "tesla" in low):
+            found = _GPU_MODEL.search(" ".join(body for _, body in lines))
+            self.gpu_model = found.group(1) if found else None
         if "Limit:" in sq and "InUse:" in sq:
             stats = {}
             for name, rx in (("limit", _F_TF_LIMIT), ("in_use", _F_TF_INUSE), ("max_in_use", _F_TF_MAXINUSE)):

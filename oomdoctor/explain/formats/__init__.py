@@ -12,8 +12,13 @@ from .host import (_diag_cpu, _diag_dataloader, _diag_oom_killer, _diag_paging, 
 from .launch import _ANCHORS as _LAUNCH_ANCHORS
 from .launch import (_diag_missing_env, _diag_nccl, _diag_nccl_oom, _diag_ordinal, _diag_p2p, _diag_port,
                      _x_missing_env, _x_nccl, _x_nccl_oom, _x_ordinal, _x_p2p, _x_port)
+from ..exceptions import _diag_exception
+from .kills import _ANCHORS as _KILL_ANCHORS
+from .kills import _diag_rank_failed, _x_rank_failed
 from .lookalikes import _ANCHORS as _LOOKALIKE_ANCHORS
 from .lookalikes import _diag_lookalike, _x_assert
+from .nccl import _ANCHORS as _NCCL_ANCHORS
+from .nccl import _diag_nccl_error, _x_nccl_error
 from .patterns import _AnchorSpec, _x_simple
 from .torch_async_mps import _ANCHORS as _ASYNC_MPS_ANCHORS
 from .torch_async_mps import _diag_async, _diag_mps, _x_async, _x_mps
@@ -25,7 +30,7 @@ from .torch_caching import _diag_torch, _x_torch
 # order of the single table they were written as.
 _ANCHORS: tuple[_AnchorSpec, ...] = (
     _CACHING_ANCHORS + _ASYNC_MPS_ANCHORS + _CUDA_ANCHORS + _FRAMEWORK_ANCHORS + _HOST_ANCHORS + _LAUNCH_ANCHORS
-    + _LOOKALIKE_ANCHORS
+    + _LOOKALIKE_ANCHORS + _NCCL_ANCHORS + _KILL_ANCHORS
 )
 
 # An anchor of kind K is dropped when it starts within N squashed characters after a kept anchor
@@ -62,6 +67,8 @@ _EXTRACT = {
     Kind.ILLEGAL_MEMORY_ACCESS: _x_simple(Kind.ILLEGAL_MEMORY_ACCESS),
     Kind.DEVICE_ASSERT: _x_assert,
     Kind.MISALIGNED_ADDRESS: _x_simple(Kind.MISALIGNED_ADDRESS),
+    Kind.NCCL_ERROR: _x_nccl_error,
+    Kind.RANK_FAILED: _x_rank_failed,
 }
 
 
@@ -90,4 +97,19 @@ _DIAGNOSE = {
     Kind.ILLEGAL_MEMORY_ACCESS: _diag_lookalike,
     Kind.DEVICE_ASSERT: _diag_lookalike,
     Kind.MISALIGNED_ADDRESS: _diag_lookalike,
+    Kind.NCCL_ERROR: _diag_nccl_error,
+    Kind.RANK_FAILED: _diag_rank_failed,
+    Kind.EXCEPTION: _diag_exception,
+}
+
+# A finding of kind K is left out when the log has a finding of one of these kinds: the more specific
+# report of the same event. NCCL's generic codes relay the CUDA or system error that its own WARN
+# line names (out of memory, peer access, /dev/shm, a device index), which those kinds explain.
+_EXPLAINED_BY: dict[Kind, frozenset[Kind]] = {
+    Kind.NCCL_ERROR: frozenset({Kind.NCCL_CUDA_OOM, Kind.P2P, Kind.SHARED_MEMORY, Kind.CUDA_ERROR_OOM,
+                                Kind.INVALID_DEVICE_ORDINAL}),
+    # A rank's failed exit and the log's last exception are what is left when nothing known explains the
+    # failure; either one goes with every known error (that rank's error is the known one).
+    Kind.RANK_FAILED: frozenset(Kind) - {Kind.RANK_FAILED, Kind.EXCEPTION},
+    Kind.EXCEPTION: frozenset(Kind) - {Kind.RANK_FAILED, Kind.EXCEPTION},
 }

@@ -37,10 +37,7 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
         r"|exitcode:?-7(?!\d)", _I), absorb=400),
 )
 
-# Anchors matched per (unsquashed) line, for messages whose meaning depends on being alone.
-# bash's job report ("./run.sh: line 7: 48213 Killed   python x.py", "[1]+  Killed ...") or a bare "Killed".
-_KILLED_LINE = re.compile(r"^(?:.*?\bline\s\d+:\s+\d+\s+|\[\d+\]\+?\s+|\+\s+|\d+\s+)?"
-                          r"Killed(?:\s{2,}\S.*|\s+\S+\.py.*)?$")
+# Matched per (unsquashed) line: a message whose meaning depends on being alone (shells' 'Killed': kills.py).
 _BUS_ERROR_LINE = re.compile(r"^(?:.*\s)?Bus error(?: \(core dumped\))?\.?$")
 
 
@@ -92,12 +89,16 @@ def _x_cpu(span: str, pre: str, m: re.Match) -> _Draft:
 def _x_oom_killer(span: str, pre: str, m: re.Match) -> _Draft:
     d = _Draft(Kind.OOM_KILLER)
     text = m.group(0).lower()
-    if "exitcode" in text and "137" not in text or "signal9" in text or "sigkill" in text or "returncode" in text:
+    if text.startswith("killed:9") or text.startswith("terminatedbysignal"):
+        d.details["source"] = "shell reported the kill (SIGKILL)"
+    elif "exitcode" in text and "137" not in text or "signal9" in text or "sigkill" in text or "returncode" in text:
         d.details["source"] = "launcher reported SIGKILL (exit code -9)"
-    elif ("outofmemory:kill" in text or span.lower().startswith("oom-kill:constraint")
-          or pre.lower().endswith("invoked")):
+    elif ("outofmemory:kill" in text or text.startswith("killedprocess") or span.lower().startswith(
+            "oom-kill:constraint") or pre.lower().endswith("invoked")):
         d.details["source"] = "kernel log (dmesg)"
-    elif "oom" in text:
+    elif text.startswith("killed:9") or text.startswith("terminatedbysignal"):
+        d.details["source"] = "shell reported the kill (SIGKILL)"
+    elif "oom" in text or "outofmemory" in text or "out_of_memory" in text:
         d.details["source"] = "scheduler/container OOM kill (Slurm/Kubernetes)"
     else:
         d.details["source"] = "exit status 137 (128 + SIGKILL)"
