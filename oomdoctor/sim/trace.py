@@ -40,6 +40,7 @@ from oomdoctor.sim.recorder import (Category, Phase, PhaseMark, Recorder, Storag
 from oomdoctor.sim.stepping import (compile_notes, every_step, foreach_measured, host_state,
                                 state_bytes, state_tensors, step_notes, unique_storages)
 from oomdoctor.sim.eager import fake_trace
+from oomdoctor.sim.libraries import traced_versions
 from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec
 from oomdoctor.models.training import (build_for_training, compute_loss, make_configured_batch,
                                        make_configured_optimizer)
@@ -98,6 +99,7 @@ class Trace:
     notes: tuple[str, ...]
     flops: int = 0
     raw_events: tuple[tuple[bool, int, int], ...] = ()  # events incl. host-side storages
+    libraries: tuple[tuple[str, str], ...] = ()   # (name, version) traced (sim.libraries)
 
     def phase_at(self, index: int) -> PhaseMark:
         """The phase an event index falls in."""
@@ -354,6 +356,7 @@ def _run_steps(loop: _Loop, notes: list[str]) -> list[torch.optim.Optimizer]:
                     if cfg.emulate_cuda else None)
     try:
         with rec, values.active(rec.shadows), \
+                (emulate.autocast_on_meta() if cfg.emulate_cuda else contextlib.nullcontext()), \
                 every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:
             if loop.scaler is not None:
                 loop.scaler.setup()
@@ -481,7 +484,7 @@ def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
         buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
         gradient_bytes=loop.gradient_bytes, optimizer_state_bytes=state,
         checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),
-        raw_events=tuple(rec.raw))
+        raw_events=tuple(rec.raw), libraries=traced_versions())
 
 
 def _label_activations(rec: Recorder, marks: list[PhaseMark]) -> list[int]:
