@@ -73,3 +73,43 @@ def test_the_cuda_estimate_runs_and_names_the_release(tmp_path, arch, mask):
     out = json.loads(r.stdout)
     assert out["peak_allocated_bytes"] > out["parameter_bytes"]
     assert out["traced_with"]["transformers"] == transformers.__version__
+
+
+def _real_loop_keeping_outputs(path: str, batch_size: int) -> int:
+    """Peak of a real CPU run of the loop users write: ``outputs = model(**batch); loss =
+    outputs.loss; loss.backward(); step(); zero_grad()`` with no ``del outputs, loss``, two
+    steps, measured by torch.profiler (tests/reference.py)."""
+    import torch
+    from reference import _profiled_peak, load
+    mod = load(path)
+    torch.manual_seed(0)
+    model = mod.build_model().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def run():
+        for _ in range(2):
+            batch = mod.make_batch(batch_size)
+            outputs = model(**batch)
+            loss = outputs.loss
+            loss.backward()
+            del batch
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return outputs, loss                 # alive to the end, as in the loop
+    return _profiled_peak(model, run)
+
+
+@pytest.mark.parametrize("arch", ["opt", "bert"])
+def test_keep_outputs_matches_a_real_loop_that_keeps_them(tmp_path, arch):
+    """--keep-outputs: last step's logits (and a decoder's returned key/value cache) live
+    through the next forward. The same loop run for real on the CPU is the reference; without
+    the option the trace is lower by what the note says the kept outputs hold."""
+    from oomdoctor.models.loader import load_model
+    path = arch_file(tmp_path, arch, True)
+    kept = trace_training(load_model(path, keep_outputs=True), TraceConfig(2, emulate_cuda=False))
+    real = _real_loop_keeping_outputs(path, 2)
+    assert abs(kept.peak_live_bytes - real) <= 0.01 * real, (arch, kept.peak_live_bytes, real)
+    plain = trace_training(load_model(path), TraceConfig(2, emulate_cuda=False))
+    logits = 2 * 64 * 512 * 4                       # (B, T, V) fp32, kept from step 1
+    assert kept.peak_live_bytes - plain.peak_live_bytes >= logits
+    assert any(n.startswith("outputs kept") for n in kept.notes)

@@ -171,3 +171,13 @@ def test_every_estimate_names_the_releases_it_traced(command):
     assert f"traced with torch {torch.__version__}" in text.stdout
     doc = json.loads(CliRunner().invoke(cli, [*args, "--json"]).stdout)
     assert doc["traced_with"]["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("command", [["estimate", "-b", "8"],
+                                     ["probe", "--precision", "fp32", "--no-checkpointing"]])
+def test_keep_outputs_is_taken_by_every_command_and_said(command):
+    name, *opts = command
+    r = CliRunner().invoke(cli, [name, MLP, *opts, "--gpu", "rtx3090", "--keep-outputs"])
+    assert r.exit_code == EXIT_OK, r.output
+    if name == "estimate":
+        assert "outputs kept (--keep-outputs" in r.stdout

@@ -29,6 +29,10 @@ class ModelSpec:
     label: str | None = None           # the name to show, when not the file's (Hub ids, configs)
     adapters: Any = None               # LoRA / 4-bit weights (oomdoctor.models.adapters.Adapters)
     origin: tuple | None = None        # load_model's arguments, to rebuild it in a new process
+    # The loop keeps the previous step's outputs and loss alive through the next forward
+    # (`outputs = model(**batch)` without `del outputs, loss`): KEEP_OUTPUTS = True in a model
+    # file, or --keep-outputs.
+    keep_outputs: bool = False
 
     @property
     def name(self) -> str:
