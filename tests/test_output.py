@@ -156,3 +156,28 @@ def test_probe_capped_says_search_cap():
     rec = doc["recommended"]
     assert rec["batch_size"] == 64 and rec["capped"] is True
     assert "search cap" in rec["batch_size_meaning"]
+
+
+@pytest.mark.parametrize("command", [["estimate", "-b", "8"],
+                                     ["probe", "--precision", "fp32", "--no-checkpointing"]])
+def test_every_estimate_names_the_releases_it_traced(command):
+    """The installed code decides the answer (issue #25): text and JSON name the torch that
+    ran the trace (and transformers/peft/bitsandbytes when the step loaded them)."""
+    import torch
+    name, *opts = command
+    args = [name, MLP, *opts, "--gpu", "rtx3090"]
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == EXIT_OK, text.output
+    assert f"traced with torch {torch.__version__}" in text.stdout
+    doc = json.loads(CliRunner().invoke(cli, [*args, "--json"]).stdout)
+    assert doc["traced_with"]["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("command", [["estimate", "-b", "8"],
+                                     ["probe", "--precision", "fp32", "--no-checkpointing"]])
+def test_keep_outputs_is_taken_by_every_command_and_said(command):
+    name, *opts = command
+    r = CliRunner().invoke(cli, [name, MLP, *opts, "--gpu", "rtx3090", "--keep-outputs"])
+    assert r.exit_code == EXIT_OK, r.output
+    if name == "estimate":
+        assert "outputs kept (--keep-outputs" in r.stdout

@@ -361,3 +361,43 @@ def test_estimate_is_silent_when_quick_and_says_where_it_is_when_slow(monkeypatc
     r = CliRunner().invoke(cli, ["estimate", FUSED, "-b", "8", "--gpu", "rtx3090"])
     assert r.exit_code == EXIT_OK
     assert "tracing: step 1/2: data (4 s)" in r.stderr.splitlines()[0]
+
+
+LENGTHS = '''
+import torch
+import torch.nn as nn
+
+
+def build_model():
+    return nn.Sequential(nn.Embedding(100, 256), nn.Linear(256, 256))
+
+
+def make_batch(batch_size):
+    ids = torch.randint(1, 100, (batch_size, 128))
+    ids[:, LONGEST:] = 0                      # right padding after LONGEST tokens
+    return ids
+
+
+def loss_fn(model, ids):
+    # the questions transformers 4.x asks, asked here of a batch made from Python data: a
+    # list index (warn_if_padding_and_no_attention_mask) and tolist(); the sequence is cut to
+    # the longest row, so the answer decides the activations' size
+    if 0 in ids[:, [-1, 0]]:
+        longest = max((ids != torch.tensor(0, device=ids.device)).sum(1).tolist())
+        ids = ids[:, :longest]
+    return model(ids).float().pow(2).mean()
+'''
+
+
+@pytest.mark.parametrize("longest", [32, 128])
+def test_questions_about_python_made_tensors_get_the_batch_answer(tmp_path, longest):
+    """Indexing with a list, torch.tensor(...) and tolist() make or read tensors where the
+    dispatcher shows no op (oomdoctor.sim.values.Calls): the trace must still take the real
+    batch's branch - here, cut the sequence to its longest row - as a real CPU run does."""
+    path = tmp_path / "lengths.py"
+    path.write_text(LENGTHS.replace("LONGEST", str(longest)))
+    sim = trace_training(load_model_file(str(path)), TraceConfig(4, emulate_cuda=False))
+    real = real_cpu_peak(str(path), 4)
+    assert within(sim.peak_live_bytes, real, 0.01), (longest, sim.peak_live_bytes, real)
+    cuda = trace_training(load_model_file(str(path)), TraceConfig(4))   # the meta device
+    assert any("answered from the batch's real values" in n for n in cuda.notes)

@@ -88,6 +88,11 @@ def _source_options(f):
                      help="Store the frozen linear layers 4-bit (nf4, fp4: QLoRA with --lora; "
                           "they compute in the AMP dtype) or 8-bit (int8: LLM.int8, "
                           "load_in_8bit) with bitsandbytes."),
+        click.option("--keep-outputs", is_flag=True, expose_value=False, callback=_remember,
+                     is_eager=True,
+                     help="The loop keeps the previous step's outputs and loss alive through "
+                          "the next forward (`outputs = model(**batch)` without `del outputs, "
+                          "loss`), as KEEP_OUTPUTS = True in a model file does."),
         click.option("--double-quant", is_flag=True, expose_value=False, callback=_remember,
                      is_eager=True,
                      help="With --quantize: quantize the 4-bit weights' scales too "
@@ -111,7 +116,8 @@ def _load_model(source: str, longest: bool = False):
                                    "context that fits); give a token count here")
         seq_len = None
     return load_model(source, task=opts.get("task"), seq_len=seq_len, adapters=_adapters(opts),
-                      image_size=opts.get("image_size"), num_classes=opts.get("num_classes"))
+                      image_size=opts.get("image_size"), num_classes=opts.get("num_classes"),
+                      keep_outputs=bool(opts.get("keep_outputs")))
 
 
 def _wants_longest_context() -> bool:

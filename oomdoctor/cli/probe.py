@@ -232,6 +232,7 @@ def _smoke_best(spec, best, checkpoint_class, grad_accum, optimizer, budget, all
 def _render_probe(result, strategy, best, plan, smoke, as_json):
     """The probe's table and recommendation, then the multi-GPU plan and the smoke run (or all
     of them as one JSON document)."""
+    from oomdoctor.plans import estimate as estimate_mod
     from oomdoctor.plans import probe as probe_mod
     if as_json:
         doc = result.to_json()
@@ -254,6 +255,8 @@ def _render_probe(result, strategy, best, plan, smoke, as_json):
     if smoke is not None:
         from oomdoctor.runs import smoke as smoke_mod
         click.echo("\n" + smoke_mod.render_text(smoke))
+    if result.traced_with:
+        click.echo(estimate_mod.traced_with_text(result.traced_with))
 
 
 def _multi_gpu_plan(spec, best, budget, alloc, base, num_gpus, detected, target_batch, jobs):

@@ -35,12 +35,13 @@ from oomdoctor.models.spec import ModelFileError, ModelSpec, first_line, moves_t
 
 def load_model(source: str, *, task: str | None = None, seq_len: int | None = None,
                adapters: Any = None, image_size: int | None = None,
-               num_classes: int | None = None) -> ModelSpec:
+               num_classes: int | None = None, keep_outputs: bool = False) -> ModelSpec:
     """A model file (``.py``), a Hugging Face id / config folder / ``config.json`` (``task``
     and ``seq_len`` apply to those; ``image_size`` and ``num_classes`` to its image
     classifiers), or ``timm:NAME`` / ``torchvision:NAME`` (``image_size``, ``num_classes``);
     see :mod:`oomdoctor.models.huggingface` and :mod:`oomdoctor.models.vision`. ``adapters``
-    (:class:`oomdoctor.models.adapters.Adapters`): train it with LoRA / on 4-bit weights."""
+    (:class:`oomdoctor.models.adapters.Adapters`): train it with LoRA / on 4-bit weights.
+    ``keep_outputs``: the loop keeps last step's outputs (as the file's KEEP_OUTPUTS does)."""
     is_vision = vision.is_vision(source)
     if (task or seq_len) and is_vision:
         raise ModelFileError(f"{source}: --task and --seq-len apply to Hugging Face models; "
@@ -58,8 +59,9 @@ def load_model(source: str, *, task: str | None = None, seq_len: int | None = No
         spec = load_model_file(source)
     else:
         spec = huggingface.load_hf(source, task, seq_len, image_size, num_classes)
-    return dataclasses.replace(spec, adapters=adapters,
-                               origin=(source, task, seq_len, image_size, num_classes))
+    keep = spec.keep_outputs or keep_outputs
+    return dataclasses.replace(spec, adapters=adapters, keep_outputs=keep,
+                               origin=(source, task, seq_len, image_size, num_classes, keep))
 
 
 def for_process(spec: ModelSpec, start_method: str) -> ModelSpec | tuple:
@@ -80,19 +82,20 @@ def command_line(spec: ModelSpec) -> str:
     says its own)."""
     if spec.origin is None:
         return spec.path
-    source, task, seq_len, image_size, num_classes = spec.origin
+    source, task, seq_len, image_size, num_classes, keep = spec.origin
     flags = [("--task", task), ("--seq-len", seq_len), ("--image-size", image_size),
              ("--num-classes", num_classes)]
-    return " ".join([shlex.quote(source)] + [f"{k} {v}" for k, v in flags if v is not None])
+    return " ".join([shlex.quote(source)] + [f"{k} {v}" for k, v in flags if v is not None]
+                    + (["--keep-outputs"] if keep else []))
 
 
 def in_process(source: ModelSpec | tuple) -> ModelSpec:
     """The spec in a child process, from :func:`for_process`."""
     if isinstance(source, ModelSpec):
         return source
-    (path, task, seq_len, image_size, num_classes), adapters = source
+    (path, task, seq_len, image_size, num_classes, keep), adapters = source
     return load_model(path, task=task, seq_len=seq_len, adapters=adapters,
-                      image_size=image_size, num_classes=num_classes)
+                      image_size=image_size, num_classes=num_classes, keep_outputs=keep)
 
 
 def load_model_file(path: str) -> ModelSpec:
@@ -161,4 +164,5 @@ def load_model_file(path: str) -> ModelSpec:
         make_batch=required("make_batch", "make_batch(batch_size: int)"),
         loss_fn=optional("loss_fn", 2),
         make_optimizer=optional("make_optimizer", 1),
+        keep_outputs=bool(getattr(module, "KEEP_OUTPUTS", False)),
     )

@@ -29,6 +29,10 @@ class ModelSpec:
     label: str | None = None           # the name to show, when not the file's (Hub ids, configs)
     adapters: Any = None               # LoRA / 4-bit weights (oomdoctor.models.adapters.Adapters)
     origin: tuple | None = None        # load_model's arguments, to rebuild it in a new process
+    # The loop keeps the previous step's outputs and loss alive through the next forward
+    # (`outputs = model(**batch)` without `del outputs, loss`): KEEP_OUTPUTS = True in a model
+    # file, or --keep-outputs.
+    keep_outputs: bool = False
 
     @property
     def name(self) -> str:
@@ -73,3 +77,21 @@ def user_frame(e: BaseException) -> str | None:
     f = frames[-1]
     where = f"{os.path.basename(f.filename)}:{f.lineno}"
     return f"{where} ({f.line.strip()})" if f.line else where
+
+
+def library_frame(e: BaseException) -> tuple[str, str] | None:
+    """(package, ``file:line (code)``) of the innermost frame of ``e``'s traceback in an
+    installed library other than torch, when it is the innermost frame outside torch and
+    oomdoctor: the library, not the user's code, did it."""
+    import traceback
+    torch_dir = os.path.dirname(torch.__file__)
+    ours = (os.sep + "oomdoctor" + os.sep, "<frozen ")
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(torch_dir) and not any(s in f.filename for s in ours)]
+    marker = os.sep + "site-packages" + os.sep
+    if not frames or marker not in frames[-1].filename:
+        return None
+    f = frames[-1]
+    package = f.filename.split(marker, 1)[1].split(os.sep, 1)[0]
+    where = f"{os.path.basename(f.filename)}:{f.lineno}"
+    return package, (f"{where} ({f.line.strip()})" if f.line else where)

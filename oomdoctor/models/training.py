@@ -8,12 +8,14 @@ protocol's loss and the optimizer. A failure inside the user's functions becomes
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Callable
 
 import torch
 
 from oomdoctor.models.casting import cast_floats, to_dtype
 from oomdoctor.models.spec import (DataDependentError, ModelFileError, ModelSpec, first_line,
+                                   library_frame,
                                    moves_to_gpu, user_frame)
 
 
@@ -171,12 +173,28 @@ def _call(spec: ModelSpec, name: str, fn: Callable, *args: Any) -> Any:
         if moves_to_gpu(e):
             raise _moves_to_gpu_error(spec, name, e) from e
         if kind in _DATA_DEPENDENT or any(s in text for s in _DATA_DEPENDENT_TEXT):
-            raise DataDependentError(
-                f"{spec.path}: {name} uses a value computed from tensor data ({kind}: "
-                f"{first_line(e)}), which a fake-tensor trace cannot follow; remove "
-                ".item()/.tolist()/data-dependent shapes from the training step") from e
+            raise _data_dependent_error(spec, name, e) from e
         # the CLI adds "(--debug for the traceback)" to every such error
         raise ModelFileError(f"{spec.path}: {name} raised {kind}: {first_line(e)}") from e
+
+
+def _data_dependent_error(spec: ModelSpec, name: str, e: BaseException) -> DataDependentError:
+    """A question about tensor values the trace could not answer, blamed where it was asked: a
+    library's own check (transformers 4.x's padding warning) is not the user's to remove."""
+    what = f"{type(e).__name__}: {first_line(e)}"
+    lib = library_frame(e)
+    if lib is not None:
+        package, where = lib
+        version = getattr(sys.modules.get(package), "__version__", "")
+        return DataDependentError(
+            f"{spec.path}: {name}: {package} {version} asks about tensor values at {where} "
+            f"({what}) on a tensor oomdoctor could not give the batch's values; this is "
+            f"oomdoctor's gap, not your code's: please report it with the {package} version")
+    where = user_frame(e)
+    return DataDependentError(
+        f"{spec.path}: {name} uses a value computed from tensor data"
+        f"{f' at {where}' if where else ''} ({what}), which a fake-tensor trace cannot "
+        "follow; remove .item()/.tolist()/data-dependent shapes from the training step")
 
 
 def _moves_to_gpu_error(spec: ModelSpec, name: str, e: BaseException) -> ModelFileError:

@@ -16,6 +16,7 @@ from typing import Any
 from oomdoctor.sim import rocm
 from oomdoctor.sim.allocator import AllocatorConfig, ReplayResult, replay
 from oomdoctor.sim.gpus import GpuProfile
+from oomdoctor.sim.libraries import versions_text
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.sim.trace import Category, Trace, TraceConfig, trace_training
 from oomdoctor.sim.workspaces import workspace_marks
@@ -81,6 +82,9 @@ class Estimate:
     top_activations: tuple[tuple[str, int], ...] = ()   # (module, bytes) live at the peak
     notes: tuple[str, ...] = ()
     other_bytes: int = 0                # memory other processes hold (--other), in the budget
+    # (name, version) of torch/transformers/peft/bitsandbytes as traced: the installed code
+    # decides the answer (oomdoctor.sim.libraries); JSON: {"torch": "2.13.0", ...}
+    traced_with: tuple[tuple[str, str], ...] = ()
 
     @property
     def device_peak_bytes(self) -> int:
@@ -91,6 +95,7 @@ class Estimate:
         d = asdict(self)
         d["top_activations"] = [{"module": m, "bytes": b} for m, b in self.top_activations]
         d["notes"] = list(self.notes)
+        d["traced_with"] = dict(self.traced_with)
         return d
 
 
@@ -193,7 +198,7 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
         gradient_bytes=trace.gradient_bytes, optimizer_state_bytes=trace.optimizer_state_bytes,
         allocator=allocator_conf_string(alloc), num_alloc_retries=result.num_alloc_retries,
         top_activations=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])[:5]),
-        notes=tuple(notes), other_bytes=budget.other_bytes)
+        notes=tuple(notes), other_bytes=budget.other_bytes, traced_with=trace.libraries)
 
 
 def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
@@ -259,4 +264,12 @@ def render_text(e: Estimate) -> str:
         lines.append("largest activations at the peak: " + ", ".join(
             f"{m or '(top level)'} {format_size(b)}" for m, b in e.top_activations))
     lines += [f"note: {n}" for n in e.notes]
+    if e.traced_with:
+        lines.append(traced_with_text(e.traced_with))
     return "\n".join(lines)
+
+
+def traced_with_text(versions: tuple[tuple[str, str], ...]) -> str:
+    """The line that says which library releases the answer holds for."""
+    return (f"traced with {versions_text(versions)}: other releases can allocate differently; "
+            "run oomdoctor where the training runs")

@@ -90,6 +90,11 @@ class ProbeResult:
     allocator: str = ""                      # the PYTORCH_CUDA_ALLOC_CONF the numbers assume
     allocator_gain: AllocatorGain | None = None
 
+    @property
+    def traced_with(self) -> tuple[tuple[str, str], ...]:
+        """The library releases the traces ran (the same for every configuration)."""
+        return next((c.estimate.traced_with for c in self.results if c.estimate), ())
+
     def to_json(self) -> dict[str, Any]:
         best = recommended(self)
         ck = checkpointing_effect(self)
@@ -100,6 +105,7 @@ class ProbeResult:
                 "allocator": self.allocator or None,
                 "allocator_gain": None if self.allocator_gain is None else vars(self.allocator_gain),
                 "results": [r.to_json() for r in self.results],
+                "traced_with": dict(self.traced_with),
                 "checkpointing": ck.to_json() if ck is not None else None,
                 "recommended": None if best is None else {
                     "precision": best.precision, "checkpointing": best.checkpointing,

@@ -23,7 +23,7 @@ def on_meta() -> Iterator[None]:
     """Build (and run) under what the CUDA-emulating trace builds under: the meta device, the
     model's torch.compile as eager, initialisation without data, fused optimizers allowed."""
     with torch.device("meta"), eager.fake_trace([], contextlib.nullcontext), \
-            emulate.fused_optimizers_on_meta():
+            emulate.fused_optimizers_on_meta(), emulate.autocast_on_meta():
         yield
 
 

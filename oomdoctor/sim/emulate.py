@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -145,6 +145,8 @@ class CudaAutocast(_OurMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
+        if _Off.depth:                            # inside torch.autocast(..., enabled=False)
+            return self._passthrough(func, args, kwargs)
         if name in LOWER_PRECISION:
             args, kwargs = tree_map(self._to_lower, (args, kwargs))
         elif name in FP32:
@@ -169,6 +171,42 @@ class CudaAutocast(_OurMode):
         else:
             return self._passthrough(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+class _Off:
+    """``torch.autocast(device_type="meta", enabled=False)``: CUDA autocast off in the block."""
+
+    depth = 0
+
+    def __enter__(self):
+        _Off.depth += 1
+
+    def __exit__(self, *exc):
+        _Off.depth -= 1
+
+
+@contextlib.contextmanager
+def autocast_on_meta() -> Iterator[None]:
+    """Let the model open ``torch.autocast(device_type=x.device.type)`` on the meta device, as
+    it would for ``"cuda"`` on the GPU.
+
+    transformers 4.x's rotary embeddings compute their angles in fp32 inside
+    ``torch.autocast(device_type=x.device.type, enabled=False)`` (modeling_llama.py,
+    LlamaRotaryEmbedding.forward, 4.40-4.4x); torch has no autocast state for "meta" and raised
+    "unsupported scalarType". Here "meta" stands for "cuda": ``enabled=False`` pauses the
+    emulated CUDA autocast, ``enabled=True`` enters it with the given dtype."""
+    real = torch.autocast
+
+    def autocast(device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
+                 cache_enabled: bool | None = None):
+        if device_type != "meta":
+            return real(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        return CudaAutocast(dtype or torch.float16) if enabled else _Off()
+    torch.autocast = autocast
+    try:
+        yield
+    finally:
+        torch.autocast = real
 
 
 _TRANSPARENT: dict[Any, Any] = {}

@@ -40,6 +40,7 @@ from oomdoctor.sim.recorder import (Category, Phase, PhaseMark, Recorder, Storag
 from oomdoctor.sim.stepping import (compile_notes, every_step, foreach_measured, host_state,
                                 state_bytes, state_tensors, step_notes, unique_storages)
 from oomdoctor.sim.eager import fake_trace
+from oomdoctor.sim.libraries import traced_versions
 from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec
 from oomdoctor.models.training import (build_for_training, compute_loss, make_configured_batch,
                                        make_configured_optimizer)
@@ -98,6 +99,7 @@ class Trace:
     notes: tuple[str, ...]
     flops: int = 0
     raw_events: tuple[tuple[bool, int, int], ...] = ()  # events incl. host-side storages
+    libraries: tuple[tuple[str, str], ...] = ()   # (name, version) traced (sim.libraries)
 
     def phase_at(self, index: int) -> PhaseMark:
         """The phase an event index falls in."""
@@ -326,6 +328,11 @@ class _Loop:
     # Gradient bytes as held after the last backward (none for an optimizer stepped in
     # backward: its hooks free each gradient at once).
     gradient_bytes: int = 0
+    # spec.keep_outputs: the model's output of each forward (a root forward hook) and the
+    # last micro-batch's (outputs, loss), held until the next forward returns
+    outputs: list = field(default_factory=list)
+    kept: tuple = ()
+    kept_bytes: int = 0         # the most that rebinding them ever freed
 
 
 def _record_model_state(loop: _Loop) -> tuple[dict[int, torch.Tensor], ...]:
@@ -350,10 +357,14 @@ def _run_steps(loop: _Loop, notes: list[str]) -> list[torch.optim.Optimizer]:
     storage is made; the optimizers holding state: the loop's, then any stepped in backward."""
     cfg, rec = loop.cfg, loop.rec
     hooks = module_hooks(loop.model, rec)
+    if loop.spec.keep_outputs and loop.spec.loss_fn is None:
+        # the model's own output is the loop's `outputs` (a loss_fn's locals die with it)
+        hooks.append(loop.model.register_forward_hook(lambda _m, _a, o: loop.outputs.append(o)))
     loop.kernels = (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch)
                     if cfg.emulate_cuda else None)
     try:
         with rec, values.active(rec.shadows), \
+                (emulate.autocast_on_meta() if cfg.emulate_cuda else contextlib.nullcontext()), \
                 every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:
             if loop.scaler is not None:
                 loop.scaler.setup()
@@ -395,6 +406,8 @@ def _micro_batch(loop: _Loop, it: int, micro: int) -> None:
                 lambda: make_configured_batch(spec, cfg.batch_size, cfg.precision)))
     with in_phase(rec, marks, Phase.FORWARD, it, micro):
         loss = _forward(loop, batch, micro)
+        if spec.keep_outputs:
+            _keep_outputs(loop, loss)
     with in_phase(rec, marks, Phase.BACKWARD, it, micro):
         try:
             loss.backward()
@@ -404,6 +417,17 @@ def _micro_batch(loop: _Loop, it: int, micro: int) -> None:
                 "the loss depends on trainable parameters") from e
         del loss, batch
         loop.gradient_bytes = _label_gradients(rec, loop.model)
+
+
+def _keep_outputs(loop: _Loop, loss: torch.Tensor) -> None:
+    """``outputs = model(**batch); loss = outputs.loss`` with no ``del``: the names are rebound
+    only once this forward has returned, so the previous micro-batch's outputs (logits, a
+    decoder's key/value cache) and loss lived through it; they are freed now."""
+    start = len(loop.rec.raw)
+    loop.kept = (loop.outputs[-1] if loop.outputs else None, loss)
+    loop.outputs.clear()
+    freed = sum(n for is_alloc, _, n in loop.rec.raw[start:] if not is_alloc)
+    loop.kept_bytes = max(loop.kept_bytes, freed)
 
 
 def _forward(loop: _Loop, batch, micro: int) -> torch.Tensor:
@@ -450,6 +474,10 @@ def _loop_notes(loop: _Loop, notes: list[str], defaults: list[str],
         notes.append(f"{type(optimizer).__name__}: {rec.placeholders} scalar reads of "
                      "tensor values in step() (such as update norms) taken as 1; they "
                      "scale the update, not its memory")
+    if loop.spec.keep_outputs:
+        notes.append(f"outputs kept (--keep-outputs / KEEP_OUTPUTS): the previous step's "
+                     f"outputs and loss, {loop.kept_bytes / 2**20:.1f} MiB, stay alive through "
+                     "the next forward; `del outputs, loss` after backward frees them")
     if rec.shadows is not None and rec.shadows.answered:
         notes.append(f"{rec.shadows.answered} data-dependent questions (such as whether "
                      "the attention mask has padding) answered from the batch's real "
@@ -481,7 +509,7 @@ def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
         buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
         gradient_bytes=loop.gradient_bytes, optimizer_state_bytes=state,
         checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),
-        raw_events=tuple(rec.raw))
+        raw_events=tuple(rec.raw), libraries=traced_versions())
 
 
 def _label_activations(rec: Recorder, marks: list[PhaseMark]) -> list[int]:

@@ -15,9 +15,20 @@ get values (they have none on the meta device), so the work stays with the small
 boolean tensors that masks and labels are made of; outputs over :data:`MAX_NUMEL` elements are
 not mirrored, and a question about a tensor without real values fails as before.
 
-Known limitations: ``Tensor.tolist()`` reads memory directly in C++ and is not answered;
-random factories (``rand*``) inside the model get no values (their real values would differ
-from any GPU run's anyway).
+Some tensors are made from Python data where the dispatcher shows no op to mirror: indexing
+with a list (``input_ids[:, [-1, 0]]``, transformers 4.x's
+``modeling_utils.warn_if_padding_and_no_attention_mask``) and ``torch.tensor(data, device=...)``
+copy the data onto the meta device with the Python dispatch key excluded
+(``torch/csrc/utils/tensor_new.cpp``). :class:`Calls` follows those at the Python level, one
+``torch`` function or ``Tensor`` method at a time: a call whose inputs all have real values and
+whose output came back without any (or whose in-place ops the dispatch level could not follow)
+is run again on the real values; a call that fails on the meta tensor but has a plain Python
+answer on the real values (``Tensor.tolist()``) gets that answer.
+
+Random factories called from Python (``torch.rand``) get values from a forked generator: one
+possible draw, as any GPU run's is. Known limitations: random ops below the Python level
+(dropout's mask) get no values; data-dependent *shapes* (``nonzero``,
+``masked_select``) are not answered, only data-dependent Python values.
 """
 from __future__ import annotations
 
@@ -25,6 +36,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -48,6 +60,8 @@ class Shadows:
     def __init__(self) -> None:
         self.values = WeakTensorKeyDictionary()
         self.answered = 0
+        # ops the dispatch level could not mirror although an input had values (see Calls)
+        self.missed = 0
 
     def attach(self, traced: Any, real: Any) -> None:
         """Mirror a batch: ``real`` is the same structure as ``traced``, made on the CPU."""
@@ -89,7 +103,10 @@ class Shadows:
         if tensors and all(_is_real(x) for x in tensors):
             return            # the op ran on real tensors already (host-side counters): once only
         real_leaves = [self._real(x) for x in leaves]
-        if any(r is None for x, r in zip(leaves, real_leaves) if isinstance(x, torch.Tensor)):
+        lacking = [r is None for x, r in zip(leaves, real_leaves) if isinstance(x, torch.Tensor)]
+        if any(lacking):
+            if not all(lacking) or func in _CONSTANT_FACTORIES:
+                self.missed += 1       # a tensor from Python data among valued ones: Calls
             return
         outs, _ = tree_flatten(out)
         if any(isinstance(o, torch.Tensor) and o.numel() > MAX_NUMEL for o in outs):
@@ -110,6 +127,79 @@ class Shadows:
                 self.values[o] = r
 
 
+# Python calls that make tensors from Python data: their output is never mirrored below them.
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+# Random factories get values from their own generator, so the trace's RNG is untouched: a
+# question about a draw gets one possible answer, as one GPU run does. OPT's LayerDrop in
+# transformers 4.x asks ``torch.rand([]) < self.layerdrop`` in every layer (modeling_opt.py,
+# OPTDecoder.forward), whose answer is the same for every draw at the default layerdrop=0.
+_RANDOM = {torch.rand, torch.randn, torch.randint, torch.randperm}
+
+
+class Calls(TorchFunctionMode):
+    """The Python-level half of the mirror (see the module docstring): ``torch`` functions and
+    ``Tensor`` methods whose values the dispatch level could not follow."""
+
+    def __init__(self, shadows: Shadows) -> None:
+        super().__init__()
+        self.shadows = shadows
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        missed = self.shadows.missed
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            real_out = self._run_real(func, args, kwargs)
+            if real_out is None or any(isinstance(x, torch.Tensor)
+                                       for x in tree_flatten(real_out)[0]):
+                raise        # only a plain Python answer (tolist) can stand in for the call
+            self.shadows.answered += 1
+            return real_out
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if func in _FROM_DATA or func in _RANDOM or self.shadows.missed != missed or any(
+                self.shadows._real(o) is None for o in outs):
+            self._follow(func, args, kwargs, outs)
+        return out
+
+    def _follow(self, func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor]) -> None:
+        """Run the call again on real values and give its tensor outputs those values. An
+        in-place call (``t[:, idx] = 0``) redoes, on the real tensor, the op the dispatch level
+        skipped."""
+        if any(o.numel() > MAX_NUMEL for o in outs):
+            return
+        real_out = self._run_real(func, args, kwargs)
+        if real_out is None:
+            return
+        real_outs = [r for r in tree_flatten(real_out)[0] if isinstance(r, torch.Tensor)]
+        if len(real_outs) != len(outs):
+            return
+        for o, r in zip(outs, real_outs):
+            if o.shape == r.shape and not _is_real(o):
+                self.shadows.values[o] = r
+
+    def _run_real(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` on the real values of its inputs, on the CPU; None if an input has none or
+        the CPU refuses."""
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        if not tensors and func not in _FROM_DATA and func not in _RANDOM:
+            return None
+        real_leaves = [self.shadows._real(x) for x in leaves]
+        if any(r is None for x, r in zip(leaves, real_leaves) if isinstance(x, torch.Tensor)):
+            return None
+        r_args, r_kwargs = tree_unflatten(real_leaves, spec)
+        if "device" in r_kwargs:
+            r_kwargs = dict(r_kwargs, device=torch.device("cpu"))
+        try:
+            # below every mode: the trace's device (meta), its recorder, this mode
+            with _disable_current_modes(), torch._C.DisableTorchFunction(), \
+                    torch.random.fork_rng(devices=[]):
+                return func(*r_args, **r_kwargs)
+        except Exception:
+            return None
+
+
 # The Shadows of the trace now running, for code outside the dispatch mode that needs a batch
 # tensor's values (emulate: pack_padded_sequence's lengths).
 _ACTIVE: list[Shadows] = []
@@ -117,13 +207,15 @@ _ACTIVE: list[Shadows] = []
 
 @contextlib.contextmanager
 def active(shadows: Shadows | None) -> Iterator[None]:
-    """Make ``shadows`` answer :func:`real_value` while the block runs (None: nothing)."""
+    """Make ``shadows`` answer :func:`real_value` and follow Python-level calls (:class:`Calls`)
+    while the block runs (None: nothing)."""
     if shadows is None:
         yield
         return
     _ACTIVE.append(shadows)
     try:
-        yield
+        with Calls(shadows):
+            yield
     finally:
         _ACTIVE.remove(shadows)
 

@@ -1,0 +1,32 @@
+"""The versions of the libraries a trace followed: the installed code decides the answer.
+
+The trace runs the model's real Python code - transformers' attention and mask logic, peft's
+adapters, bitsandbytes' quantized layers - so an estimate holds for the versions installed where
+oomdoctor ran. Another transformers release can pick another attention path or mask (4.x asks
+whether unmasked batches are padded, 5.x builds masks in ``masking_utils``), so every estimate
+names them, and the docs say to install oomdoctor in the training environment.
+"""
+from __future__ import annotations
+
+import sys
+
+# The libraries whose code the trace runs and whose releases change memory; listed only when
+# the traced step imported them (torch always).
+TRACKED = ("torch", "transformers", "peft", "bitsandbytes")
+
+
+def traced_versions() -> tuple[tuple[str, str], ...]:
+    """((name, version), ...) of the tracked libraries loaded in this process, in TRACKED order."""
+    found = []
+    for name in TRACKED:
+        module = sys.modules.get(name)
+        version = getattr(module, "__version__", None) if module is not None else None
+        if version:
+            found.append((name, str(version)))
+    return tuple(found)
+
+
+def versions_text(versions: tuple[tuple[str, str], ...] | dict[str, str]) -> str:
+    """'torch 2.13.0+cpu, transformers 4.40.2'."""
+    items = versions.items() if isinstance(versions, dict) else versions
+    return ", ".join(f"{name} {version}" for name, version in items)
