@@ -257,3 +257,13 @@ def test_probe_says_its_allocator_setting_and_what_expandable_segments_buy():
         res = run("estimate", gpt2, "--gpu", "rtx3090", "--precision", "bf16", "-b", str(b),
                   "--alloc-conf", "expandable_segments:True")
         assert res.exit_code == code, (b, res.stdout)
+
+
+def test_steps_are_numbered_one_way_in_text_and_json():
+    """Issue #25: the text's "in the backward of step N" and the JSON's peak_step are the same
+    number, counted from 1 like the trace's progress ("step 1/2: forward")."""
+    args = ("estimate", MLP, "--gpu", "rtx3090", "-b", "8")
+    res = run(*args, "--json")
+    step = json.loads(res.stdout)["peak_step"]
+    assert step in (1, 2)
+    assert f"of step {step}" in run(*args).stdout

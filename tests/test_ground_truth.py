@@ -109,7 +109,7 @@ def check(case: str, predicted: float, published: float, unit: str,
     msg = (f"{case}: oomdoctor {predicted:,.2f} {unit} vs published {published:,.2f} {unit} "
            f"({dev:+.1%}; band -{UNDER:.0%}/+{OVER:.0%})")
     if e is not None:
-        msg += (f"; peak in the {e.peak_phase} of step {e.peak_iteration + 1}, breakdown MiB "
+        msg += (f"; peak in the {e.peak_phase} of step {e.peak_step}, breakdown MiB "
                 f"{ {k: round(v / MiB) for k, v in e.breakdown.items()} }")
     print(msg)  # the deviation stays in the output (pytest -s, or -rA for passed tests' output)
     assert -UNDER <= dev <= OVER, msg

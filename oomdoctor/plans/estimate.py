@@ -71,7 +71,7 @@ class Estimate:
     fits: bool
     breakdown: dict[str, int]           # at the peak; sums to peak_reserved + cuda_context
     peak_phase: str
-    peak_iteration: int
+    peak_step: int                      # the training step of the peak, from 1 (as text and progress count)
     num_parameters: int
     num_trainable_parameters: int
     parameter_bytes: int
@@ -191,7 +191,7 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
         device_total_bytes=budget.gpu.total_bytes, budget_bytes=budget.limit_bytes,
         peak_allocated_bytes=result.peak_allocated_bytes,
         peak_reserved_bytes=result.peak_reserved_bytes, fits=fits, breakdown=breakdown,
-        peak_phase=mark.phase.value, peak_iteration=mark.iteration,
+        peak_phase=mark.phase.value, peak_step=mark.iteration + 1,
         num_parameters=trace.num_parameters,
         num_trainable_parameters=trace.num_trainable_parameters,
         parameter_bytes=trace.parameter_bytes + trace.buffer_bytes,
@@ -251,7 +251,7 @@ def render_text(e: Estimate) -> str:
     lines = [head, verdict, "",
              f"peak allocated {format_size(e.peak_allocated_bytes)} "
              f"(torch.cuda.max_memory_allocated), reserved {format_size(e.peak_reserved_bytes)} "
-             f"(max_memory_reserved), in the {e.peak_phase} of step {e.peak_iteration + 1}",
+             f"(max_memory_reserved), in the {e.peak_phase} of step {e.peak_step}",
              f"budget for the allocator {format_size(e.budget_bytes)} (capacity - CUDA context "
              "- safety margin)", "",
              tabulate(rows, headers=("at the peak", "bytes", "share"),
