@@ -272,4 +272,4 @@ def render_text(e: Estimate) -> str:
 def traced_with_text(versions: tuple[tuple[str, str], ...]) -> str:
     """The line that says which library releases the answer holds for."""
     return (f"traced with {versions_text(versions)}: other releases can allocate differently; "
-            "run oomdoctor where the training runs")
+            "plan with the releases the training uses (a laptop with the same versions will do)")
