@@ -28,10 +28,14 @@ from oomdoctor.configs import MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CH
                    "or the naive two-GPU split (pipeline2) on --num-gpus cards.")
 @click.option("--num-gpus", type=click.IntRange(1), default=2, show_default=True,
               help="GPUs for --strategy (ignored for single).")
+@click.option("--snapshot", "snapshot_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write the simulated step as a CUDA memory snapshot (the pickle "
+                   "torch.cuda.memory._dump_snapshot writes): open it at "
+                   "https://pytorch.org/memory_viz.")
 @_budget_options
-def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpus, gpu_name,
-             memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
-             optimizer, zero_grad, no_cuda_emulation, as_json, debug):
+def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpus, snapshot_file,
+             gpu_name, memory, overhead, other_mem, margin, alloc_conf, checkpoint_class,
+             grad_accum, optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """Peak GPU memory of one training configuration, and what it is made of.
 
     \b
@@ -44,11 +48,18 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
     from oomdoctor.sim.trace import TraceConfig
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
+    if snapshot_file and strategy != "single":
+        raise click.UsageError("--snapshot writes one GPU's step: use it without --strategy")
+    snapshot = None
     try:
         spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                           optimizer, not no_cuda_emulation, zero_grad=zero_grad)
-        if strategy != "single":
+        if snapshot_file:
+            from oomdoctor.plans import snapshot as snapshot_mod
+            result, snapshot = snapshot_mod.estimate_with_snapshot(
+                spec, cfg, budget, alloc, progress=_slow_trace_progress())
+        elif strategy != "single":
             from oomdoctor.plans import parallel as par
             report = par.estimate_strategies(spec, cfg, budget, num_gpus, [strategy], alloc,
                                              progress=lambda m: click.echo(m, err=True))
@@ -66,11 +77,32 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
         click.echo(json.dumps(report.to_json(), indent=2) if as_json
                    else par.render_report(report))
         sys.exit(EXIT_OK if all(e.fits for e in report.estimates) else EXIT_PROBLEM)
+    doc = result.to_json()
+    if snapshot is not None:
+        doc["snapshot"] = _write_snapshots([(snapshot_file, snapshot)], debug)[0]
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(estimate_mod.render_text(result))
     sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
+
+
+def _write_snapshots(files, debug):
+    """Write each (path, snapshot); what --json reports of each: path, events, segments."""
+    from oomdoctor.plans import snapshot as snapshot_mod
+    out = []
+    for path, snap in files:
+        try:
+            snapshot_mod.write_snapshot(snap, path)
+        except OSError as e:
+            _die(RuntimeError(f"cannot write the snapshot {path}: {e.strerror or e}; pass a "
+                              "writable --snapshot FILE"), debug, EXIT_USAGE)
+        events = len(snap["device_traces"][0])
+        click.echo(f"wrote {path} ({events:,} allocator events, {len(snap['segments'])} "
+                   "segments): open it at https://pytorch.org/memory_viz or explain it with "
+                   f"`oomdoctor explain {path}`", err=True)
+        out.append({"path": path, "events": events, "segments": len(snap["segments"])})
+    return out
 
 
 @cli.command(epilog=MODEL_PROTOCOL)
