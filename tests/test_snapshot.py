@@ -207,3 +207,41 @@ def test_cli_estimate_snapshot_then_explain(tmp_path):
     assert out["fragmentation"]["reserved_bytes"] == doc["peak_reserved_bytes"]
     text = CliRunner().invoke(cli, ["explain", str(path)])
     assert "live by category" in text.stdout and "expandable_segments" in text.stdout
+
+
+def test_cli_probe_snapshot_per_configuration(tmp_path):
+    path = tmp_path / "probe.pickle"
+    res = CliRunner().invoke(cli, ["probe", MLP, "--gpu", "t4", "--precision", "fp32",
+                                   "--precision", "fp16", "--no-checkpointing", "-j", "1",
+                                   "--max-batch-size", "256", "--snapshot", str(path), "--json"])
+    assert res.exit_code == EXIT_OK, res.output
+    doc = json.loads(res.stdout)
+    results = {r["precision"]: r for r in doc["results"]}
+    assert {s["configuration"] for s in doc["snapshots"]} == {"fp32", "fp16"}
+    for s in doc["snapshots"]:
+        r = results[s["configuration"]]
+        assert s["path"] == str(tmp_path / f"probe.{s['configuration']}.pickle")
+        assert s["batch_size"] == r["max_batch_size"]
+        with open(s["path"], "rb") as f:
+            snap = load_snapshot(f)
+        # The probe's own estimate at its maximum, and the snapshot's timeline peak.
+        assert _walk(snap["device_traces"][0])[0] == r["peak_allocated_bytes"]
+
+
+def test_simulated_snapshot_against_the_real_h200_snapshot(tmp_path):
+    """gpt2_small b2 fp32 two AdamW steps: the simulator's snapshot on an H200 profile and the
+    one torch recorded on an H200, both read by explain (about 5 s: a 124M-parameter trace)."""
+    spec = load_model(os.path.join(ROOT, "sample_models", "gpt2_small.py"))
+    est, snap = estimate_with_snapshot(spec, TraceConfig(2), Budget(PROFILES["h200"]))
+    sim = explain_snapshot(io.BytesIO(pickle.dumps(snap)))
+    with open(os.path.join(REAL, "gpt2_small_b2_fp32.pickle"), "rb") as f:
+        real = explain_snapshot(f)
+    measured = REAL_RUNS["gpt2_small_b2_fp32.pickle"]
+    assert abs(est.peak_allocated_bytes / measured["max_memory_allocated"] - 1) < 0.01
+    assert abs(est.peak_reserved_bytes / measured["max_memory_reserved"] - 1) < 0.02
+    s, r = dict(sim.by_category), dict(real.by_category)
+    assert abs(s["parameters"] / r["parameters"] - 1) < 0.01
+    assert abs(s["optimizer_state"] / r["optimizer_state"] - 1) < 0.01
+    assert abs(s["activations"] / r["activations"] - 1) < 0.05
+    # The real run's backward has no Python frames; the simulator names its categories.
+    assert abs((s.get("temporaries", 0) + s.get("gradients", 0)) / r["backward"] - 1) < 0.1

@@ -137,10 +137,14 @@ def _write_snapshots(files, debug):
               help="Measure for real on this device: real training steps in a search seeded "
                    "by the simulator's prediction (usually about three trials per "
                    "configuration), measured peaks next to the predicted ones.")
+@click.option("--snapshot", "snapshot_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write each configuration's step at its largest batch as a CUDA memory "
+                   "snapshot for https://pytorch.org/memory_viz: FILE with the configuration "
+                   "before the extension (step.bf16-ckpt.pickle).")
 @_budget_options
 def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, jobs, strategy,
           num_gpus,
-          target_batch, run_smoke, device, gpu_name,
+          target_batch, run_smoke, device, snapshot_file, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """The largest batch size that fits, for each precision x checkpointing configuration.
@@ -167,6 +171,8 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
     if context_batch is not None:
         raise click.UsageError("-b/--batch-size goes with --seq-len max (probe searches the "
                                "batch size otherwise)")
+    if snapshot_file and strategy != "single":
+        raise click.UsageError("--snapshot writes one GPU's step: use it without --strategy")
     spec, base, result = _probe_matrix(model_file, precisions, checkpointing, max_batch_size,
                                        jobs, strategy, num_gpus, budget, alloc,
                                        checkpoint_class, grad_accum, optimizer, zero_grad,
@@ -182,7 +188,9 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
     if run_smoke and best is not None:
         smoke = _smoke_best(spec, best, checkpoint_class, grad_accum, optimizer, budget, alloc,
                             debug)
-    _render_probe(result, strategy, best, plan, smoke, as_json)
+    snapshots = _probe_snapshots(spec, base, budget, alloc, result, snapshot_file, debug) \
+        if snapshot_file else None
+    _render_probe(result, strategy, best, plan, smoke, as_json, snapshots)
     if failed is not None:       # the single-GPU answer above stands; then the plan's error
         _die(failed[0], debug, failed[1])
     fits = any(r.max_batch_size for r in result.results)
@@ -261,12 +269,32 @@ def _smoke_best(spec, best, checkpoint_class, grad_accum, optimizer, budget, all
         best.max_batch_size, grad_accum, optimizer=optimizer), budget, alloc, debug)
 
 
-def _render_probe(result, strategy, best, plan, smoke, as_json):
+def _probe_snapshots(spec, base, budget, alloc, result, path, debug):
+    """`probe --snapshot`: each configuration at its largest batch, one file each."""
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.plans import snapshot as snapshot_mod
+    click.echo("tracing each configuration at its largest batch for --snapshot", err=True)
+    try:
+        snaps = snapshot_mod.probe_snapshots(spec, base, budget, result, alloc)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    written = _write_snapshots([(snapshot_mod.snapshot_path(path, label), snap)
+                                for label, _, snap in snaps], debug)
+    return [dict(w, configuration=label, batch_size=e.batch_size,
+                 peak_allocated_bytes=e.peak_allocated_bytes)
+            for w, (label, e, _) in zip(written, snaps)]
+
+
+def _render_probe(result, strategy, best, plan, smoke, as_json, snapshots=None):
     """The probe's table and recommendation, then the multi-GPU plan and the smoke run (or all
     of them as one JSON document)."""
     from oomdoctor.plans import probe as probe_mod
     if as_json:
         doc = result.to_json()
+        if snapshots is not None:
+            doc["snapshots"] = snapshots
         if plan is not None:
             doc["multi_gpu_plan"] = plan.to_json()
         if smoke is not None:
