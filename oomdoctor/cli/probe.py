@@ -32,9 +32,12 @@ from oomdoctor.configs import MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CH
               help="Write the simulated step as a CUDA memory snapshot (the pickle "
                    "torch.cuda.memory._dump_snapshot writes): open it at "
                    "https://pytorch.org/memory_viz.")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Draw memory over the step stacked by category, with reserved, the phases "
+                   "and the budget: FILE.png, .svg or .html (needs matplotlib: the plot extra).")
 @_budget_options
 def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpus, snapshot_file,
-             gpu_name, memory, overhead, other_mem, margin, alloc_conf, checkpoint_class,
+             plot_file, gpu_name, memory, overhead, other_mem, margin, alloc_conf, checkpoint_class,
              grad_accum, optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """Peak GPU memory of one training configuration, and what it is made of.
 
@@ -48,17 +51,21 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
     from oomdoctor.sim.trace import TraceConfig
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
-    if snapshot_file and strategy != "single":
-        raise click.UsageError("--snapshot writes one GPU's step: use it without --strategy")
-    snapshot = None
+    if (snapshot_file or plot_file) and strategy != "single":
+        raise click.UsageError("--snapshot and --plot show one GPU's step: use them without "
+                               "--strategy")
+    if plot_file:
+        _check_plot_file(plot_file)
+    snapshot = series = None
     try:
         spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                           optimizer, not no_cuda_emulation, zero_grad=zero_grad)
-        if snapshot_file:
+        if snapshot_file or plot_file:
             from oomdoctor.plans import snapshot as snapshot_mod
-            result, snapshot = snapshot_mod.estimate_with_snapshot(
-                spec, cfg, budget, alloc, progress=_slow_trace_progress())
+            result, snapshot, series = snapshot_mod.estimate_views(
+                spec, cfg, budget, alloc, bool(snapshot_file), bool(plot_file),
+                progress=_slow_trace_progress())
         elif strategy != "single":
             from oomdoctor.plans import parallel as par
             report = par.estimate_strategies(spec, cfg, budget, num_gpus, [strategy], alloc,
@@ -80,11 +87,38 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
     doc = result.to_json()
     if snapshot is not None:
         doc["snapshot"] = _write_snapshots([(snapshot_file, snapshot)], debug)[0]
+    if series is not None:
+        doc["plot"] = _write_plot(series, result, plot_file, debug)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(estimate_mod.render_text(result))
     sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
+
+
+def _check_plot_file(path):
+    """Before minutes of tracing: a known format, and matplotlib there to draw it."""
+    from oomdoctor.plans.stepplot import FORMATS
+    if path.rsplit(".", 1)[-1].lower() not in FORMATS:
+        raise click.UsageError(f"--plot {path}: end the file name in .png, .svg or .html")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.UsageError("--plot needs matplotlib, which is not installed: "
+                               "pip install 'oomdoctor[plot]'") from None
+
+
+def _write_plot(series, result, path, debug):
+    """Draw the step; what --json reports: the path and the series at the peak."""
+    from oomdoctor.plans import stepplot
+    try:
+        stepplot.write_plot(series, result, path)
+    except OSError as e:
+        _die(RuntimeError(f"cannot write the plot {path}: {e.strerror or e}; pass a writable "
+                          "--plot FILE"), debug, EXIT_USAGE)
+    click.echo(f"wrote {path}", err=True)
+    return {"path": path, "events": len(series.allocated), "peak_index": series.peak_index,
+            "at_peak": dict(series.peak_live)}
 
 
 def _write_snapshots(files, debug):

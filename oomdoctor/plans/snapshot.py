@@ -155,6 +155,19 @@ def estimate_with_snapshot(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
     return estimate_trace(trace, budget, alloc, spec.name), build_snapshot(trace, budget, alloc)
 
 
+def estimate_views(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
+                   alloc: AllocatorConfig = AllocatorConfig(), snapshot: bool = True,
+                   series: bool = False, progress: Callable[[str], None] | None = None
+                   ) -> tuple[Estimate, dict[str, Any] | None, Any]:
+    """``estimate`` with, from the same trace, its snapshot and/or its plot's series
+    (:func:`oomdoctor.plans.stepplot.step_series`); None for those not asked for."""
+    from oomdoctor.plans.stepplot import step_series
+    trace = trace_for(spec, cfg, budget.gpu, progress=progress)
+    return (estimate_trace(trace, budget, alloc, spec.name),
+            build_snapshot(trace, budget, alloc) if snapshot else None,
+            step_series(trace, budget, alloc) if series else None)
+
+
 def snapshot_path(path: str, label: str) -> str:
     """``step.pickle`` + ``bf16-ckpt`` -> ``step.bf16-ckpt.pickle`` (probe: one per configuration)."""
     stem, dot, ext = path.rpartition(".")
