@@ -11,10 +11,10 @@ the last traced step, or at the failing allocation like the OOM observer's snaps
 memory_viz reconstructs every earlier state (the peak included) by undoing the trace from them.
 
 Each allocation's ``frames`` (innermost first, as torch stores them) name where the step made
-it: the module path and the ATen op (``transformer.h.3.mlp.c_fc:0:aten::mm``), its parent
+it: the module path and the ATen op (``h.3.mlp.c_proj:0:aten::addmm``), its parent
 modules, then one frame ``oomdoctor:<step>:<phase>: <category>`` with the estimate's breakdown
 category. Parameters are named by their qualified name, optimizer state by its key and
-parameter (``AdamW.step:0:exp_avg of transformer.h.3.mlp.c_fc.weight``).
+parameter (``AdamW.step:0:exp_avg of h.3.mlp.c_proj.weight``).
 
 Known limitations:
 - An ``alloc`` event's ``size`` is the block the allocator hands out (rounded to 512 bytes, with
