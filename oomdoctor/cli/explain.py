@@ -38,7 +38,11 @@ def explain_command(file, as_json: bool, model_file, gpu_name, batch_size, preci
     3 the --model file could not be loaded or traced.
     """
     from oomdoctor import explain as ex  # imported here so `oomdoctor --help` stays fast
+    from oomdoctor.explain import snapshot as snap
 
+    peek = getattr(file, "peek", None)
+    if peek is not None and snap.is_pickle(peek(2)[:2]):
+        _explain_snapshot(file, as_json, debug)
     result = ex.explain_file(file)
     plan = None
     if model_file and result.findings:
@@ -60,6 +64,24 @@ def explain_command(file, as_json: bool, model_file, gpu_name, batch_size, preci
                    "for PyTorch/TensorFlow/JAX out-of-memory errors, host-memory kills and multi-GPU launch errors; "
                    "paste the complete error message with the traceback above it.", err=True)
     click.get_current_context().exit(EXIT_OK if result.findings else EXIT_PROBLEM)
+
+
+def _explain_snapshot(file, as_json, debug):
+    """A pickled CUDA memory snapshot (torch.cuda.memory._dump_snapshot, or estimate
+    --snapshot), read without running anything in it: exit 0 explained, 2 refused."""
+    from oomdoctor.explain import snapshot as snap
+    from oomdoctor.explain.snapshot_report import (explain_snapshot, render_snapshot_text,
+                                                   snapshot_to_json)
+    name = getattr(file, "name", "-")
+    try:
+        report = explain_snapshot(file, name if isinstance(name, str) else "-")
+    except (snap.UnsafeSnapshot, snap.NotASnapshot) as e:
+        _die(RuntimeError(f"{name}: {e}"), debug, EXIT_USAGE)
+    if as_json:
+        click.echo(json.dumps(snapshot_to_json(report), indent=2))
+    else:
+        click.echo(render_snapshot_text(report), nl=False)
+    click.get_current_context().exit(EXIT_OK)
 
 
 def _oom_plan(result, model_file, gpu_name, batch_size, precision, debug):

@@ -28,10 +28,17 @@ from oomdoctor.configs import MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CH
                    "or the naive two-GPU split (pipeline2) on --num-gpus cards.")
 @click.option("--num-gpus", type=click.IntRange(1), default=2, show_default=True,
               help="GPUs for --strategy (ignored for single).")
+@click.option("--snapshot", "snapshot_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write the simulated step as a CUDA memory snapshot (the pickle "
+                   "torch.cuda.memory._dump_snapshot writes): open it at "
+                   "https://pytorch.org/memory_viz.")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Draw memory over the step stacked by category, with reserved, the phases "
+                   "and the budget: FILE.png, .svg or .html (needs matplotlib: the plot extra).")
 @_budget_options
-def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpus, gpu_name,
-             memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
-             optimizer, zero_grad, no_cuda_emulation, as_json, debug):
+def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpus, snapshot_file,
+             plot_file, gpu_name, memory, overhead, other_mem, margin, alloc_conf, checkpoint_class,
+             grad_accum, optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """Peak GPU memory of one training configuration, and what it is made of.
 
     \b
@@ -44,11 +51,22 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
     from oomdoctor.sim.trace import TraceConfig
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
+    if (snapshot_file or plot_file) and strategy != "single":
+        raise click.UsageError("--snapshot and --plot show one GPU's step: use them without "
+                               "--strategy")
+    if plot_file:
+        _check_plot_file(plot_file)
+    snapshot = series = None
     try:
         spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                           optimizer, not no_cuda_emulation, zero_grad=zero_grad)
-        if strategy != "single":
+        if snapshot_file or plot_file:
+            from oomdoctor.plans import snapshot as snapshot_mod
+            result, snapshot, series = snapshot_mod.estimate_views(
+                spec, cfg, budget, alloc, bool(snapshot_file), bool(plot_file),
+                progress=_slow_trace_progress())
+        elif strategy != "single":
             from oomdoctor.plans import parallel as par
             report = par.estimate_strategies(spec, cfg, budget, num_gpus, [strategy], alloc,
                                              progress=lambda m: click.echo(m, err=True))
@@ -66,11 +84,59 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
         click.echo(json.dumps(report.to_json(), indent=2) if as_json
                    else par.render_report(report))
         sys.exit(EXIT_OK if all(e.fits for e in report.estimates) else EXIT_PROBLEM)
+    doc = result.to_json()
+    if snapshot is not None:
+        doc["snapshot"] = _write_snapshots([(snapshot_file, snapshot)], debug)[0]
+    if series is not None:
+        doc["plot"] = _write_plot(series, result, plot_file, debug)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(estimate_mod.render_text(result))
     sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
+
+
+def _check_plot_file(path):
+    """Before minutes of tracing: a known format, and matplotlib there to draw it."""
+    from oomdoctor.plans.stepplot import FORMATS
+    if path.rsplit(".", 1)[-1].lower() not in FORMATS:
+        raise click.UsageError(f"--plot {path}: end the file name in .png, .svg or .html")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.UsageError("--plot needs matplotlib, which is not installed: "
+                               "pip install 'oomdoctor[plot]'") from None
+
+
+def _write_plot(series, result, path, debug):
+    """Draw the step; what --json reports: the path and the series at the peak."""
+    from oomdoctor.plans import stepplot
+    try:
+        stepplot.write_plot(series, result, path)
+    except OSError as e:
+        _die(RuntimeError(f"cannot write the plot {path}: {e.strerror or e}; pass a writable "
+                          "--plot FILE"), debug, EXIT_USAGE)
+    click.echo(f"wrote {path}", err=True)
+    return {"path": path, "events": len(series.allocated), "peak_index": series.peak_index,
+            "at_peak": dict(series.peak_live)}
+
+
+def _write_snapshots(files, debug):
+    """Write each (path, snapshot); what --json reports of each: path, events, segments."""
+    from oomdoctor.plans import snapshot as snapshot_mod
+    out = []
+    for path, snap in files:
+        try:
+            snapshot_mod.write_snapshot(snap, path)
+        except OSError as e:
+            _die(RuntimeError(f"cannot write the snapshot {path}: {e.strerror or e}; pass a "
+                              "writable --snapshot FILE"), debug, EXIT_USAGE)
+        events = len(snap["device_traces"][0])
+        click.echo(f"wrote {path} ({events:,} allocator events, {len(snap['segments'])} "
+                   "segments): open it at https://pytorch.org/memory_viz or explain it with "
+                   f"`oomdoctor explain {path}`", err=True)
+        out.append({"path": path, "events": events, "segments": len(snap["segments"])})
+    return out
 
 
 @cli.command(epilog=MODEL_PROTOCOL)
@@ -105,10 +171,14 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
               help="Measure for real on this device: real training steps in a search seeded "
                    "by the simulator's prediction (usually about three trials per "
                    "configuration), measured peaks next to the predicted ones.")
+@click.option("--snapshot", "snapshot_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write each configuration's step at its largest batch as a CUDA memory "
+                   "snapshot for https://pytorch.org/memory_viz: FILE with the configuration "
+                   "before the extension (step.bf16-ckpt.pickle).")
 @_budget_options
 def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, jobs, strategy,
           num_gpus,
-          target_batch, run_smoke, device, gpu_name,
+          target_batch, run_smoke, device, snapshot_file, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """The largest batch size that fits, for each precision x checkpointing configuration.
@@ -135,6 +205,8 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
     if context_batch is not None:
         raise click.UsageError("-b/--batch-size goes with --seq-len max (probe searches the "
                                "batch size otherwise)")
+    if snapshot_file and strategy != "single":
+        raise click.UsageError("--snapshot writes one GPU's step: use it without --strategy")
     spec, base, result = _probe_matrix(model_file, precisions, checkpointing, max_batch_size,
                                        jobs, strategy, num_gpus, budget, alloc,
                                        checkpoint_class, grad_accum, optimizer, zero_grad,
@@ -150,7 +222,9 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
     if run_smoke and best is not None:
         smoke = _smoke_best(spec, best, checkpoint_class, grad_accum, optimizer, budget, alloc,
                             debug)
-    _render_probe(result, strategy, best, plan, smoke, as_json)
+    snapshots = _probe_snapshots(spec, base, budget, alloc, result, snapshot_file, debug) \
+        if snapshot_file else None
+    _render_probe(result, strategy, best, plan, smoke, as_json, snapshots)
     if failed is not None:       # the single-GPU answer above stands; then the plan's error
         _die(failed[0], debug, failed[1])
     fits = any(r.max_batch_size for r in result.results)
@@ -229,13 +303,33 @@ def _smoke_best(spec, best, checkpoint_class, grad_accum, optimizer, budget, all
         best.max_batch_size, grad_accum, optimizer=optimizer), budget, alloc, debug)
 
 
-def _render_probe(result, strategy, best, plan, smoke, as_json):
+def _probe_snapshots(spec, base, budget, alloc, result, path, debug):
+    """`probe --snapshot`: each configuration at its largest batch, one file each."""
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.plans import snapshot as snapshot_mod
+    click.echo("tracing each configuration at its largest batch for --snapshot", err=True)
+    try:
+        snaps = snapshot_mod.probe_snapshots(spec, base, budget, result, alloc)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    written = _write_snapshots([(snapshot_mod.snapshot_path(path, label), snap)
+                                for label, _, snap in snaps], debug)
+    return [dict(w, configuration=label, batch_size=e.batch_size,
+                 peak_allocated_bytes=e.peak_allocated_bytes)
+            for w, (label, e, _) in zip(written, snaps)]
+
+
+def _render_probe(result, strategy, best, plan, smoke, as_json, snapshots=None):
     """The probe's table and recommendation, then the multi-GPU plan and the smoke run (or all
     of them as one JSON document)."""
     from oomdoctor.plans import estimate as estimate_mod
     from oomdoctor.plans import probe as probe_mod
     if as_json:
         doc = result.to_json()
+        if snapshots is not None:
+            doc["snapshots"] = snapshots
         if plan is not None:
             doc["multi_gpu_plan"] = plan.to_json()
         if smoke is not None:

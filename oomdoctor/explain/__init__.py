@@ -58,6 +58,10 @@ Layout (each module's docstring says what it owns):
     diagnosis.py, fixes.py what every diagnosis uses, and the shared fixes catalogue
     findings.py            drafts -> findings (title, phase, diagnosis, ranked fixes)
     render.py              render_text and to_json
+    snapshot.py            a pickled CUDA memory snapshot: the restricted unpickler (refuses any
+                           pickle that names a Python object), what was live at its OOM or peak,
+                           fragmentation from its segments
+    snapshot_report.py     `explain snapshot.pickle`: categories, sites, expandable segments, fixes
 """
 from __future__ import annotations
 

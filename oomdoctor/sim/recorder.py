@@ -50,6 +50,9 @@ class Storage:
     t_alloc: int                 # index of its alloc event
     t_free: int | None = None    # index of its free event; None = alive at the end
     host: bool = False           # lives on the host on CUDA (Adam's `step` counters)
+    # What the model calls it, where known: a parameter's qualified name, "NAME.grad",
+    # "AdamW.step: exp_avg of NAME" (for memory snapshots' frames, oomdoctor.plans.snapshot).
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -111,11 +114,14 @@ class Recorder(TorchDispatchMode):
     def handle_of(self, t: torch.Tensor) -> int | None:
         return self.live.get(t.untyped_storage()._cdata)
 
-    def relabel(self, t: torch.Tensor, category: Category, host: bool = False) -> None:
+    def relabel(self, t: torch.Tensor, category: Category, host: bool = False,
+                name: str = "") -> None:
         h = self.handle_of(t)
         if h is not None:
             self.storages[h].category = category
             self.storages[h].host = host
+            if name:
+                self.storages[h].name = name
 
     def _fresh_outputs(self, func: Any) -> tuple[bool, ...]:
         # An output with no alias annotation in the schema (`Tensor` rather than `Tensor(a)`)

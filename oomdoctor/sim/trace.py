@@ -137,14 +137,24 @@ def _label_gradients(rec: Recorder, model: torch.nn.Module) -> int:
     """Label the gradients the backward left and return their bytes (holding no reference:
     one kept here would outlive zero_grad)."""
     grads = unique_storages(p.grad for p in model.parameters() if p.grad is not None)
-    for g in grads.values():
-        rec.relabel(g, Category.GRADIENTS)
+    names = {p.grad.untyped_storage()._cdata: n for n, p in model.named_parameters()
+             if p.grad is not None}
+    for key, g in grads.items():
+        rec.relabel(g, Category.GRADIENTS, name=f"{names.get(key, 'parameter')}.grad")
     return sum(g.untyped_storage().nbytes() for g in grads.values())
 
 
 def _label_state(rec: Recorder, cfg: TraceConfig, optimizer: torch.optim.Optimizer) -> None:
+    owner = {}      # each state tensor's storage -> the parameter's name, for snapshot frames
+    for p, st in optimizer.state.items():
+        h = rec.handle_of(p) if isinstance(p, torch.Tensor) else None
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and h is not None:
+                owner[v.untyped_storage()._cdata] = rec.storages[h].name
     for k, v in state_tensors(optimizer):
-        rec.relabel(v, Category.OPTIMIZER_STATE, host=host_state(cfg.emulate_cuda, optimizer, k, v))
+        of = owner.get(v.untyped_storage()._cdata)
+        rec.relabel(v, Category.OPTIMIZER_STATE, host=host_state(cfg.emulate_cuda, optimizer, k, v),
+                    name=f"{type(optimizer).__name__}.step: {k}" + (f" of {of}" if of else ""))
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer,
@@ -183,7 +193,7 @@ def _splice_optimizer(rec: Recorder, ref: Trace, marks: list[PhaseMark], virtual
             src = ref.storages[handle]
             rec.storages[handle] = Storage(handle, nbytes, src.category, src.phase,
                                            src.iteration, src.module, src.op, len(rec.raw),
-                                           host=src.host)
+                                           host=src.host, name=src.name)
             rec._next += 1
             virtual.add(handle)
         else:
@@ -344,11 +354,14 @@ def _record_model_state(loop: _Loop) -> tuple[dict[int, torch.Tensor], ...]:
     buffers = unique_storages(b for b in (*model.buffers(), *adapters.quant_states(model))
                               if b.untyped_storage()._cdata not in params)
     trainable = unique_storages(p for p in model.parameters() if p.requires_grad)
+    names = {t.untyped_storage()._cdata: n for n, t in (*model.named_buffers(),
+                                                       *model.named_parameters())}
     with in_phase(rec, loop.marks, Phase.SETUP, 0, 0):
-        for t in params.values():
-            rec.add(t.untyped_storage(), Category.PARAMETERS, "parameter")
-        for t in buffers.values():
-            rec.add(t.untyped_storage(), Category.BUFFERS, "buffer")
+        for group, category, op in ((params, Category.PARAMETERS, "parameter"),
+                                    (buffers, Category.BUFFERS, "buffer")):
+            for key, t in group.items():
+                h = rec.add(t.untyped_storage(), category, op)
+                rec.storages[h].name = names.get(key, "")
     return params, buffers, trainable
 
 
