@@ -103,7 +103,7 @@ def test_explain_of_simulated_snapshot_matches_the_estimate(blocks_snapshot):
     r = explain_snapshot(io.BytesIO(pickle.dumps(snap)), "step.pickle")
     assert r.simulated and r.live.moment == "peak"
     assert r.live.allocated_bytes == est.peak_allocated_bytes
-    assert r.live.phase == f"{est.peak_phase} of step {est.peak_iteration + 1}"
+    assert r.live.phase == f"{est.peak_phase} of step {est.peak_step}"
     cats = dict(r.by_category)
     assert abs(cats["activations"] - est.breakdown["activations"]) < 512 * len(r.live.blocks)
     # The estimate's largest activations at the peak, grouped by block the same way.
