@@ -20,7 +20,8 @@ from oomdoctor.configs import MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CH
 @click.option("-b", "--batch-size", type=click.IntRange(1), required=True,
               help="Micro-batch size per GPU.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
-              help="fp16/bf16: autocast AMP (fp16 with GradScaler); bf16-pure: model.to(bf16).")
+              help="fp16/bf16: autocast AMP (fp16 with GradScaler); bf16-pure / fp16-pure: "
+                   "model.to(bf16) / model.half(), no autocast, no GradScaler.")
 @click.option("--checkpointing", is_flag=True, help="Checkpoint the repeated blocks.")
 @click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
               show_default=True,
@@ -77,7 +78,7 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
 @click.argument("model_file", type=click.Path())
 @click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
               help="Probe only these precisions (repeatable; default: fp32, fp16, and bf16 "
-                   "AMP and pure bf16 where the card supports bf16).")
+                   "AMP and pure bf16 where the card supports bf16; fp16-pure only if named).")
 @click.option("--checkpointing/--no-checkpointing", default=None,
               help="Probe only with / without checkpointing (default: both).")
 @click.option("--max-batch-size", type=click.IntRange(1), default=MAX_BATCH, show_default=True,
@@ -234,6 +235,7 @@ def _render_probe(result, strategy, best, plan, smoke, as_json):
     of them as one JSON document)."""
     from oomdoctor.plans import estimate as estimate_mod
     from oomdoctor.plans import probe as probe_mod
+    from oomdoctor.plans import probe_render
     if as_json:
         doc = result.to_json()
         if plan is not None:
@@ -242,9 +244,9 @@ def _render_probe(result, strategy, best, plan, smoke, as_json):
             doc["smoke"] = smoke.to_json()
         click.echo(json.dumps(doc, indent=2))
         return
-    click.echo(probe_mod.render_table(result))
+    click.echo(probe_render.render_table(result))
     if strategy == "single":
-        click.echo(probe_mod.render_recommendation(result))
+        click.echo(probe_render.render_recommendation(result))
     if plan is not None:
         from oomdoctor.plans import recommend as rec
         scope = ("at the recommended precision (all precisions and strategies: "
