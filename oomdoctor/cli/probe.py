@@ -12,7 +12,8 @@ from oomdoctor.cli.options import (_alloc_config, _budget_options, _detect_gpus,
                                    _make_budget, _progress, _slow_trace_progress,
                                    _wants_longest_context)
 from oomdoctor.cli.runs import _smoke_run
-from oomdoctor.configs import MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES
+from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES,
+                               needs_bf16, no_bf16_fix)
 
 
 @cli.command(epilog=MODEL_PROTOCOL)
@@ -324,8 +325,9 @@ def _longest_context(model_file, precisions, checkpointing, batch_size, budget, 
     try:
         configs = [(p, ck) for p in (precisions or (amp,))
                    for ck in ((checkpointing,) if checkpointing is not None else (False, True))]
-        if any(p.startswith("bf16") for p, _ in configs) and not budget.gpu.bf16:
-            raise ValueError(f"{budget.gpu.name} has no bf16 support")
+        bad = [p for p, _ in configs if needs_bf16(p) and not budget.gpu.bf16]
+        if bad:
+            raise ValueError(f"{budget.gpu.name} has no bf16 support; {no_bf16_fix(bad[0])}")
         spec = _load_model(model_file, longest=True)
         base = TraceConfig(batch_size, "fp32", False, checkpoint_class, grad_accum, optimizer,
                            not no_cuda_emulation, zero_grad=zero_grad)
