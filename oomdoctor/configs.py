@@ -1,7 +1,33 @@
 """The names of what oomdoctor can simulate, importable without torch (the CLI builds its options
 from them before any command decides whether it needs torch)."""
 
-PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
+PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure", "fp16-pure")
+# Pure precisions: the weights themselves are 16-bit (model.to(dtype) / model.half()), no
+# autocast, no GradScaler; the optimizer's state takes the weights' dtype. The value is the
+# torch dtype's name (this module imports no torch; oomdoctor.models.casting.pure_dtype maps it).
+PURE_PRECISIONS = {"bf16-pure": "bfloat16", "fp16-pure": "float16"}
+
+# What a pure precision costs in quality. bf16 keeps fp32's 8 exponent bits and 8 bits of
+# mantissa; fp16 has 11 bits of mantissa (finer steps: updates down to ~1/2048 of a weight
+# survive) but 5 exponent bits: nothing above 65504, normals from 6.1e-5, subnormals to 6e-8
+# (torch.finfo(torch.float16)). The AdamW failure was checked on torch 2.13 (CPU, foreach and
+# single-tensor): fp16 weight 1.0, gradient 1e-3, lr 1e-3 -> -inf with eps=1e-8, 0.990 with
+# eps=1e-4; a zero gradient -> NaN. Mixed-precision training (Micikevicius et al. 2018,
+# arXiv:1710.03740) keeps fp32 master weights and scales the loss for exactly these reasons.
+PURE_QUALITY = {
+    "bf16-pure": "pure bf16 is not neutral: weights and Adam moments keep 8 mantissa bits, so "
+                 "updates smaller than ~1/256 of a weight are lost; prefer AMP if it fits, or an "
+                 "optimizer with fp32 master weights / Kahan summation",
+    "fp16-pure": "pure fp16 is the riskiest precision: with no GradScaler, gradients below 6e-8 "
+                 "flush to zero (below 6.1e-5 they lose bits) and activations or logits above "
+                 "65504 overflow to inf, so the loss can turn NaN; AdamW's first second "
+                 "moment, 0.001 g^2, flushes to zero for gradients below ~5e-3 and its default "
+                 "eps=1e-8 rounds to 0, so such a weight steps by m/0: -inf, or NaN where g = 0 "
+                 "(set eps=1e-4: finite, but those steps are still too large). Prefer fp16 AMP "
+                 "(fp32 master weights + GradScaler) or bf16 if either fits",
+}
+
+
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "rmsprop", "adagrad", "adafactor",
               "torchao-adamw8bit", "torchao-adamw4bit")
 MAX_BATCH = 1 << 16   # the probe stops searching here; a model this light fits "at least" this
@@ -41,3 +67,29 @@ def install_hint(extra: str) -> str:
     """The command that installs an optional integration, for both ways people install
     oomdoctor: from PyPI, and from a clone as the README does (``pip install -e .``)."""
     return f"pip install 'oomdoctor[{extra}]' (from a clone: pip install -e '.[{extra}]')"
+
+
+def param_width(precision: str) -> int:
+    """Bytes per trained parameter (and per gradient, per Adam moment) under ``precision``:
+    2 for the pure 16-bit precisions, 4 otherwise (AMP keeps fp32 master weights)."""
+    return 2 if precision in PURE_PRECISIONS else 4
+
+
+def needs_bf16(precision: str) -> bool:
+    """Whether ``precision`` computes in bf16, which needs compute capability >= 8.0 (fp16,
+    pure or AMP, runs on any CUDA card: the T4s and V100s where people reach for it)."""
+    return precision in ("bf16", "bf16-pure")
+
+
+def leanest_precision(allowed: list[str]) -> str:
+    """The allowed precision with the fewest bytes of model states: a pure one (bf16-pure
+    before fp16-pure, whose range is riskier), else the last named."""
+    return next((p for p in PURE_PRECISIONS if p in allowed), allowed[-1])
+
+
+def no_bf16_fix(precision: str) -> str:
+    """What to run instead of a bf16 ``precision`` on a card without bf16."""
+    if precision == "bf16-pure":
+        return ("use --precision fp16 (AMP + GradScaler), or fp16-pure for pure 16-bit weights "
+                "at fp16's risk: no loss scaler, so small gradients underflow to zero")
+    return "use --precision fp16"

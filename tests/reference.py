@@ -84,19 +84,34 @@ def _checkpointed(fn):
     return forward
 
 
+def _cast_floats(batch, dtype):
+    """The batch with its float tensors in ``dtype``, as a ``model.half()`` script feeds it."""
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    if isinstance(batch, dict):
+        return {k: cast(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(cast(t) for t in batch)
+    return cast(batch)
+
+
 def real_cpu_peak_variant(path: str, batch_size: int, *, checkpoint: tuple[str, ...] = (),
-                          grad_accum: int = 1, steps: int = 2, opaque: tuple[str, ...] = ()
-                          ) -> int:
+                          grad_accum: int = 1, steps: int = 2, opaque: tuple[str, ...] = (),
+                          pure: torch.dtype | None = None) -> int:
     """Like :func:`real_cpu_peak`, with the training loop changed the way a user would:
 
     - ``checkpoint``: names of submodules whose forward runs under non-reentrant
       ``torch.utils.checkpoint`` (the caller names the blocks; nothing is searched for);
     - ``grad_accum``: K micro-batches per optimizer step, each ``(loss / K).backward()``,
-      then ``step()`` and ``zero_grad(set_to_none=True)``.
+      then ``step()`` and ``zero_grad(set_to_none=True)``;
+    - ``pure``: ``model.to(pure)`` before the optimizer is built (``model.half()`` for
+      torch.float16) and the batch's float tensors cast to it - no autocast, no GradScaler.
     """
     mod = load(path)
     torch.manual_seed(0)
     model = mod.build_model().train()
+    if pure is not None:
+        model = model.to(pure)
     for name in checkpoint:
         sub = model.get_submodule(name)
         sub.forward = _checkpointed(sub.forward)
@@ -107,6 +122,8 @@ def real_cpu_peak_variant(path: str, batch_size: int, *, checkpoint: tuple[str, 
         for _ in range(steps):
             for _ in range(grad_accum):
                 batch = mod.make_batch(batch_size)
+                if pure is not None:
+                    batch = _cast_floats(batch, pure)
                 loss = _loss(mod, model, batch)
                 if grad_accum > 1:
                     loss = loss / grad_accum

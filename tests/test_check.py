@@ -187,3 +187,27 @@ def test_setup_cfg_survives_setuptools_interpolation():
     assert read_configuration(os.path.join(ROOT, "setup.cfg"))["metadata"]["name"] == "oomdoctor"
     assert _fraction("2%%", "tolerance") == pytest.approx(0.02)
     assert _fraction("0.02", "tolerance") == pytest.approx(0.02)
+
+
+def test_a_pure_fp16_case_on_a_card_without_bf16(tmp_path):
+    """precision = fp16-pure in setup.cfg, gated on a T4: estimated (fp16 weights, 2 bytes per
+    parameter, so less than the same case in fp32) and passed against its baseline."""
+    cfg = write_config(tmp_path, f"""
+[oomdoctor:mlp-fp16-pure]
+model = {MLP}
+batch_size = 64
+precision = fp16-pure
+gpu = t4
+
+[oomdoctor:mlp-fp32-t4]
+model = {MLP}
+batch_size = 64
+gpu = t4
+""")
+    assert run("--config", cfg, "--update").exit_code == EXIT_OK
+    cases = json.loads((tmp_path / "base.json").read_text())["cases"]
+    pure, fp32 = cases["mlp-fp16-pure"], cases["mlp-fp32-t4"]
+    # tiny_mlp: 399,370 parameters; fp32 holds 16 bytes of model states each, fp16-pure 8
+    assert 0 < pure["peak_allocated_bytes"] <= fp32["peak_allocated_bytes"] - 8 * 399_370
+    res = run("--config", cfg)
+    assert res.exit_code == EXIT_OK and "passed: 4 of 4" in res.stdout

@@ -267,3 +267,42 @@ def test_steps_are_numbered_one_way_in_text_and_json():
     step = json.loads(res.stdout)["peak_step"]
     assert step in (1, 2)
     assert f"of step {step}" in run(*args).stdout
+
+
+# tiny_mlp's parameters from its layers: Linear(256, 512), Linear(512, 512), Linear(512, 10).
+MLP_PARAMS = (256 * 512 + 512) + (512 * 512 + 512) + (512 * 10 + 10)
+
+
+@pytest.mark.parametrize("args,read", [
+    (("estimate", MLP, "-b", "8"),
+     lambda d: (d["precision"], d["breakdown"]["parameters"])),
+    (("probe", MLP, "--precision", "fp16-pure", "--no-checkpointing", "--max-batch-size", "64"),
+     lambda d: (d["results"][0]["precision"], d["results"][0]["breakdown"]["parameters"])),
+    (("parallel", MLP, "-b", "8", "--gpus", "2", "--strategy", "ddp"),
+     lambda d: (d["precision"], d["strategies"][0]["gpus"][0]["breakdown"]["parameters"])),
+    (("split", MLP, "-b", "8", "--gpus", "2"),
+     lambda d: (d["precision"], sum(s["breakdown"]["parameters"] for s in d["stages"]))),
+    (("recommend", MLP, "--gpus", "2", "--target-batch", "64", "--precision", "fp16-pure",
+      "--quick", "-j", "1"),
+     lambda d: (d["best"]["precision"], None)),
+], ids=["estimate", "probe", "parallel", "split", "recommend"])
+def test_every_planning_command_takes_fp16_pure_on_a_card_without_bf16(args, read):
+    """--precision fp16-pure on a T4 (compute capability 7.5, no bf16): every command plans it,
+    with fp16 weights (2 bytes per parameter; recommend: the plan is the precision asked)."""
+    extra = () if "--precision" in args else ("--precision", "fp16-pure")
+    res = run(*args, *extra, "--gpu", "t4", "--json")
+    assert res.exit_code == EXIT_OK, res.output
+    precision, param_bytes = read(json.loads(res.stdout))
+    assert precision == "fp16-pure"
+    assert param_bytes in (None, 2 * MLP_PARAMS)
+
+
+def test_probe_recommends_pure_fp16_last_and_says_what_it_costs():
+    res = run("probe", MLP, "--gpu", "t4", "--precision", "fp32", "--precision", "fp16-pure",
+              "--no-checkpointing", "--max-batch-size", "64")
+    assert res.exit_code == EXIT_OK, res.output
+    assert "recommended: fp32" in res.stdout          # fp32 fits: it goes first
+    res = run("probe", MLP, "--gpu", "t4", "--precision", "fp16-pure", "--no-checkpointing",
+              "--max-batch-size", "64")
+    assert "recommended: pure fp16 (model.half(), no GradScaler)" in res.stdout
+    assert "riskiest precision" in res.stdout and "eps=1e-4" in res.stdout

@@ -7,7 +7,7 @@ from oomdoctor.sim.allocator import AllocatorConfig, replay, round_size
 from oomdoctor.plans.estimate import Budget, device_events, estimate, estimate_trace
 from oomdoctor.sim.gpus import MiB, PROFILES, custom_profile, get_profile, parse_size
 from oomdoctor.models.loader import load_model_file
-from oomdoctor.plans.probe import _Extrapolation, default_matrix, probe, probe_config
+from oomdoctor.plans.probe import _Extrapolation, default_matrix, matrix, probe, probe_config
 from oomdoctor.sim.trace import TraceConfig, trace_training
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
@@ -99,6 +99,24 @@ def test_probe_matrix_and_parallel_workers_agree():
     assert default_matrix(False) == [("fp32", False), ("fp32", True), ("fp16", False),
                                      ("fp16", True)]
     assert len(default_matrix(True)) == 8
+    # pure fp16 only when named, and on any card (fp16 needs no compute capability 8.0)
+    assert all(p != "fp16-pure" for p, _ in default_matrix(True) + default_matrix(False))
+    assert matrix(get_profile("t4"), ["fp16-pure"]) == [("fp16-pure", False), ("fp16-pure", True)]
+    with pytest.raises(ValueError, match=r"no bf16 support; drop --precision bf16-pure .*fp16"):
+        matrix(get_profile("t4"), ["bf16-pure"])
+
+
+def test_fp16_pure_on_a_card_without_bf16_holds_2_2_4_bytes_per_parameter():
+    """model.half() on a T4 (compute capability 7.5): fp16 weights and gradients, AdamW's
+    exp_avg and exp_avg_sq in fp16 - 2 + 2 + 2 x 2 bytes per parameter. tiny_mlp's count from
+    its layers: Linear(256, 512), Linear(512, 512), Linear(512, 10), weights and biases."""
+    n = (256 * 512 + 512) + (512 * 512 + 512) + (512 * 10 + 10)
+    e = estimate(MLP, TraceConfig(8, precision="fp16-pure"), Budget(get_profile("t4")))
+    b = e.breakdown
+    assert (b["parameters"], b["gradients"], b["optimizer_state"]) == (2 * n, 2 * n, 4 * n)
+    assert e.fits and e.peak_phase == "optimizer"
+    with pytest.raises(ValueError, match="t4 has no bf16 support.*fp16-pure"):
+        estimate(MLP, TraceConfig(8, precision="bf16-pure"), Budget(get_profile("t4")))
 
 
 def test_checkpointing_without_repeated_blocks_is_reported():

@@ -80,3 +80,38 @@ def test_recommend_prints_a_dataparallel_plan_that_does_what_it_says():
     assert "from torch.utils.data import DataLoader" in out
     assert "(broadcast_coalesced) can hang or crawl here" in out
     assert "on the training server use its cores" in out
+
+
+def test_pure_fp16_ranks_after_pure_bf16_and_its_plan_guards_adamw():
+    from oomdoctor.plans.recommend.search import faster_pure_bf16_note, rank
+    amp = _candidate(strategy="ddp", precision="fp16", step_seconds=2.0, score=2.0)
+    bf16 = _candidate(strategy="ddp", precision="bf16-pure", step_seconds=1.0, score=1.25)
+    fp16 = _candidate(strategy="ddp", precision="fp16-pure", step_seconds=0.5, score=0.625)
+    assert [c.precision for c in rank([fp16, bf16, amp])] == ["fp16", "bf16-pure", "fp16-pure"]
+    note = faster_pure_bf16_note(amp, [amp, fp16])
+    assert note.startswith("pure fp16 (ddp") and "loss scaling" in note
+    lc = _launch(_candidate(strategy="single", num_gpus=1, precision="fp16-pure",
+                            effective_batch=128))
+    s = lc.snippet
+    assert "model = model.half()" in s and "GradScaler(" not in s and "autocast" not in s
+    assert "g['eps'] = 1e-4" in s and "t.to(torch.float16)" in s
+    compile(s, "snippet", "exec")
+    assert any("riskiest precision" in q for q in lc.quality_notes)
+
+
+def test_the_pure_fp16_quality_note_is_what_torch_does():
+    """The note's claims, on real fp16 tensors: AdamW's default eps is 0 in fp16, so a gradient
+    of 1e-3 (second moment 1e-9: underflows) sends its weight to -inf and a zero gradient to
+    NaN; eps=1e-4 keeps both finite. fp16's range: 65504 and 6e-8."""
+    import torch
+    assert torch.finfo(torch.float16).max == 65504
+    assert torch.tensor(1e-8, dtype=torch.float16).item() == 0.0
+    assert torch.tensor(6e-8, dtype=torch.float16).item() > 0.0
+    for eps, finite in ((1e-8, False), (1e-4, True)):
+        w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+        opt = torch.optim.AdamW([w], lr=1e-3, eps=eps)
+        w.grad = torch.tensor([1e-3, 0.0], dtype=torch.float16)
+        opt.step()
+        assert bool(torch.isfinite(w).all()) is finite, (eps, w)
+        if not finite:
+            assert w[0].item() == float("-inf") and torch.isnan(w[1])

@@ -220,3 +220,20 @@ def test_cuda_reporting_branch_with_a_faked_device(monkeypatch):
     assert "OFF" in text
     assert dataclasses.asdict(r)["memory"][1]["predicted_allocated_bytes"] == \
         g.peak_allocated_bytes
+
+
+def test_cpu_smoke_of_pure_fp16_fails_with_adamw_defaults_and_passes_with_eps_1e_4(tmp_path):
+    """model.half() with AdamW's default eps=1e-8 really diverges (fp16 rounds eps to 0 and
+    small gradients' squares to 0: the update is m/0); eps=1e-4 trains. The smoke says which."""
+    default = smoke.run_smoke(MLP, smoke.SmokeConfig("single", 1, "fp16-pure", steps=3))
+    assert not default.ok and default.ran_precision == "fp16-pure"
+    assert any("not finite" in p for p in default.problems)
+    assert any("eps=1e-4" in n for n in default.notes)
+    fixed = tmp_path / "mlp_eps.py"
+    fixed.write_text(open(MLP_PATH).read() + "\n\ndef make_optimizer(params):\n"
+                     "    return torch.optim.AdamW(params, lr=1e-4, eps=1e-4)\n")
+    r = smoke.run_smoke(load_model_file(str(fixed)),
+                        smoke.SmokeConfig("single", 1, "fp16-pure", steps=3))
+    assert r.ok and r.ran_precision == "fp16-pure", r.problems
+    assert r.losses[-1] < r.losses[0]
+    assert not any("eps=1e-4" in n for n in r.notes)

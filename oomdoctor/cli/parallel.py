@@ -122,7 +122,8 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
 @click.option("--target-batch", type=click.IntRange(1), default=256, show_default=True,
               help="The effective batch you want (micro-batch x accumulation x GPUs).")
 @click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
-              help="Allowed precisions (repeatable; default: all the card supports).")
+              help="Allowed precisions (repeatable; default: all the card supports but "
+                   "fp16-pure, which is searched only if named).")
 @click.option("--strategy", "strategies", multiple=True,
               type=click.Choice(NODE_STRATEGY_CHOICES),
               help="Allowed strategies (repeatable; default: all; hsdp with --nodes).")

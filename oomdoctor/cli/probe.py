@@ -12,7 +12,8 @@ from oomdoctor.cli.options import (_alloc_config, _budget_options, _detect_gpus,
                                    _make_budget, _progress, _slow_trace_progress,
                                    _wants_longest_context)
 from oomdoctor.cli.runs import _smoke_run
-from oomdoctor.configs import MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES
+from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES,
+                               needs_bf16, no_bf16_fix)
 
 
 @cli.command(epilog=MODEL_PROTOCOL)
@@ -20,7 +21,8 @@ from oomdoctor.configs import MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CH
 @click.option("-b", "--batch-size", type=click.IntRange(1), required=True,
               help="Micro-batch size per GPU.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
-              help="fp16/bf16: autocast AMP (fp16 with GradScaler); bf16-pure: model.to(bf16).")
+              help="fp16/bf16: autocast AMP (fp16 with GradScaler); bf16-pure / fp16-pure: "
+                   "model.to(bf16) / model.half(), no autocast, no GradScaler.")
 @click.option("--checkpointing", is_flag=True, help="Checkpoint the repeated blocks.")
 @click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
               show_default=True,
@@ -143,7 +145,7 @@ def _write_snapshots(files, debug):
 @click.argument("model_file", type=click.Path())
 @click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
               help="Probe only these precisions (repeatable; default: fp32, fp16, and bf16 "
-                   "AMP and pure bf16 where the card supports bf16).")
+                   "AMP and pure bf16 where the card supports bf16; fp16-pure only if named).")
 @click.option("--checkpointing/--no-checkpointing", default=None,
               help="Probe only with / without checkpointing (default: both).")
 @click.option("--max-batch-size", type=click.IntRange(1), default=MAX_BATCH, show_default=True,
@@ -326,6 +328,7 @@ def _render_probe(result, strategy, best, plan, smoke, as_json, snapshots=None):
     of them as one JSON document)."""
     from oomdoctor.plans import estimate as estimate_mod
     from oomdoctor.plans import probe as probe_mod
+    from oomdoctor.plans import probe_render
     if as_json:
         doc = result.to_json()
         if snapshots is not None:
@@ -336,9 +339,9 @@ def _render_probe(result, strategy, best, plan, smoke, as_json, snapshots=None):
             doc["smoke"] = smoke.to_json()
         click.echo(json.dumps(doc, indent=2))
         return
-    click.echo(probe_mod.render_table(result))
+    click.echo(probe_render.render_table(result))
     if strategy == "single":
-        click.echo(probe_mod.render_recommendation(result))
+        click.echo(probe_render.render_recommendation(result))
     if plan is not None:
         from oomdoctor.plans import recommend as rec
         scope = ("at the recommended precision (all precisions and strategies: "
@@ -416,8 +419,9 @@ def _longest_context(model_file, precisions, checkpointing, batch_size, budget, 
     try:
         configs = [(p, ck) for p in (precisions or (amp,))
                    for ck in ((checkpointing,) if checkpointing is not None else (False, True))]
-        if any(p.startswith("bf16") for p, _ in configs) and not budget.gpu.bf16:
-            raise ValueError(f"{budget.gpu.name} has no bf16 support")
+        bad = [p for p, _ in configs if needs_bf16(p) and not budget.gpu.bf16]
+        if bad:
+            raise ValueError(f"{budget.gpu.name} has no bf16 support; {no_bf16_fix(bad[0])}")
         spec = _load_model(model_file, longest=True)
         base = TraceConfig(batch_size, "fp32", False, checkpoint_class, grad_accum, optimizer,
                            not no_cuda_emulation, zero_grad=zero_grad)

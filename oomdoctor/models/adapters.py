@@ -21,7 +21,7 @@ What the recipes do, and what this module follows:
   ``peft.prepare_model_for_kbit_training``, which freezes everything and casts the remaining
   16-bit parameters (embeddings, norms, the output layer) to fp32; the 4-bit matmuls compute in
   the AMP dtype (``bnb_4bit_compute_dtype``). With ``bf16-pure`` nothing is upcast (the
-  unsloth-style setup): everything that is not 4-bit stays bf16.
+  unsloth-style setup): everything that is not 4-bit stays bf16 (``fp16-pure``: fp16).
 - Which linear layers stay unquantized follows transformers' rule (``get_keys_to_not_convert``):
   the output embeddings, weights tied to another parameter, and the module holding the model's
   last parameter.
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from oomdoctor.configs import QUANTIZATIONS, install_hint
-from oomdoctor.models.casting import to_dtype
+from oomdoctor.models.casting import pure_dtype, to_dtype
 from oomdoctor.models.spec import ModelFileError, first_line
 
 _BLOCKSIZE_4BIT = 64          # bitsandbytes Linear4bit / Params4bit default blocksize
@@ -89,10 +89,11 @@ def adapt(model: torch.nn.Module, adapters: Adapters, precision: str
           ) -> tuple[torch.nn.Module, list[str]]:
     """The model as ``adapters`` trains it, and notes saying what was done.
 
-    ``model`` comes cast for ``precision`` (bf16-pure: already bf16) and in train mode."""
+    ``model`` comes cast for ``precision`` (a pure precision: already 16-bit) and in train mode."""
     notes: list[str] = []
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    compute = torch.bfloat16 if precision == "bf16-pure" else (amp or torch.float32)
+    pure = pure_dtype(precision)
+    compute = pure or amp or torch.float32
     if adapters.quantize:
         from torch._subclasses.fake_tensor import is_fake
         if any(is_fake(p) for p in model.parameters()):
@@ -114,7 +115,7 @@ def adapt(model: torch.nn.Module, adapters: Adapters, precision: str
                f"{_BLOCKSIZE_4BIT}), computing in {str(compute).removeprefix('torch.')}")
         notes.append(f"{n} linear layers stored as bitsandbytes {adapters.quantize} {how}"
                      + (f"; kept unquantized: {', '.join(skipped)}" if skipped else ""))
-        if precision != "bf16-pure":
+        if pure is None:
             peft = _import("peft", "QLoRA")
             # QLoRA's recipe: freeze, and upcast what is not quantized to fp32.
             setattr(model, "is_loaded_in_8bit" if int8 else "is_loaded_in_4bit", True)

@@ -1,9 +1,19 @@
-"""Casting a model and a batch to another dtype in ways fake tensors allow (pure bf16)."""
+"""Casting a model and a batch to another dtype in ways fake tensors allow (pure bf16/fp16)."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from oomdoctor.configs import PURE_PRECISIONS
+
+
+def pure_dtype(precision: str) -> torch.dtype | None:
+    """The dtype a pure precision casts the weights and the batch to (bf16-pure:
+    ``torch.bfloat16``, fp16-pure: ``torch.float16``); None for fp32 and the AMP precisions,
+    whose weights stay fp32."""
+    name = PURE_PRECISIONS.get(precision)
+    return getattr(torch, name) if name else None
 
 
 def to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -23,7 +33,7 @@ def to_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def cast_floats(batch: Any, dtype: torch.dtype) -> Any:
     """A batch (tensor, tuple/list or dict) with its floating tensors cast to ``dtype``
-    (pure bf16 feeds bf16 inputs); integer tensors such as token ids are left alone."""
+    (a pure precision feeds 16-bit inputs); integer tensors such as token ids are left alone."""
     def cast(t):
         return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
     if isinstance(batch, dict):

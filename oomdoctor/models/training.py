@@ -1,7 +1,7 @@
 """One training configuration's model, batch, loss and optimizer, from a :class:`ModelSpec`.
 
 The same calls build what the trace, the measured probe and the smoke run train: the model in
-train mode (pure bf16, LoRA/4-bit weights, checkpointed blocks as configured), the batch, the
+train mode (pure bf16/fp16, LoRA/4-bit weights, checkpointed blocks as configured), the batch, the
 protocol's loss and the optimizer. A failure inside the user's functions becomes a one-line
 :class:`ModelFileError` that names the function and the fix.
 """
@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from oomdoctor.models.casting import cast_floats, to_dtype
+from oomdoctor.models.casting import cast_floats, pure_dtype, to_dtype
 from oomdoctor.models.spec import (DataDependentError, ModelFileError, ModelSpec, first_line,
                                    library_frame,
                                    moves_to_gpu, user_frame)
@@ -107,13 +107,14 @@ def build_for_training(spec: ModelSpec, precision: str = "fp32", checkpointing: 
                        notes: list[str] | None = None
                        ) -> tuple[torch.nn.Module, tuple[str, ...]]:
     """The file's model as a configuration trains it, under the caller's device or fake-tensor
-    context: in train mode, cast to bf16 for pure bf16, LoRA/4-bit weights if the spec asks,
+    context: in train mode, cast to 16 bits for a pure precision, LoRA/4-bit weights if the spec asks,
     repeated blocks checkpointed. Returns the model and the checkpointed blocks' names; what
     the adapters did is appended to ``notes``."""
     model = build_checked_model(spec)
     model.train()
-    if precision == "bf16-pure":
-        to_dtype(model, torch.bfloat16)
+    pure = pure_dtype(precision)
+    if pure is not None:
+        to_dtype(model, pure)
     if spec.adapters is not None:
         from oomdoctor.models import adapters
         model, said = adapters.adapt(model, spec.adapters, precision)
@@ -145,9 +146,11 @@ def _holds_batchnorm(model: torch.nn.Module, blocks: tuple[str, ...]) -> bool:
 
 
 def make_configured_batch(spec: ModelSpec, batch_size: int, precision: str = "fp32") -> Any:
-    """The file's batch; pure bf16 feeds bf16 inputs."""
+    """The file's batch; a pure precision feeds 16-bit inputs (as ``model.half()`` scripts
+    cast their float inputs)."""
     batch = make_checked_batch(spec, batch_size)
-    return cast_floats(batch, torch.bfloat16) if precision == "bf16-pure" else batch
+    pure = pure_dtype(precision)
+    return cast_floats(batch, pure) if pure is not None else batch
 
 
 # Errors raised by fake tensors when the file does something only real data can answer.

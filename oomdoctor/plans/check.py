@@ -12,7 +12,7 @@ Cases live in the project's ``setup.cfg`` (or ``--config FILE``), one section pe
     [oomdoctor:gpt2-bf16]
     model = sample_models/gpt2_small.py
     batch_size = 8
-    precision = bf16            ; fp32 | fp16 | bf16 | bf16-pure
+    precision = bf16            ; fp32 | fp16 | bf16 | bf16-pure | fp16-pure
     checkpointing = false
     grad_accum = 1
     gpu = rtx3090

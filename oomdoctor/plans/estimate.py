@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from oomdoctor.configs import needs_bf16, no_bf16_fix
 from oomdoctor.sim import rocm
 from oomdoctor.sim.allocator import AllocatorConfig, ReplayResult, replay
 from oomdoctor.sim.gpus import GpuProfile
@@ -213,11 +214,12 @@ def estimate(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
              alloc: AllocatorConfig = AllocatorConfig(), progress=None) -> Estimate:
     """Trace ``cfg`` and estimate its peak on ``budget.gpu``. ``progress(message)`` is told
     which step and phase the trace has reached (see trace.trace_training)."""
-    if cfg.precision in ("bf16", "bf16-pure") and not budget.gpu.bf16:
+    if needs_bf16(cfg.precision) and not budget.gpu.bf16:
         why = (f"{budget.gpu.arch} has no bf16 matrix instructions" if budget.gpu.is_rocm else
                f"compute capability {budget.gpu.compute_capability[0]}."
                f"{budget.gpu.compute_capability[1]} < 8.0")
-        raise ValueError(f"{budget.gpu.name} has no bf16 support ({why}); use --precision fp16")
+        raise ValueError(f"{budget.gpu.name} has no bf16 support ({why}); "
+                         f"{no_bf16_fix(cfg.precision)}")
     return estimate_trace(trace_for(spec, cfg, budget.gpu, progress=progress), budget, alloc,
                           spec.name)
 

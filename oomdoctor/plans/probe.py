@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 from oomdoctor.sim.allocator import AllocatorConfig
-from oomdoctor.configs import MAX_BATCH
+from oomdoctor.configs import MAX_BATCH, needs_bf16, no_bf16_fix
 from oomdoctor.plans.estimate import Budget, Estimate, allocator_conf_string, estimate_trace, trace_for
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.models.spec import ModelSpec
@@ -249,7 +249,9 @@ def _search(fits: Callable[[int], bool], lo: int, max_batch: int) -> tuple[int, 
 
 
 def default_matrix(bf16: bool) -> list[tuple[str, bool]]:
-    """The design card's matrix: fp32, fp16 AMP, bf16 AMP, pure bf16 x checkpointing off/on."""
+    """The design card's matrix: fp32, fp16 AMP, bf16 AMP, pure bf16 x checkpointing off/on.
+    Pure fp16 only with --precision fp16-pure: two more traced configurations per probe for a
+    precision that holds the bytes of pure bf16 with a riskier range (configs.PURE_QUALITY)."""
     precisions = ["fp32", "fp16"] + (["bf16", "bf16-pure"] if bf16 else [])
     return [(p, ck) for p in precisions for ck in (False, True)]
 
@@ -260,9 +262,10 @@ def matrix(gpu: GpuProfile, precisions: Sequence[str] = (),
     checkpointing only when ``checkpointing`` says. bf16 on a card without it is a ValueError."""
     configs = default_matrix(gpu.bf16)
     if precisions:
-        bad = [p for p in precisions if p.startswith("bf16") and not gpu.bf16]
+        bad = [p for p in precisions if needs_bf16(p) and not gpu.bf16]
         if bad:
-            raise ValueError(f"{gpu.name} has no bf16 support; drop --precision {bad[0]}")
+            raise ValueError(f"{gpu.name} has no bf16 support; drop --precision {bad[0]} "
+                             f"({no_bf16_fix(bad[0]).removeprefix('use ')} instead)")
         configs = [(p, ck) for p in precisions for ck in (False, True)]
     if checkpointing is not None:
         configs = [(p, ck) for p, ck in configs if ck == checkpointing]
@@ -402,50 +405,6 @@ def allocator_gain(spec: ModelSpec, r: ProbeResult, base: TraceConfig, budget: B
                          other.estimate.breakdown["allocator_overhead"])
 
 
-def render_table(r: ProbeResult) -> str:
-    """The configuration matrix as a table, with the breakdown at each maximum."""
-    from tabulate import tabulate
-
-    from oomdoctor.sim.allocator import format_size
-
-    def gib(n: int) -> str:
-        return f"{n / 2**30:.2f}"
-
-    rows = []
-    for c in r.results:
-        e = c.estimate
-        label = c.precision + (" + ckpt" if c.checkpointing else "")
-        if c.error:
-            rows.append((label, "-", *[""] * 7, c.error))
-            continue
-        best = "none" if c.max_batch_size is None else (
-            f">= {c.max_batch_size}" if c.capped else str(c.max_batch_size))
-        if e is None:     # a multi-GPU strategy: the fullest GPU's peak
-            pg = c.per_gpu
-            rows.append((label, best, gib(pg.peak_device_bytes), *[""] * 6,
-                         f"{pg.strategy} x{pg.num_gpus}, fullest GPU incl. context "
-                         f"({sum(t.method == 'traced' for t in c.trials)} traces)"))
-            continue
-        b = e.breakdown
-        rows.append((label, best, gib(e.peak_reserved_bytes), gib(b["parameters"]),
-                     gib(b["gradients"]), gib(b["optimizer_state"]),
-                     gib(b["activations"]), gib(b["temporaries"]),
-                     gib(b["allocator_overhead"]), f"{e.peak_phase} "
-                     f"({sum(t.method == 'traced' for t in c.trials)} traces)"))
-    head = (f"{r.model} on {r.gpu}: {format_size(r.device_total_bytes)} capacity, "
-            f"{format_size(r.budget_bytes)} for the allocator after the CUDA context and a "
-            f"{r.margin:.0%} margin; PYTORCH_CUDA_ALLOC_CONF "
-            + (f"={r.allocator}" if r.allocator else "unset (PyTorch's defaults)"))
-    table = tabulate(rows, headers=("config", "max batch", "reserved", "params", "grads",
-                                    "optim", "activ", "temp", "alloc ovh", "peak in"),
-                     colalign=("left", "right") + ("right",) * 7 + ("left",))
-    text = f"{head}\n{table}\n(GiB at the largest batch that fits; at batch 1 when none fits)"
-    ck = checkpointing_effect(r)
-    if ck is not None:
-        text += "\n" + render_checkpointing(ck)
-    return text
-
-
 _CKPT_NOTE = re.compile(r"^checkpointing (\d+) blocks of class (\S+)$")
 # Below this share of the activations (per sample) freed, checkpointing is not worth the third
 # more compute it costs.
@@ -490,25 +449,14 @@ def checkpointing_effect(r: ProbeResult) -> CheckpointingEffect | None:
     return CheckpointingEffect(found[0], found[1], frees)
 
 
-def render_checkpointing(ck: CheckpointingEffect) -> str:
-    line = (f"ckpt: {ck.blocks} blocks of class {ck.block_class} (--checkpoint-class NAME for "
-            "others)")
-    if ck.frees:
-        line += "; frees " + ", ".join(f"{f:.0%} in {p}" for p, f in ck.frees) + \
-            " of the activations per sample"
-        if max(f for _, f in ck.frees) < CKPT_WORTH:
-            line += (f"\nwarning: checkpointing {ck.block_class} frees under "
-                     f"{CKPT_WORTH:.0%} of the activations: it costs about a third more compute "
-                     "for almost nothing; name larger blocks with --checkpoint-class")
-    return line
-
-
 # Preference among configurations that fit, best first: AMP keeps fp32 master weights and is
 # practically neutral for quality while running on tensor cores; bf16 needs no loss scaling;
 # checkpointing costs about a third more compute; pure bf16 changes numerics (bf16 weights and
-# optimizer state) and comes last.
+# optimizer state) and comes last but one; pure fp16 (no loss scaling, fp16's narrow range)
+# is the riskiest and comes last.
 _PREFERENCE = [("bf16", False), ("fp16", False), ("bf16", True), ("fp16", True),
-               ("fp32", False), ("fp32", True), ("bf16-pure", False), ("bf16-pure", True)]
+               ("fp32", False), ("fp32", True), ("bf16-pure", False), ("bf16-pure", True),
+               ("fp16-pure", False), ("fp16-pure", True)]
 
 
 def recommended(r: ProbeResult) -> ConfigResult | None:
@@ -518,31 +466,3 @@ def recommended(r: ProbeResult) -> ConfigResult | None:
         if key in fitting:
             return fitting[key]
     return None
-
-
-def render_recommendation(r: ProbeResult) -> str:
-    best = recommended(r)
-    if best is None:
-        return ("recommended: nothing fits one card, even at batch 1 - see "
-                "`oomdoctor recommend` for sharding (ZeRO/FSDP) or a two-GPU split"
-                + ("" if "LoRA r" in r.model else ", or train adapters: probe it again with "
-                   "--lora 16 (and --quantize nf4 for QLoRA)"))
-    name = {"fp32": "fp32", "fp16": "fp16 AMP (autocast + GradScaler)", "bf16": "bf16 AMP "
-            "(autocast)", "bf16-pure": "pure bf16 (model.to(torch.bfloat16))"}[best.precision]
-    ckpt = " with activation checkpointing" if best.checkpointing else ""
-    size = (f"at least {best.max_batch_size} (the search cap; --max-batch-size to search "
-            "further)" if best.capped else f"{best.max_batch_size} (the largest that fits)")
-    lines = [f"recommended: {name}{ckpt}, micro-batch {size}; reach a larger effective batch with gradient accumulation (no quality "
-             "cost), and scale the learning rate with the effective batch"]
-    other = [c for c in r.results if c.precision == best.precision
-             and c.checkpointing != best.checkpointing and c.max_batch_size]
-    if other and not best.checkpointing and other[0].max_batch_size > best.max_batch_size:
-        lines.append(f"  checkpointing would allow micro-batch {other[0].max_batch_size} at "
-                     "about a third more compute per step")
-    gain = r.allocator_gain
-    if gain is not None:
-        lines.append(f"  PYTORCH_CUDA_ALLOC_CONF={gain.setting} would allow micro-batch "
-                     f"{gain.batch_size} instead of {gain.default_batch_size}, the same step with "
-                     f"less fragmentation (allocator overhead {gain.overhead_bytes / 2**30:.2f} GiB there): set "
-                     "it in the environment of the training run")
-    return "\n".join(lines)

@@ -8,7 +8,7 @@ Each trial runs the training loop the simulator traces (:func:`oomdoctor.sim.tra
 the model file's protocol (build_model, make_batch, loss_fn, make_optimizer), ``cfg.steps``
 optimizer steps (2 by default: the second has optimizer state), the precision (AMP through
 ``torch.autocast`` plus ``torch.amp.GradScaler`` for fp16, ``model.to(bfloat16)`` for
-bf16-pure) and checkpointing (:func:`oomdoctor.models.checkpointing.apply_checkpointing`). Every trial builds
+bf16-pure, ``model.half()`` for fp16-pure) and checkpointing (:func:`oomdoctor.models.checkpointing.apply_checkpointing`). Every trial builds
 a fresh model and optimizer inside a function whose frame is gone when it returns, then
 ``gc.collect()``, ``torch.cuda.empty_cache()`` and ``torch.cuda.reset_peak_memory_stats()``, so
 ``max_memory_allocated/reserved`` are the trial's own peaks and the process holds no more GPU

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from oomdoctor.configs import param_width
 from oomdoctor.models.loader import for_process, in_process
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.models.training import build_checked_model, compute_loss
@@ -454,7 +455,7 @@ def host_bytes_needed(spec: ModelSpec, cfg: SmokeConfig) -> int:
         model = build_checked_model(spec)
         seen = {p.untyped_storage()._cdata: p.numel() for p in model.parameters()}
     n = sum(seen.values())
-    width = 2 if cfg.precision == "bf16-pure" else 4
+    width = param_width(cfg.precision)
     procs = cfg.num_gpus if cfg.strategy in DISTRIBUTED else 1
     return procs * n * width * 4
 
@@ -494,7 +495,7 @@ def run_smoke(spec: ModelSpec, cfg: SmokeConfig, prediction: StrategyEstimate | 
              f"{'CUDA' if cuda else 'the CPU'}")
     outs = run_training(spec, cfg, cuda, progress=progress)
     rank0 = outs[0]
-    memory, problems, judged = judge(outs, cuda, cfg.strategy, prediction)
+    memory, problems, judged = judge(outs, cuda, cfg.strategy, prediction, asked)
     notes += judged
     return SmokeResult(
         model=spec.name, strategy=cfg.strategy, num_gpus=cfg.num_gpus, precision=asked,

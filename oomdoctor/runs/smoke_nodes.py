@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from oomdoctor.configs import param_width
 from oomdoctor.models.loader import for_process, in_process
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.models.training import build_checked_model, make_optimizer
@@ -133,7 +134,7 @@ def planned_state_bytes(spec: ModelSpec, cfg: SmokeConfig, nodes: int, per_node:
         model = build_checked_model(spec)
         slots = _state_slots(make_optimizer(spec, model))
         seen = {p.untyped_storage()._cdata: p for p in model.parameters()}
-    width = 2 if cfg.precision == "bf16-pure" else 4
+    width = param_width(cfg.precision)
     params = [p.numel() for p in seen.values()]
     trainable = [p.numel() for p in seen.values() if p.requires_grad]
     total, train = sum(params) * width, sum(trainable) * width

@@ -61,14 +61,25 @@ class SmokeResult:
         return d
 
 
+# Pure fp16 with torch's AdamW defaults: the second moment of gradients below ~5e-3 flushes
+# to zero and eps=1e-8 rounds to 0, so those weights step by m/0 (configs.PURE_QUALITY). A CPU
+# smoke of tiny_mlp shows it: loss 2.207, nan, nan; with eps=1e-4: 2.207, 1.751, 1.501.
+FP16_PURE_NAN = ("pure fp16 has no loss scaler and fp16's range: AdamW's default eps=1e-8 "
+                 "rounds to 0 in fp16 and small gradients' squares underflow, so updates are "
+                 "m/0 = inf/NaN; build the optimizer with eps=1e-4 (make_optimizer), or train "
+                 "with --precision fp16 (AMP + GradScaler, fp32 master weights)")
+
+
 def judge(outs: list[dict[str, Any]], cuda: bool, strategy: str,
-          prediction: StrategyEstimate | None
+          prediction: StrategyEstimate | None, precision: str = ""
           ) -> tuple[list[MemoryCheck], list[str], list[str]]:
     """Every process's result (rank order) judged: the memory checks (CUDA only), the problems
     that fail the smoke and the notes, each in the order the report lists them."""
     problems = [f"rank {o['rank']}: {o['oom']}" for o in outs if o.get("oom")]
     notes: list[str] = []
     _judge_losses(tuple(outs[0]["losses"]), problems, notes)
+    if precision == "fp16-pure" and any(p.startswith("loss is not finite") for p in problems):
+        notes.append(FP16_PURE_NAN)
     memory: list[MemoryCheck] = []
     if cuda:
         memory = _check_memory(outs, strategy, prediction, problems)

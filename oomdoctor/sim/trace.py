@@ -52,7 +52,7 @@ class TraceConfig:
     """One training configuration to trace."""
 
     batch_size: int
-    precision: str = "fp32"            # fp32 | fp16 (AMP + GradScaler) | bf16 (AMP) | bf16-pure
+    precision: str = "fp32"  # fp32 | fp16 (AMP + GradScaler) | bf16 (AMP) | bf16-pure | fp16-pure
     checkpointing: bool = False        # wrap repeated blocks in torch.utils.checkpoint
     checkpoint_class: str | None = None  # which block class; default: the most repeated one
     grad_accum: int = 1                # micro-batches per optimizer step

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterable
 
+from oomdoctor.configs import needs_bf16, no_bf16_fix
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.plans.estimate import Budget, trace_for
 from oomdoctor.models.spec import ModelSpec
@@ -73,8 +74,8 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
                         alloc: AllocatorConfig = AllocatorConfig(), bucket_view: bool = False,
                         progress: Progress = lambda _: None) -> ParallelReport:
     """Trace ``cfg`` (its batch_size is the micro-batch per GPU) and estimate every strategy."""
-    if cfg.precision in ("bf16", "bf16-pure") and not budget.gpu.bf16:
-        raise ValueError(f"{budget.gpu.name} has no bf16 support; use --precision fp16")
+    if needs_bf16(cfg.precision) and not budget.gpu.bf16:
+        raise ValueError(f"{budget.gpu.name} has no bf16 support; {no_bf16_fix(cfg.precision)}")
     names = [parse_strategy(s) for s in strategies]
     progress(f"tracing {spec.name} at micro-batch {cfg.batch_size} ({cfg.precision}"
              f"{', checkpointing' if cfg.checkpointing else ''})")
@@ -129,8 +130,8 @@ def plan_split(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
                alloc: AllocatorConfig = AllocatorConfig(),
                progress: Progress = lambda _: None) -> SplitPlan:
     """Trace ``cfg`` and find the two-GPU split whose larger stage peak is smallest."""
-    if cfg.precision in ("bf16", "bf16-pure") and not budget.gpu.bf16:
-        raise ValueError(f"{budget.gpu.name} has no bf16 support; use --precision fp16")
+    if needs_bf16(cfg.precision) and not budget.gpu.bf16:
+        raise ValueError(f"{budget.gpu.name} has no bf16 support; {no_bf16_fix(cfg.precision)}")
     progress(f"tracing {spec.name} at batch {cfg.batch_size}")
     trace = trace_for(spec, cfg, budget.gpu)
     progress("laying out blocks and what crosses between them")

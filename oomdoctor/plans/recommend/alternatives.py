@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from oomdoctor.configs import leanest_precision
 from oomdoctor.plans.estimate import Budget
 from oomdoctor.plans.parallel import (Layout, StrategyEstimate, Strategy,
                                       deepspeed_zero3_gpu_bytes, estimate_strategy)
@@ -85,7 +86,7 @@ def what_would_fit(facts: _Facts, hw: Hardware, budget: Budget, alloc: Allocator
     """What would fit when nothing does, each with its numbers."""
     out = []
     lim = budget.limit_bytes
-    p = "bf16-pure" if "bf16-pure" in allowed else allowed[-1]
+    p = leanest_precision(allowed)
     # What the traced configuration holds besides model states (activations, temporaries,
     # allocator overhead) on the leanest strategy: a realistic margin for the suggestions.
     extra = zero3_extra(by_strategy) or 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from oomdoctor.configs import param_width
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel import Strategy, model_state_floor
 
@@ -51,7 +52,7 @@ class _Facts:
         for p, params, trainable, _ in self.adapted_bytes:
             if p == precision:
                 return params, trainable
-        width = 2 if precision == "bf16-pure" else 4
+        width = param_width(precision)
         return self.num_parameters * width, self.num_trainable * width
 
 
@@ -139,7 +140,7 @@ def tensor_parallel_bytes(facts: _Facts, precision: str, degree: int,
     vocabulary; biases, norms and everything else replicated): the split weights / degree plus
     the rest, each with its gradient and optimizer state. Data parallelism across the
     remaining GPUs replicates this (DDP)."""
-    width = 2 if precision == "bf16-pure" else 4
+    width = param_width(precision)
     slots = facts.state_slots if state_slots is None else state_slots
     split = min(facts.splittable_params, facts.num_parameters)
     whole = facts.num_parameters - split

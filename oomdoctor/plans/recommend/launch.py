@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from oomdoctor.configs import PURE_QUALITY
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel import Strategy
 from oomdoctor.plans.recommend.facts import _Facts
@@ -113,6 +114,12 @@ _WRAP = {
 }
 _PLAIN_WRAP = ["model.to(device)", _ADAMW]
 _AUTOCAST = {"fp16": "torch.float16", "bf16": "torch.bfloat16"}
+_PURE_DTYPE = {"bf16-pure": "torch.bfloat16", "fp16-pure": "torch.float16"}
+# AdamW's default eps=1e-8 is below fp16's smallest subnormal (6e-8) and rounds to 0 in an fp16
+# state: a weight whose first second moment underflows (gradients below ~5e-3, or 0) steps by
+# m/0 = -inf or NaN at once (configs.PURE_QUALITY, where this was checked); eps=1e-4 does not.
+_FP16_EPS = ("for g in opt.param_groups: g['eps'] = 1e-4   # fp16 rounds 1e-8 to 0: "
+             "m/0 = inf")
 
 
 def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: bool = False,
@@ -128,6 +135,8 @@ def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: boo
     if distributed and batchnorm and c.num_gpus > 1:
         lines.append("model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # global BN")
     lines += _wrap_lines(c, where, no_p2p)
+    if c.precision == "fp16-pure":
+        lines.append(_FP16_EPS)
     if c.precision == "fp16":
         lines.append("scaler = torch.amp.GradScaler('cuda')")
     lines += _loader_lines(c, distributed)
@@ -147,10 +156,12 @@ def _setup_lines(strategy: str, distributed: bool) -> list[str]:
 
 
 def _model_lines(c: Candidate, where: str) -> list[str]:
-    """Build the model, cast it for pure bf16, wrap each block for checkpointing."""
+    """Build the model, cast it for a pure precision, wrap each block for checkpointing."""
     lines = ["model = build_model()"]
     if c.precision == "bf16-pure":
         lines.append("model = model.to(torch.bfloat16)             # pure bf16: weights too")
+    elif c.precision == "fp16-pure":
+        lines.append("model = model.half()              # pure fp16: weights too, no GradScaler")
     if c.checkpointing:
         lines += [*_CHECKPOINTED,
                   f"for i, block in enumerate({where}):",
@@ -162,7 +173,8 @@ def _adapter_lines(c: Candidate, adapters: Any, targets: tuple[str, ...], distri
                    ) -> list[str]:
     """The model as peft and bitsandbytes build it for this plan (what was traced): 4-bit or
     8-bit frozen weights, the QLoRA recipe's preparation, LoRA on the traced targets."""
-    dtype = {"fp32": "torch.float32", "fp16": "torch.float16"}.get(c.precision, "torch.bfloat16")
+    dtype = {"fp32": "torch.float32", "fp16": "torch.float16",
+             "fp16-pure": "torch.float16"}.get(c.precision, "torch.bfloat16")
     lines = ["from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training"]
     load = "model = AutoModelForCausalLM.from_pretrained(MODEL_ID, torch_dtype=" + dtype
     if adapters.quantize:
@@ -248,6 +260,9 @@ def _loop_lines(c: Candidate, distributed: bool) -> list[str]:
     lines += ["    for i, batch in enumerate(loader):",
               "        batch = [t.to(device, non_blocking=True) for t in batch]",
               "        last = (i + 1) % K == 0"]
+    if c.precision in _PURE_DTYPE:     # the weights are 16-bit: so are the float inputs
+        lines.append(f"        batch = [t.to({_PURE_DTYPE[c.precision]}) if t.is_floating_point()"
+                     " else t for t in batch]")
     indent = "        "
     if c.strategy == "hsdp":
         lines.append("        model.set_requires_all_reduce(last)  # across nodes: last only")
@@ -296,10 +311,8 @@ def quality_notes(c: Candidate, facts: _Facts | None = None) -> tuple[str, ...]:
         notes.append(f"{c.precision} AMP: practically neutral (weights, gradients and optimizer "
                      "state stay fp32" + ("; keep the GradScaler - fp16 gradients underflow "
                                           "without it)" if c.precision == "fp16" else ")"))
-    elif c.precision == "bf16-pure":
-        notes.append("pure bf16 is not neutral: weights and Adam moments keep 8 mantissa bits, "
-                     "so updates smaller than ~1/256 of a weight are lost; prefer AMP if it "
-                     "fits, or an optimizer with fp32 master weights / Kahan summation")
+    elif c.precision in PURE_QUALITY:
+        notes.append(PURE_QUALITY[c.precision])
     else:
         notes.append("fp32: numerics unchanged")
     if c.checkpointing:

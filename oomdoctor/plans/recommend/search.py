@@ -6,6 +6,7 @@ import multiprocessing
 from dataclasses import replace
 from typing import Callable
 
+from oomdoctor.configs import leanest_precision, needs_bf16
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.plans.estimate import Budget, allocator_conf_string, trace_for
 from oomdoctor.sim.gpus import GpuProfile
@@ -33,13 +34,15 @@ Progress = Callable[[str], None]
 
 
 # Numerics: 0 keeps fp32 weights and updates (fp32, or autocast AMP with fp32 master weights);
-# 1 stores weights and optimizer state in bf16 (small updates are lost to rounding).
-NUMERICS = {"fp32": 0, "fp16": 0, "bf16": 0, "bf16-pure": 1}
+# 1 stores weights and optimizer state in bf16 (small updates are lost to rounding);
+# 2 stores them in fp16 with no loss scaling: fp16's range (6e-8 to 65504) loses small
+# gradients to underflow and large activations to overflow, the riskiest of all.
+NUMERICS = {"fp32": 0, "fp16": 0, "bf16": 0, "bf16-pure": 1, "fp16-pure": 2}
 # The order a user would rather run them in, all else being equal.
 SIMPLICITY = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline2", "dp", "hsdp")
 # Several nodes: one process per GPU on every node (DataParallel and the split stay inside one).
 NODE_SEARCH = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp")
-NUMERICS_PENALTY = 1.25           # pure bf16's score (shown) carries this; it ranks after the rest
+NUMERICS_PENALTY = 1.25           # a pure precision's score (shown) carries this; it ranks last
 # The allocator a plan launches with when the user names none: expandable segments map more
 # physical memory into one segment instead of caching fixed ones, which ends most fragmentation
 # (c10/cuda/CUDACachingAllocator.cpp, ExpandableSegment). The plan's numbers are computed with
@@ -73,7 +76,8 @@ def _numerics(precision: str) -> str:
     return {"fp32": "fp32: unchanged",
             "fp16": "fp16 AMP + GradScaler: practically neutral",
             "bf16": "bf16 AMP: practically neutral",
-            "bf16-pure": "pure bf16 weights + optimizer state: small updates round away"
+            "bf16-pure": "pure bf16 weights + optimizer state: small updates round away",
+            "fp16-pure": "pure fp16, no loss scaling: gradients underflow, activations overflow"
             }[precision]
 
 
@@ -228,9 +232,12 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
 
 def _allowed_precisions(gpu: GpuProfile, precisions: list[str] | None) -> list[str]:
     """The precisions to search: the ones asked for, else every one the card supports."""
+    # fp16-pure only when asked for: where bf16 exists bf16-pure holds the same bytes with
+    # fp32's range, and without it pure fp16 with no loss scaling is a risk the user takes
+    # knowingly (see quality_notes), not one a search volunteers.
     allowed = precisions or (["fp32", "fp16", "bf16", "bf16-pure"] if gpu.bf16
                              else ["fp32", "fp16"])
-    bad = [p for p in allowed if p.startswith("bf16") and not gpu.bf16]
+    bad = [p for p in allowed if needs_bf16(p) and not gpu.bf16]
     if bad:
         raise ValueError(f"{gpu.name} has no bf16 support (compute capability "
                          f"{gpu.compute_capability[0]}.{gpu.compute_capability[1]} < 8.0); drop "
@@ -391,8 +398,9 @@ def _notes(best: Candidate | None, candidates: list[Candidate], names: list[str]
 
 def rank(candidates: list[Candidate], no_p2p: bool = False) -> list[Candidate]:
     """Best first. Pure bf16 comes after every plan that keeps fp32 master weights, whatever
-    its speed: its quality note says it is not neutral, so it is the plan only when nothing
-    else fits (faster_pure_bf16_note says what speed it would buy). ``no_p2p``: DataParallel,
+    its speed, and pure fp16 after pure bf16: their quality notes say they are not neutral, so
+    one is the plan only when nothing else fits (faster_pure_bf16_note says what speed it
+    would buy). ``no_p2p``: DataParallel,
     which hangs or crawls without peer access (DP_WITHOUT_P2P), comes after everything."""
     # Step times equal to the three digits the table shows (typically: compute hides all
     # communication) are a tie - the estimate is not finer than that. Ties go to the plan that
@@ -405,17 +413,19 @@ def rank(candidates: list[Candidate], no_p2p: bool = False) -> list[Candidate]:
 
 
 def faster_pure_bf16_note(best: Candidate | None, candidates: list[Candidate]) -> str | None:
-    """When a pure bf16 plan would step faster than the recommended one: by how much, and why
+    """When a pure 16-bit plan would step faster than the recommended one: by how much, and why
     the plan keeps fp32 master weights."""
     faster = [c for c in candidates if NUMERICS[c.precision] and best is not None
               and not NUMERICS[best.precision] and c.step_seconds < best.step_seconds]
     if not faster:
         return None
     f = faster[0]
-    return (f"pure bf16 ({f.strategy} x{f.num_gpus}, micro-batch {f.micro_batch}) would step "
+    dtype = f.precision.removesuffix("-pure")
+    why = ("bf16 weights and optimizer state lose small updates" if dtype == "bf16" else
+           "fp16 without loss scaling loses small gradients and overflows on large activations")
+    return (f"pure {dtype} ({f.strategy} x{f.num_gpus}, micro-batch {f.micro_batch}) would step "
             f"{best.step_seconds / f.step_seconds:.1f}x faster, but it is not neutral for "
-            "quality (bf16 weights and optimizer state lose small updates); the plan keeps "
-            f"{best.precision} with fp32 master weights")
+            f"quality ({why}); the plan keeps {best.precision} with fp32 master weights")
 
 
 def _verified(spec: ModelSpec, candidates: list[Candidate], hw: Hardware, budget: Budget,
@@ -465,7 +475,7 @@ def _tensor_parallel(facts: _Facts, hw: Hardware, budget: Budget, allowed: list[
                      ) -> tuple[TensorParallelPlan, ...]:
     """Tensor parallelism of each degree that divides a node's GPUs, DDP across the rest: model
     states per GPU in the leanest allowed precision."""
-    p = "bf16-pure" if "bf16-pure" in allowed else allowed[-1]
+    p = leanest_precision(allowed)
     world = hw.num_gpus * hw.nodes
     out = []
     for t in range(2, hw.num_gpus + 1):
