@@ -454,6 +454,21 @@ EXPECTED = {
 }
 
 MULTI = {
+    # An H200 OOM under a 3 GiB memory fraction, then torch.cuda.memory_summary() printed right
+    # after it (tests/snapshots/gpt2_small_b8_oom_summary.txt): two findings, the message's own
+    # explanation unchanged, and the table's rows as printed ("66560 KiB", "2973 MiB").
+    "torch211_memory_summary_after_oom.log": [
+        dict(kind=Kind.CUDA_OOM, gpus=(0,), cause="memory_fraction_limit",
+             first_fix="raise_memory_fraction",
+             numbers=dict(requested=sz("72.00 MiB"), allocated=sz("2.90 GiB"), limit=sz("3.00 GiB"),
+                          reserved_unallocated=sz("56.34 MiB"))),
+        dict(kind=Kind.MEMORY_SUMMARY, gpus=(0,), cause="memory_summary",
+             causes={"little_fragmentation"}, absent_fixes={"expandable_segments"},
+             numbers=dict(allocated=66560 * 2**10, allocated_peak=2973 * 2**20,
+                          reserved=3030 * 2**20, reserved_peak=3030 * 2**20,
+                          non_releasable=1024 * 2**10, non_releasable_peak=63966 * 2**10,
+                          cuda_ooms=1, alloc_retries=1)),
+    ],
     "raw_bytes_and_kib.log": [
         dict(kind=Kind.CUDA_OOM, gpus=(2,), numbers=dict(requested=512, capacity=sz("10.76 GiB"), free=0,
                                                           allocated=sz("9.81 GiB"), reserved=sz("9.98 GiB"))),

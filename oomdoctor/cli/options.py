@@ -5,6 +5,7 @@ import sys
 
 import click
 
+from oomdoctor.cli.group import EXIT_USAGE
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.configs import OPTIMIZERS, QUANTIZATIONS, TASKS, ZERO_GRAD_MODES
 from oomdoctor.sim.gpus import PROFILES, card_for_arch, custom_profile, get_profile, parse_size
@@ -371,3 +372,35 @@ def _detect_gpus(gpu_name, memory, num_gpus):
         return None
     from oomdoctor.plans import recommend as rec
     return rec.detect_hardware()
+
+
+def _check_plot_file(path: str) -> None:
+    """--plot, before minutes of tracing: a known format, and matplotlib there to draw it."""
+    from oomdoctor.configs import install_hint
+    from oomdoctor.plans.figures import plot_format
+    try:
+        plot_format(path)
+    except ValueError:
+        raise click.UsageError(f"--plot {path}: end the file name in .png, .svg or .html") \
+            from None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise click.UsageError("--plot needs matplotlib, which is not installed: "
+                               f"{install_hint('plot')}, or drop --plot") from None
+
+
+def _write_bar_plot(bars, path: str, title: str, debug: bool) -> dict:
+    """Write a probe or recommend bar chart; what --json reports under "plot"."""
+    from oomdoctor.plans.barplot import write_bars
+    try:
+        write_bars(bars, path, title)
+    except OSError as e:
+        _die(RuntimeError(f"cannot write the plot {path}: {e.strerror or e}; pass a writable "
+                          "--plot FILE"), debug, EXIT_USAGE)
+    click.echo(f"wrote {path}", err=True)
+    return {"path": path, "bars": [{"label": label.replace("\n", " "), "reserved_bytes": t,
+                                    "note": n.replace("\n", " "), "fits": f}
+                                   for label, t, n, f in zip(bars.labels, bars.totals,
+                                                             bars.notes, bars.fits)],
+            "budget_bytes": bars.budget_bytes}

@@ -8,8 +8,9 @@ import click
 
 from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
                                  cli)
-from oomdoctor.cli.options import (_alloc_config, _card_options, _detect_gpus, _die, _load_model,
-                                   _make_budget, _num_gpus, _progress)
+from oomdoctor.cli.options import (_alloc_config, _card_options, _check_plot_file, _detect_gpus,
+                                   _die, _load_model, _make_budget, _num_gpus, _progress,
+                                   _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
 from oomdoctor.configs import (MODEL_PROTOCOL, NODE_STRATEGY_CHOICES, PRECISIONS,
                                STRATEGY_CHOICES)
@@ -150,10 +151,13 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
               help="N equal trainings on these GPUs (this one included): compare one per GPU, "
                    "one after the other, and side by side (memory split N ways, compute "
                    "time-sliced).")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Draw each strategy's per-GPU peak reserved, stacked by category, against "
+                   "the budget: FILE.png, .svg or .html (needs matplotlib: the plot extra).")
 @_card_options
 def recommend_command(model_file, target_batch, precisions, strategies, link, top, jobs, quick,
                       run_smoke, nodes, inter_node, inter_node_gbps, host_ram, trainings,
-                      gpu_name, memory,
+                      plot_file, gpu_name, memory,
                       num_gpus, overhead, other_mem, margin, alloc_conf, checkpoint_class,
                       optimizer, as_json, debug):
     """Recommend precision, checkpointing, strategy, micro-batch and accumulation.
@@ -171,6 +175,8 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     from oomdoctor.models.spec import ModelFileError
     from oomdoctor.plans.parallel import parse_strategy
     from oomdoctor.sim.trace import TraceConfig
+    if plot_file:
+        _check_plot_file(plot_file)
     detected = _detect_gpus(gpu_name, memory, num_gpus)
     if detected is not None:
         gpu_name = gpu_name or detected[0].name
@@ -205,8 +211,11 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     if run_smoke and result.best is not None:
         smoked = _smoke_best(spec, result.best, budget, alloc, checkpoint_class, optimizer,
                              debug)
+    plot = _recommend_plot(result, plot_file, debug) if plot_file else None
     if as_json:
         doc = result.to_json()
+        if plot is not None:
+            doc["plot"] = plot
         if smoked is not None:
             doc["smoke"] = smoked.to_json()
         if shared is not None:
@@ -225,6 +234,17 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     if smoked is not None and not smoked.ok:
         sys.exit(EXIT_PROBLEM)
     sys.exit(EXIT_OK if result.best is not None else EXIT_PROBLEM)
+
+
+def _recommend_plot(result, path, debug):
+    """`recommend --plot`: the per-strategy bars; None (said on stderr) when none was traced."""
+    from oomdoctor.plans.barplot import strategy_bars
+    try:
+        bars = strategy_bars(result)
+    except ValueError as e:
+        click.echo(f"no plot written: {e}", err=True)
+        return None
+    return _write_bar_plot(bars, path, f"oomdoctor recommend: {result.model}", debug)
 
 
 def _host_ram(text, local):

@@ -8,9 +8,10 @@ import click
 
 from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                               EXIT_USAGE, cli)
-from oomdoctor.cli.options import (_alloc_config, _budget_options, _detect_gpus, _die, _load_model,
-                                   _make_budget, _progress, _slow_trace_progress,
-                                   _wants_longest_context)
+from oomdoctor.cli.options import (_alloc_config, _budget_options, _check_plot_file,
+                                   _detect_gpus, _die, _load_model, _make_budget, _progress,
+                                   _slow_trace_progress, _wants_longest_context,
+                                   _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_run
 from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES,
                                needs_bf16, no_bf16_fix)
@@ -98,18 +99,6 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
     sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
 
 
-def _check_plot_file(path):
-    """Before minutes of tracing: a known format, and matplotlib there to draw it."""
-    from oomdoctor.plans.stepplot import FORMATS
-    if path.rsplit(".", 1)[-1].lower() not in FORMATS:
-        raise click.UsageError(f"--plot {path}: end the file name in .png, .svg or .html")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise click.UsageError("--plot needs matplotlib, which is not installed: "
-                               "pip install 'oomdoctor[plot]'") from None
-
-
 def _write_plot(series, result, path, debug):
     """Draw the step; what --json reports: the path and the series at the peak."""
     from oomdoctor.plans import stepplot
@@ -177,10 +166,14 @@ def _write_snapshots(files, debug):
               help="Write each configuration's step at its largest batch as a CUDA memory "
                    "snapshot for https://pytorch.org/memory_viz: FILE with the configuration "
                    "before the extension (step.bf16-ckpt.pickle).")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Draw each configuration's peak reserved at its largest batch as bars "
+                   "against the budget, labelled with that batch: FILE.png, .svg or .html "
+                   "(needs matplotlib: the plot extra).")
 @_budget_options
 def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, jobs, strategy,
           num_gpus,
-          target_batch, run_smoke, device, snapshot_file, gpu_name,
+          target_batch, run_smoke, device, snapshot_file, plot_file, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """The largest batch size that fits, for each precision x checkpointing configuration.
@@ -209,6 +202,8 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
                                "batch size otherwise)")
     if snapshot_file and strategy != "single":
         raise click.UsageError("--snapshot writes one GPU's step: use it without --strategy")
+    if plot_file:
+        _check_plot_file(plot_file)
     spec, base, result = _probe_matrix(model_file, precisions, checkpointing, max_batch_size,
                                        jobs, strategy, num_gpus, budget, alloc,
                                        checkpoint_class, grad_accum, optimizer, zero_grad,
@@ -226,7 +221,12 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
                             debug)
     snapshots = _probe_snapshots(spec, base, budget, alloc, result, snapshot_file, debug) \
         if snapshot_file else None
-    _render_probe(result, strategy, best, plan, smoke, as_json, snapshots)
+    plot = None
+    if plot_file:
+        from oomdoctor.plans.barplot import probe_bars
+        plot = _write_bar_plot(probe_bars(result), plot_file,
+                               f"oomdoctor probe: {result.model}", debug)
+    _render_probe(result, strategy, best, plan, smoke, as_json, snapshots, plot)
     if failed is not None:       # the single-GPU answer above stands; then the plan's error
         _die(failed[0], debug, failed[1])
     fits = any(r.max_batch_size for r in result.results)
@@ -323,7 +323,7 @@ def _probe_snapshots(spec, base, budget, alloc, result, path, debug):
             for w, (label, e, _) in zip(written, snaps)]
 
 
-def _render_probe(result, strategy, best, plan, smoke, as_json, snapshots=None):
+def _render_probe(result, strategy, best, plan, smoke, as_json, snapshots=None, plot=None):
     """The probe's table and recommendation, then the multi-GPU plan and the smoke run (or all
     of them as one JSON document)."""
     from oomdoctor.plans import estimate as estimate_mod
@@ -333,6 +333,8 @@ def _render_probe(result, strategy, best, plan, smoke, as_json, snapshots=None):
         doc = result.to_json()
         if snapshots is not None:
             doc["snapshots"] = snapshots
+        if plot is not None:
+            doc["plot"] = plot
         if plan is not None:
             doc["multi_gpu_plan"] = plan.to_json()
         if smoke is not None:

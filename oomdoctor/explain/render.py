@@ -23,6 +23,13 @@ _LABELS = {
     "file_rss": "file-rss", "shmem_rss": "shmem-rss", "pid": "killed PID",
     "nccl_result": "NCCL result code (ncclResult_t)", "exit_code": "exit code", "oom_score": "OOM score",
     "cgroup_usage": "cgroup memory usage", "cgroup_limit": "cgroup memory limit",
+    "allocated_peak": "allocated at the peak", "reserved_peak": "reserved at the peak",
+    "non_releasable": "non-releasable (free in split segments)",
+    "non_releasable_peak": "non-releasable at the peak", "cuda_ooms": "CUDA OOMs so far",
+    "alloc_retries": "cudaMalloc retries", "segments": "reserved segments",
+    "segments_peak": "reserved segments at the peak",
+    "reserved_over_allocated_peak": "reserved peak above allocated peak",
+    "releasable_cache": "cached in whole free segments", "fragmentation": "unusable reserve near the peak",
 }
 
 

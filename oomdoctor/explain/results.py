@@ -36,6 +36,7 @@ class Kind(str, Enum):
     NCCL_ERROR = "nccl_error"
     RANK_FAILED = "rank_failed"
     EXCEPTION = "unrecognised_exception"
+    MEMORY_SUMMARY = "cuda_memory_summary"
 
 
 class Category(str, Enum):
@@ -84,6 +85,7 @@ _KIND_INFO: dict[Kind, tuple[Category, str]] = {
     Kind.NCCL_ERROR: (Category.LAUNCH, "NCCL error (a CUDA or system call inside NCCL failed)"),
     Kind.RANK_FAILED: (Category.LAUNCH, "A rank failed - the launcher's report, not the error itself"),
     Kind.EXCEPTION: (Category.NOT_OOM, "The log's last error, not a known out-of-memory message"),
+    Kind.MEMORY_SUMMARY: (Category.GPU_MEMORY, "PyTorch CUDA memory summary (torch.cuda.memory_summary())"),
 }
 
 # Keys of Finding.numbers and Finding.derived that hold bytes; every other key is a plain count
@@ -94,6 +96,8 @@ BYTE_KEYS = frozenset({
     "total_allocation", "temp_allocation", "parameter_allocation", "other_processes",
     "outside_allocator", "non_pytorch_in_process", "shortfall", "model_states", "activations",
     "anon_rss", "total_vm", "file_rss", "shmem_rss", "cgroup_usage", "cgroup_limit",
+    "allocated_peak", "reserved_peak", "non_releasable", "non_releasable_peak",
+    "reserved_over_allocated_peak", "releasable_cache", "fragmentation",
 })
 
 

@@ -9,16 +9,15 @@ would need above the budget line.
 """
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import Any
 
 from oomdoctor.plans.estimate import _CATEGORY_KEY, Budget, Estimate, device_events
+from oomdoctor.plans.figures import plot_format, pyplot, write_figure
 from oomdoctor.sim.allocator import AllocatorConfig, CachingAllocator
 from oomdoctor.sim.trace import Trace
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
-FORMATS = ("png", "svg", "html")
 
 
 @dataclass(frozen=True)
@@ -73,9 +72,7 @@ def step_series(trace: Trace, budget: Budget,
 
 def figure(s: StepSeries, e: Estimate) -> Any:
     """The matplotlib Figure (GiB on the y axis; bytes stay ints in the series)."""
-    import matplotlib
-    matplotlib.use("Agg")            # files only, no display
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from oomdoctor.sim.allocator import format_size
     top = max(s.reserved, default=0)
     unit, scale = ("GiB", 2.0 ** 30) if top >= 2 ** 30 else ("MiB", 2.0 ** 20)
@@ -113,21 +110,5 @@ def figure(s: StepSeries, e: Estimate) -> Any:
 
 def write_plot(s: StepSeries, e: Estimate, path: str) -> None:
     """PNG, SVG, or one HTML page with the SVG inline, by the file's extension."""
-    import matplotlib.pyplot as plt
-    ext = path.rsplit(".", 1)[-1].lower()
-    if ext not in FORMATS:
-        raise ValueError(f"--plot {path}: unknown format; end the file name in .png, .svg or "
-                         ".html")
-    fig = figure(s, e)
-    try:
-        if ext == "html":
-            buf = io.StringIO()
-            fig.savefig(buf, format="svg")
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>"
-                        f"oomdoctor estimate: {e.model}</title></head><body>\n"
-                        f"{buf.getvalue()}\n</body></html>\n")
-        else:
-            fig.savefig(path, format=ext, dpi=120)
-    finally:
-        plt.close(fig)
+    plot_format(path)                 # before drawing: a bad name fails fast
+    write_figure(figure(s, e), path, f"oomdoctor estimate: {e.model}")

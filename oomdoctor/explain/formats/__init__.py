@@ -17,6 +17,8 @@ from .kills import _ANCHORS as _KILL_ANCHORS
 from .kills import _diag_rank_failed, _x_rank_failed
 from .lookalikes import _ANCHORS as _LOOKALIKE_ANCHORS
 from .lookalikes import _diag_lookalike, _x_assert
+from .memory_summary import _ANCHORS as _SUMMARY_ANCHORS
+from .memory_summary import _diag_summary, _x_summary
 from .nccl import _ANCHORS as _NCCL_ANCHORS
 from .nccl import _diag_nccl_error, _x_nccl_error
 from .patterns import _AnchorSpec, _x_simple
@@ -30,7 +32,7 @@ from .torch_caching import _diag_torch, _x_torch
 # order of the single table they were written as.
 _ANCHORS: tuple[_AnchorSpec, ...] = (
     _CACHING_ANCHORS + _ASYNC_MPS_ANCHORS + _CUDA_ANCHORS + _FRAMEWORK_ANCHORS + _HOST_ANCHORS + _LAUNCH_ANCHORS
-    + _LOOKALIKE_ANCHORS + _NCCL_ANCHORS + _KILL_ANCHORS
+    + _LOOKALIKE_ANCHORS + _NCCL_ANCHORS + _KILL_ANCHORS + _SUMMARY_ANCHORS
 )
 
 # An anchor of kind K is dropped when it starts within N squashed characters after a kept anchor
@@ -69,6 +71,7 @@ _EXTRACT = {
     Kind.MISALIGNED_ADDRESS: _x_simple(Kind.MISALIGNED_ADDRESS),
     Kind.NCCL_ERROR: _x_nccl_error,
     Kind.RANK_FAILED: _x_rank_failed,
+    Kind.MEMORY_SUMMARY: _x_summary,
 }
 
 
@@ -100,6 +103,7 @@ _DIAGNOSE = {
     Kind.NCCL_ERROR: _diag_nccl_error,
     Kind.RANK_FAILED: _diag_rank_failed,
     Kind.EXCEPTION: _diag_exception,
+    Kind.MEMORY_SUMMARY: _diag_summary,
 }
 
 # A finding of kind K is left out when the log has a finding of one of these kinds: the more specific
@@ -109,7 +113,8 @@ _EXPLAINED_BY: dict[Kind, frozenset[Kind]] = {
     Kind.NCCL_ERROR: frozenset({Kind.NCCL_CUDA_OOM, Kind.P2P, Kind.SHARED_MEMORY, Kind.CUDA_ERROR_OOM,
                                 Kind.INVALID_DEVICE_ORDINAL}),
     # A rank's failed exit and the log's last exception are what is left when nothing known explains the
-    # failure; either one goes with every known error (that rank's error is the known one).
-    Kind.RANK_FAILED: frozenset(Kind) - {Kind.RANK_FAILED, Kind.EXCEPTION},
-    Kind.EXCEPTION: frozenset(Kind) - {Kind.RANK_FAILED, Kind.EXCEPTION},
+    # failure; either one goes with every known error (that rank's error is the known one). A memory
+    # summary is a report, not an error: it explains no failure.
+    Kind.RANK_FAILED: frozenset(Kind) - {Kind.RANK_FAILED, Kind.EXCEPTION, Kind.MEMORY_SUMMARY},
+    Kind.EXCEPTION: frozenset(Kind) - {Kind.RANK_FAILED, Kind.EXCEPTION, Kind.MEMORY_SUMMARY},
 }
