@@ -232,3 +232,21 @@ def test_a_suggested_command_rebuilds_the_same_model(tmp_path):
     assert command_line(load_model(str(d), seq_len=48, task="causal-lm")) == \
         f"{d} --task causal-lm --seq-len 48"
     assert command_line(load_model(str(MODELS / "lora_mlp.py"))) == str(MODELS / "lora_mlp.py")
+
+
+def test_traced_with_names_the_libraries_the_model_is_made_of():
+    """The versions an estimate names come from the traced model's own classes, not from what
+    the process imported earlier: a plain model file names torch alone even after peft and
+    transformers were imported (in a long pytest run, or a notebook)."""
+    import peft  # noqa: F401  (imported on purpose: it must not show up)
+    import transformers  # noqa: F401
+
+    from oomdoctor.sim.libraries import traced_versions
+    mlp = load_model_file(str(Path(__file__).resolve().parent.parent / "sample_models" /
+                              "tiny_mlp.py"))
+    names = [n for n, _ in trace_training(mlp, TraceConfig(2)).libraries]
+    assert names == ["torch"]
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2))
+    assert [n for n, _ in traced_versions(llama)] == ["torch", "transformers"]

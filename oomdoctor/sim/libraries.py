@@ -9,17 +9,29 @@ names them, and the docs say to install oomdoctor in the training environment.
 from __future__ import annotations
 
 import sys
+from typing import Any
+
+import torch
 
 # The libraries whose code the trace runs and whose releases change memory; listed only when
-# the traced step imported them (torch always).
+# the traced model or optimizer is made of their classes (torch always).
 TRACKED = ("torch", "transformers", "peft", "bitsandbytes")
 
 
-def traced_versions() -> tuple[tuple[str, str], ...]:
-    """((name, version), ...) of the tracked libraries loaded in this process, in TRACKED order."""
+def traced_versions(*objects: Any) -> tuple[tuple[str, str], ...]:
+    """((name, version), ...) of the tracked libraries whose code the traced objects run (the
+    model's modules and parameter classes, the optimizer's class), in TRACKED order; torch
+    always. Decided by the objects, not by what this process happened to import before."""
+    used = {"torch"}
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            classes = {type(m) for m in obj.modules()} | {type(p) for p in obj.parameters()}
+        else:
+            classes = {type(obj)}
+        used |= {c.__module__.split(".")[0] for c in classes}
     found = []
     for name in TRACKED:
-        module = sys.modules.get(name)
+        module = sys.modules.get(name) if name in used else None
         version = getattr(module, "__version__", None) if module is not None else None
         if version:
             found.append((name, str(version)))

@@ -522,7 +522,7 @@ def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
         buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
         gradient_bytes=loop.gradient_bytes, optimizer_state_bytes=state,
         checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),
-        raw_events=tuple(rec.raw), libraries=traced_versions())
+        raw_events=tuple(rec.raw), libraries=traced_versions(model, loop.optimizer))
 
 
 def _label_activations(rec: Recorder, marks: list[PhaseMark]) -> list[int]:
