@@ -35,9 +35,14 @@ class Mismatch:
                 r["batch_size"], self.kind)
 
 
-def check_file(path: str, models_dir: str = os.path.join(ROOT, "sample_models")
-               ) -> tuple[int, list[Mismatch]]:
-    """Re-estimate every record of one results file; (records checked, mismatches)."""
+def check_file(path: str, models_dir: str = os.path.join(ROOT, "sample_models"),
+               jobs: int | None = None) -> tuple[int, list[Mismatch]]:
+    """Re-estimate every record of one results file; (records checked, mismatches). Records
+    are independent: ``jobs`` forked workers share them (the suite runs in one process, and the
+    re-estimates are most of this test's time); under pytest-xdist the workers have the cores."""
+    global _WORK
+    if jobs is None:
+        jobs = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
     with open(path) as f:
         doc = json.load(f)
     assert doc["schema"] == 1, f"{path}: unknown schema {doc['schema']}"
@@ -48,34 +53,57 @@ def check_file(path: str, models_dir: str = os.path.join(ROOT, "sample_models")
     # it after the runs too, that larger figure is what the largest batch saw.
     context = max(gpu["context_bytes"], gpu.get("context_after_bytes") or 0)
     budget = Budget(profile, margin=0.0, context_bytes=context)
-    specs: dict[str, object] = {}
-    bad: list[Mismatch] = []
-    for rec in doc["records"]:
-        spec = specs.get(rec["model"]) or specs.setdefault(
-            rec["model"], load_model_file(os.path.join(models_dir, f"{rec['model']}.py")))
-        cfg = TraceConfig(rec["batch_size"], precision=rec["precision"],
-                          checkpointing=rec["checkpointing"])
-        e = estimate(spec, cfg, budget)
-        if rec["oom"]:
-            if e.fits:
-                bad.append(Mismatch(rec, "oom", f"OOMed on the GPU, predicted to fit "
-                                         f"({e.peak_reserved_bytes} reserved)"))
+    records = doc["records"]
+    specs = {m: load_model_file(os.path.join(models_dir, f"{m}.py"))
+             for m in dict.fromkeys(r["model"] for r in records)}
+    _WORK = (records, specs, budget)
+    try:
+        if jobs > 1 and len(records) > 4:
+            from oomdoctor.plans.workers import forked_pool
+            with forked_pool(jobs) as pool:
+                found = list(pool.map(_check_record, range(len(records))))
         else:
-            for key, pred, tol in (("max_memory_allocated", e.peak_allocated_bytes, ALLOCATED_TOL),
-                                   ("max_memory_reserved", e.peak_reserved_bytes, RESERVED_TOL)):
-                real = rec[key]
-                if abs(pred - real) > tol * real:
-                    bad.append(Mismatch(rec, key.split("_")[-1], f"{key}: measured {real}, predicted {pred} "
-                                             f"({100 * (pred - real) / real:+.1f}%, tolerance "
-                                             f"{100 * tol:.0f}%)"))
-        if rec.get("measured_max_batch") is not None:
-            got = probe_config(spec, TraceConfig(1, precision=rec["precision"],
-                                                 checkpointing=rec["checkpointing"]),
-                               budget, AllocatorConfig()).max_batch_size
-            if got not in (rec["measured_max_batch"], rec["measured_max_batch"] - 1):
-                bad.append(Mismatch(rec, "max batch", f"max batch: measured {rec['measured_max_batch']}, "
-                                         f"predicted {got} (allowed: exact or one below)"))
-    return len(doc["records"]), bad
+            found = [_check_record(i) for i in range(len(records))]
+    finally:
+        _WORK = None
+    return len(records), [Mismatch(records[i], kind, what)
+                          for i, misses in enumerate(found) for kind, what in misses]
+
+
+# The file being checked, inherited by forked workers: a model file's functions live in a
+# module made at run time, which pickle cannot send.
+_WORK: tuple | None = None
+
+
+def _check_record(i: int) -> list[tuple[str, str]]:
+    """(kind, what) for each way record ``i`` of the file in _WORK leaves the tolerances."""
+    records, specs, budget = _WORK
+    rec = records[i]
+    spec = specs[rec["model"]]
+    cfg = TraceConfig(rec["batch_size"], precision=rec["precision"],
+                      checkpointing=rec["checkpointing"])
+    e = estimate(spec, cfg, budget)
+    bad = []
+    if rec["oom"]:
+        if e.fits:
+            bad.append(("oom", f"OOMed on the GPU, predicted to fit ({e.peak_reserved_bytes} "
+                               "reserved)"))
+    else:
+        for key, pred, tol in (("max_memory_allocated", e.peak_allocated_bytes, ALLOCATED_TOL),
+                               ("max_memory_reserved", e.peak_reserved_bytes, RESERVED_TOL)):
+            real = rec[key]
+            if abs(pred - real) > tol * real:
+                bad.append((key.split("_")[-1], f"{key}: measured {real}, predicted {pred} "
+                                                f"({100 * (pred - real) / real:+.1f}%, "
+                                                f"tolerance {100 * tol:.0f}%)"))
+    if rec.get("measured_max_batch") is not None:
+        got = probe_config(spec, TraceConfig(1, precision=rec["precision"],
+                                             checkpointing=rec["checkpointing"]),
+                           budget, AllocatorConfig()).max_batch_size
+        if got not in (rec["measured_max_batch"], rec["measured_max_batch"] - 1):
+            bad.append(("max batch", f"max batch: measured {rec['measured_max_batch']}, "
+                                     f"predicted {got} (allowed: exact or one below)"))
+    return bad
 
 
 # What the H200 run of 2026-11-26 (torch 2.11.0+cu130, driver 580.159.04) measured outside the
