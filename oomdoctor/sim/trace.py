@@ -38,8 +38,10 @@ from oomdoctor.sim import emulate, rnn, values
 from oomdoctor.sim.recorder import (Category, Phase, PhaseMark, Recorder, Storage, in_phase,
                                     module_hooks)
 from oomdoctor.sim.stepping import (compile_notes, every_step, foreach_measured, host_state,
-                                state_bytes, state_tensors, step_notes, unique_storages)
+                                state_bytes, step_notes, unique_storages)
 from oomdoctor.sim.eager import fake_trace
+from oomdoctor.sim.labels import (allocator_events, label_activations, label_gradients,
+                                  label_state)
 from oomdoctor.sim.libraries import traced_versions
 from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec
 from oomdoctor.models.training import (build_for_training, compute_loss, make_configured_batch,
@@ -76,8 +78,6 @@ class TraceConfig:
         if self.zero_grad not in ZERO_GRAD_MODES:
             raise ValueError(f"unknown zero_grad mode {self.zero_grad!r}; choose one of "
                              f"{', '.join(ZERO_GRAD_MODES)}")
-
-
 
 
 @dataclass(frozen=True)
@@ -129,32 +129,6 @@ class Trace:
     @property
     def peak_live_bytes(self) -> int:
         return self.peak_live[0]
-
-
-
-
-def _label_gradients(rec: Recorder, model: torch.nn.Module) -> int:
-    """Label the gradients the backward left and return their bytes (holding no reference:
-    one kept here would outlive zero_grad)."""
-    grads = unique_storages(p.grad for p in model.parameters() if p.grad is not None)
-    names = {p.grad.untyped_storage()._cdata: n for n, p in model.named_parameters()
-             if p.grad is not None}
-    for key, g in grads.items():
-        rec.relabel(g, Category.GRADIENTS, name=f"{names.get(key, 'parameter')}.grad")
-    return sum(g.untyped_storage().nbytes() for g in grads.values())
-
-
-def _label_state(rec: Recorder, cfg: TraceConfig, optimizer: torch.optim.Optimizer) -> None:
-    owner = {}      # each state tensor's storage -> the parameter's name, for snapshot frames
-    for p, st in optimizer.state.items():
-        h = rec.handle_of(p) if isinstance(p, torch.Tensor) else None
-        for v in st.values():
-            if isinstance(v, torch.Tensor) and h is not None:
-                owner[v.untyped_storage()._cdata] = rec.storages[h].name
-    for k, v in state_tensors(optimizer):
-        of = owner.get(v.untyped_storage()._cdata)
-        rec.relabel(v, Category.OPTIMIZER_STATE, host=host_state(cfg.emulate_cuda, optimizer, k, v),
-                    name=f"{type(optimizer).__name__}.step: {k}" + (f" of {of}" if of else ""))
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer,
@@ -378,7 +352,7 @@ def _run_steps(loop: _Loop, notes: list[str]) -> list[torch.optim.Optimizer]:
     try:
         with rec, values.active(rec.shadows), \
                 (emulate.autocast_on_meta() if cfg.emulate_cuda else contextlib.nullcontext()), \
-                every_step(lambda opt: _label_state(rec, cfg, opt)) as stepped:
+                every_step(lambda opt: label_state(rec, cfg.emulate_cuda, opt)) as stepped:
             if loop.scaler is not None:
                 loop.scaler.setup()
             for it in range(cfg.steps):
@@ -429,7 +403,7 @@ def _micro_batch(loop: _Loop, it: int, micro: int) -> None:
                 f"{spec.path}: loss.backward() failed: {e}; check that "
                 "the loss depends on trainable parameters") from e
         del loss, batch
-        loop.gradient_bytes = _label_gradients(rec, loop.model)
+        loop.gradient_bytes = label_gradients(rec, loop.model)
 
 
 def _keep_outputs(loop: _Loop, loss: torch.Tensor) -> None:
@@ -505,8 +479,8 @@ def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
     notes checked against what the optimizer phases allocated."""
     rec, marks, model = loop.rec, loop.marks, loop.model
     params, buffers, trainable = model_state
-    ends = _label_activations(rec, marks)
-    events = _events(rec)
+    ends = label_activations(rec, marks)
+    events = allocator_events(rec)
     param_bytes = sum(t.untyped_storage().nbytes() for t in params.values())
     steps = [(m.start, ends[m.start]) for m in marks     # a phase at the very end is empty
              if m.phase is Phase.OPTIMIZER and m.start < len(ends)]
@@ -523,34 +497,3 @@ def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
         gradient_bytes=loop.gradient_bytes, optimizer_state_bytes=state,
         checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),
         raw_events=tuple(rec.raw), libraries=traced_versions(model, loop.optimizer))
-
-
-def _label_activations(rec: Recorder, marks: list[PhaseMark]) -> list[int]:
-    """Categorise what the step made: a forward allocation still alive when the forward ends
-    is held for backward (an activation); the rest is temporary. Returns each event's phase
-    end (:func:`_phase_ends`)."""
-    ends = _phase_ends(marks, len(rec.raw))
-    for s in rec.storages.values():
-        if s.category is Category.TEMPORARIES and s.phase is Phase.FORWARD:
-            if s.t_free is None or s.t_free >= ends[s.t_alloc]:
-                s.category = Category.ACTIVATIONS
-    return ends
-
-
-def _events(rec: Recorder) -> tuple[tuple[bool, int, int], ...]:
-    """The allocator's events. Host-side storages stay as 0-byte events (never allocator
-    calls): indices stay aligned."""
-    for h in rec.fusion.fused_away(rec.storages, rec.raw):
-        rec.storages[h].host = True            # in a fused kernel's registers: no memory
-    host = {h for h, s in rec.storages.items() if s.host}
-    return tuple((a, h, 0) if h in host else (a, h, n) for a, h, n in rec.raw)
-
-
-def _phase_ends(marks: list[PhaseMark], n: int) -> list[int]:
-    """For every event index, the index where its phase ends."""
-    ends = [n] * n
-    for i, m in enumerate(marks):
-        stop = marks[i + 1].start if i + 1 < len(marks) else n
-        for j in range(m.start, stop):
-            ends[j] = stop
-    return ends
