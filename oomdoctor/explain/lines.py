@@ -57,9 +57,10 @@ def _strip_prefixes(text: str) -> tuple[int | None, str]:
         m = _PREFIX.match(text)
         if not m or m.end() == 0:
             break
-        for g in ("r1", "r2", "r3", "r4", "r5"):
-            if m.group(g) is not None:
-                rank = int(m.group(g))
+        # Each alternative holds at most one capturing group, a named rank: the one that
+        # matched is the last group, without asking each name.
+        if m.lastgroup is not None:
+            rank = int(m.group(m.lastgroup))
         text = text[m.end():]
     return rank, text
 

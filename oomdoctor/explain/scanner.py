@@ -211,7 +211,9 @@ class _Scanner:
             raw = _ANSI.sub("", raw)
         pieces = raw.split("\r") if "\r" in raw else (raw,)
         for piece in pieces:
-            if "[rank" in piece or "[default" in piece:
+            if piece.startswith(("[rank", "[default")) and piece.count("[") == 1:
+                parts = [piece]     # the common tagged line: one tag, in front
+            elif "[rank" in piece or "[default" in piece:
                 parts = [p for p in _RANK_SPLIT.split(piece) if p]
                 if len(parts) > 1 and not _strip_prefixes(parts[0])[1].strip():
                     parts[:2] = [parts[0] + parts[1]]   # "<time> [rank3]: ...": one line, the time its prefix
