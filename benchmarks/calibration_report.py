@@ -22,19 +22,35 @@ sys.path.insert(0, ROOT)
 MiB = 2**20
 
 
+def budget_of(gpu: dict):
+    """The budget a results file's records ran under: the whole card, no margin. The CUDA
+    context is outside the allocator: it changes the budget (the max batch), never
+    max_memory_allocated/reserved. It grows as kernels load lazily; where the file measured it
+    after the runs too, that larger figure is what the largest batch saw."""
+    from oomdoctor.plans.estimate import Budget
+    from oomdoctor.runs.measure import profile_for_device
+    profile = profile_for_device(gpu["name"], gpu["total_bytes"], tuple(gpu["compute_capability"]))
+    context = max(gpu["context_bytes"], gpu.get("context_after_bytes") or 0)
+    return Budget(profile, margin=0.0, context_bytes=context)
+
+
+def estimate_record(spec, rec: dict, budget):
+    """oomdoctor's estimate of the configuration one record measured."""
+    from oomdoctor.plans.estimate import estimate
+    from oomdoctor.sim.trace import TraceConfig
+    return estimate(spec, TraceConfig(rec["batch_size"], precision=rec["precision"],
+                                      checkpointing=rec["checkpointing"]), budget)
+
+
 def report(path: str) -> list[float]:
     import torch
 
     from oomdoctor.models.loader import load_model_file
-    from oomdoctor.plans.estimate import Budget, estimate
-    from oomdoctor.runs.measure import profile_for_device
-    from oomdoctor.sim.trace import TraceConfig
 
     with open(path) as f:
         doc = json.load(f)
     gpu = doc["gpu"]
-    profile = profile_for_device(gpu["name"], gpu["total_bytes"], tuple(gpu["compute_capability"]))
-    budget = Budget(profile, margin=0.0, context_bytes=gpu["context_bytes"])
+    budget = budget_of(gpu)
     print(f"{os.path.basename(path)}: {gpu['name']}, driver {gpu['driver']}, measured with torch "
           f"{gpu['torch']}; simulated with torch {torch.__version__}")
     print(f"{'model':<11} {'precision':<9} ck {'batch':>5}  {'alloc MiB':>10} {'pred':>10} "
@@ -45,9 +61,7 @@ def report(path: str) -> list[float]:
         name = rec["model"]
         if name not in specs:
             specs[name] = load_model_file(os.path.join(ROOT, "sample_models", f"{name}.py"))
-        cfg = TraceConfig(rec["batch_size"], precision=rec["precision"],
-                          checkpointing=rec["checkpointing"])
-        e = estimate(specs[name], cfg, budget)
+        e = estimate_record(specs[name], rec, budget)
         row = f"{name:<11} {rec['precision']:<9} {'y' if rec['checkpointing'] else 'n':>2} " \
               f"{rec['batch_size']:>5}"
         if rec["oom"]:

@@ -14,11 +14,13 @@ import pytest
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.plans.estimate import Budget, estimate
 from oomdoctor.models.loader import load_model_file
-from oomdoctor.runs.measure import profile_for_device
 from oomdoctor.plans.probe import probe_config
 from oomdoctor.sim.trace import TraceConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from calibration_report import budget_of, estimate_record  # noqa: E402  (the report's own rule)
+
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 ALLOCATED_TOL, RESERVED_TOL = 0.03, 0.05
 
@@ -46,13 +48,7 @@ def check_file(path: str, models_dir: str = os.path.join(ROOT, "sample_models"),
     with open(path) as f:
         doc = json.load(f)
     assert doc["schema"] == 1, f"{path}: unknown schema {doc['schema']}"
-    gpu = doc["gpu"]
-    profile = profile_for_device(gpu["name"], gpu["total_bytes"], tuple(gpu["compute_capability"]))
-    # The CUDA context is outside the allocator: it changes the budget (the max batch), never
-    # max_memory_allocated/reserved. It grows as kernels load lazily; where the file measured
-    # it after the runs too, that larger figure is what the largest batch saw.
-    context = max(gpu["context_bytes"], gpu.get("context_after_bytes") or 0)
-    budget = Budget(profile, margin=0.0, context_bytes=context)
+    budget = budget_of(doc["gpu"])
     records = doc["records"]
     specs = {m: load_model_file(os.path.join(models_dir, f"{m}.py"))
              for m in dict.fromkeys(r["model"] for r in records)}
@@ -80,9 +76,7 @@ def _check_record(i: int) -> list[tuple[str, str]]:
     records, specs, budget = _WORK
     rec = records[i]
     spec = specs[rec["model"]]
-    cfg = TraceConfig(rec["batch_size"], precision=rec["precision"],
-                      checkpointing=rec["checkpointing"])
-    e = estimate(spec, cfg, budget)
+    e = estimate_record(spec, rec, budget)
     bad = []
     if rec["oom"]:
         if e.fits:
