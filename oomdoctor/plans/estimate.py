@@ -18,6 +18,7 @@ from oomdoctor.sim import rocm
 from oomdoctor.sim.allocator import AllocatorConfig, ReplayResult, replay
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.sim.libraries import versions_text
+from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.sim.trace import Category, Trace, TraceConfig, trace_training
 from oomdoctor.sim.workspaces import workspace_marks
@@ -222,6 +223,23 @@ def estimate(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
                          f"{no_bf16_fix(cfg.precision)}")
     return estimate_trace(trace_for(spec, cfg, budget.gpu, progress=progress), budget, alloc,
                           spec.name)
+
+
+def estimate_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
+                    alloc: AllocatorConfig = AllocatorConfig(), *, batch_size: int | None = None,
+                    seq_len: int | None = None, progress=None) -> Estimate:
+    """Run a training script on a fake ``budget.gpu`` for ``cfg.steps`` optimizer steps (see
+    :mod:`oomdoctor.sim.script`) and estimate its peak, as :func:`estimate` does for a model
+    file. ``batch_size`` sets every DataLoader's (and ``{batch}``); ``seq_len`` fills
+    ``{seq}``."""
+    from oomdoctor.sim.fakecuda import FakeGpu
+    from oomdoctor.sim.script import trace_script
+    gpu = budget.gpu
+    fake = FakeGpu(gpu.name, gpu.total_bytes, gpu.compute_capability, script.processes)
+    cfg = replace(cfg, compute_capability=gpu.compute_capability, gpu_arch=gpu.arch)
+    trace = trace_script(script, cfg, fake, batch_size=batch_size, seq_len=seq_len,
+                         progress=progress)
+    return estimate_trace(trace, budget, alloc, script.name)
 
 
 def budget_text(e: Estimate) -> str:

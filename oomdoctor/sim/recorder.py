@@ -83,6 +83,9 @@ class Recorder(TorchDispatchMode):
         self.progress: Callable[[str], None] | None = None   # told each phase (trace_training)
         self.steps = 0
         self.fusion = Fusion()                 # compiled step functions (oomdoctor.sim.fusion)
+        # A training script's run (oomdoctor.sim.script): only the fake GPU's (meta) storages
+        # are device memory; its data pipeline computes on real CPU tensors.
+        self.device_only = False
 
     def fused(self):
         return self.fusion.region(lambda: len(self.raw))
@@ -163,7 +166,8 @@ class Recorder(TorchDispatchMode):
         for i, o in enumerate(outs):
             is_fresh = fresh[i] if i < len(fresh) else True
             for t in tree_leaves(o) if isinstance(o, (tuple, list)) else (o,):
-                if not isinstance(t, torch.Tensor) or t.is_sparse:
+                if not isinstance(t, torch.Tensor) or t.is_sparse or (
+                        self.device_only and t.device.type != "meta"):
                     continue
                 st = t.untyped_storage()
                 key = st._cdata

@@ -1,0 +1,414 @@
+"""Trace a user's training script as it is: run it on a fake GPU until it has taken N optimizer
+steps, recording every GPU storage it allocates and frees.
+
+    oomdoctor estimate -- python train.py --lr 3e-4
+
+The script runs in this process with ``sys.argv`` set to its arguments, under the fake CUDA device
+of :mod:`oomdoctor.sim.fakecuda` and the same recorder, CUDA kernels and values mirror as a model
+file's trace (:mod:`oomdoctor.sim.trace`). Its data pipeline (files, tokenizers, collators) runs
+for real on the CPU, so batch shapes and padding are its own. Where a model file's loop marks its
+phases itself, a script's phases are read from what it calls: a forward of a module that is not
+inside another (global module hooks), ``backward()``, ``optimizer.step()`` (global optimizer
+hooks). The run stops when, after the N-th optimizer step, the script starts its next forward or
+backward (so the step's ``zero_grad`` is seen), or when it ends.
+
+Known limits: one process (a ``torchrun`` script's rank 0); tensors made inside C++/CUDA
+extensions that bypass the dispatcher are not seen; a value the weights decide
+(``loss.item()``) is read as a stand-in (1, or False for a question), so a script that branches
+on it (skips a step on a NaN loss) takes the branch a healthy run takes.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import runpy
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+from torch.utils._pytree import tree_leaves
+
+from oomdoctor.models import adapters
+from oomdoctor.models.script import ScriptSpec
+from oomdoctor.models.spec import ModelFileError, first_line
+from oomdoctor.sim import eager, emulate, fakecuda, values
+from oomdoctor.sim.labels import allocator_events, label_activations, label_state
+from oomdoctor.sim.libraries import traced_versions
+from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
+from oomdoctor.sim.stepping import every_step, host_state, state_bytes, unique_storages
+from oomdoctor.sim.trace import Trace, TraceConfig
+
+
+class ScriptError(ModelFileError):
+    """The script failed, or did something the fake GPU cannot follow."""
+
+
+class _Stop(BaseException):
+    """The run has its steps (BaseException: a script's ``except Exception`` lets it through)."""
+
+
+@dataclass
+class ScriptLimits:
+    """When a script that does not reach its steps is stopped."""
+
+    seconds: float = 600.0
+    forwards: int = 200          # forward passes without an optimizer step
+
+
+@dataclass
+class ScriptRun:
+    """What the run saw besides the events: for the trace's figures and notes."""
+
+    roots: dict[int, torch.nn.Module] = field(default_factory=dict)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    loader_batches: list[int] = field(default_factory=list)   # DataLoader batch sizes
+    steps_done: int = 0
+    ended: str = ""              # how the run ended: "steps", "script end"
+    gradient_bytes: int = 0
+
+
+class ScriptRecorder(Recorder):
+    """The recorder of a script's run: only GPU (meta, not host) storages are memory; ops on a
+    module's host weights are not; a scalar read of a value the weights decide gets a
+    stand-in."""
+
+    def __init__(self, device: fakecuda.Device) -> None:
+        super().__init__()
+        self.device_only = True
+        self.device = device
+        self.shadows = device.shadows
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        dev = self.device
+        if dev.quiet or (not dev.uploads and self._on_host(args, kwargs)):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                    dev.host.add(t)
+            return out
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        except Exception:
+            if func not in values.SCALAR_READS or not args:
+                raise
+            dev.reads.scalars += 1
+            return False if args[0].dtype == torch.bool else values.placeholder(args[0])
+        if dev.uploads and isinstance(out, torch.Tensor) and out.device.type == "meta" \
+                and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+            self.relabel(out, Category.INPUTS)        # a batch's copy to the GPU
+        return out
+
+    def _on_host(self, args: tuple, kwargs: dict | None) -> bool:
+        tensors = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+        host = self.device.host
+        return any(t in host for t in tensors) and all(
+            t.device.type == "cpu" or t in host for t in tensors)
+
+    def usage(self) -> tuple[int, int]:
+        """(live bytes, peak live bytes) so far: what torch.cuda.memory_allocated answers."""
+        live = peak = 0
+        for is_alloc, _, n in self.raw:
+            live += n if is_alloc else -n
+            peak = max(peak, live)
+        return live, peak
+
+
+class _Phases:
+    """Reads the script's phases from what it calls, and stops it after its steps."""
+
+    def __init__(self, rec: ScriptRecorder, run: ScriptRun, steps: int, limits: ScriptLimits,
+                 progress: Callable[[str], None] | None) -> None:
+        self.rec, self.run, self.steps, self.limits = rec, run, steps, limits
+        self.progress = progress
+        self.marks: list[PhaseMark] = []
+        self.micro = self.depth = self.forwards = 0
+        self.backwarded = False
+        self.names: dict[int, str] = {}
+        self.started = time.monotonic()
+        self.mark(Phase.SETUP)
+
+    def mark(self, phase: Phase) -> None:
+        rec = self.rec
+        it = min(self.run.steps_done, self.steps - 1)
+        if self.marks and self.marks[-1].start == len(rec.raw):
+            self.marks.pop()                   # an empty phase
+        if self.progress is not None and phase in (Phase.FORWARD, Phase.BACKWARD,
+                                                   Phase.OPTIMIZER):
+            self.progress(f"step {it + 1}/{self.steps}: {phase.value}")
+        rec.phase, rec.iteration = phase, it
+        self.marks.append(PhaseMark(len(rec.raw), phase, it, self.micro))
+
+    def _stop_if_done(self) -> None:
+        if self.run.steps_done >= self.steps:
+            self.rec.closed = True             # what unwinding the script frees is not the step
+            self.run.ended = "steps"
+            raise _Stop
+        if time.monotonic() - self.started > self.limits.seconds:
+            raise ScriptError(f"no optimizer step within {self.limits.seconds:.0f} s "
+                              f"(the script was at {script_frame()}); pass --steps 1, or write a "
+                              "model file")
+
+    def forward_pre(self, module: torch.nn.Module, _args: Any) -> None:
+        if self.depth == 0:
+            self._stop_if_done()
+            self._root(module)
+            if self.rec.phase is not Phase.FORWARD:
+                self.mark(Phase.FORWARD)
+            self.forwards += 1
+            if self.forwards > self.limits.forwards:
+                raise ScriptError(f"{self.forwards - 1} forward passes without an optimizer "
+                                  f"step (the script was at {script_frame()}); oomdoctor stops "
+                                  "after its steps, so the script must reach optimizer.step()")
+        self.depth += 1
+        self.rec.module_stack.append(self.names.get(id(module), type(module).__name__))
+
+    def forward_post(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        self.depth = max(self.depth - 1, 0)
+        if self.rec.module_stack:
+            self.rec.module_stack.pop()
+
+    def _root(self, module: torch.nn.Module) -> None:
+        if id(module) in self.run.roots:
+            return
+        self.run.roots[id(module)] = module
+        root = type(module).__name__
+        for name, m in module.named_modules():
+            self.names.setdefault(id(m), name or root)
+
+    def backward(self, real: Callable) -> Callable:
+        def backward(*args, **kwargs):
+            self._stop_if_done()
+            self.mark(Phase.BACKWARD)
+            out = real(*args, **kwargs)
+            self.run.gradient_bytes = _label_gradients(self.rec, self.run)
+            self.micro += 1
+            self.backwarded = True
+            self.mark(Phase.DATA)
+            return out
+        return backward
+
+    def step_pre(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if not any(o is optimizer for o in self.run.optimizers):
+            self.run.optimizers.append(optimizer)
+            emulate.cuda_optimizer_defaults(optimizer)   # foreach, as on CUDA
+        self.mark(Phase.OPTIMIZER)
+
+    def step_post(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if self.backwarded:
+            self.run.steps_done += 1
+            self.backwarded, self.micro, self.forwards = False, 0, 0
+        self.mark(Phase.ZERO_GRAD)
+
+
+def _label_gradients(rec: Recorder, run: ScriptRun) -> int:
+    """Label the gradients the backward left (as labels.label_gradients does for one model)
+    and return their bytes."""
+    grads = unique_storages(p.grad for p in _parameters(run).values() if p.grad is not None)
+    for g in grads.values():
+        rec.relabel(g, Category.GRADIENTS)
+    return sum(g.untyped_storage().nbytes() for g in grads.values())
+
+
+def _parameters(run: ScriptRun) -> dict[int, torch.nn.Parameter]:
+    """Every parameter of the modules the script ran and of its optimizers, once."""
+    params = {id(p): p for m in run.roots.values() for p in m.parameters()}
+    for o in run.optimizers:
+        params.update((id(p), p) for g in o.param_groups for p in g["params"])
+    return params
+
+
+def script_frame() -> str:
+    """``file:line`` of the innermost frame of the running script's own code (outside torch,
+    installed libraries and oomdoctor)."""
+    skip = (os.sep + "site-packages" + os.sep, os.sep + "oomdoctor" + os.sep, "<frozen ",
+            os.path.dirname(torch.__file__))
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not any(s in name for s in skip) and not name.startswith("<"):
+            return f"{os.path.basename(name)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "its top level"
+
+
+@contextlib.contextmanager
+def _hooks(phases: _Phases) -> Iterator[None]:
+    from torch.nn.modules import module as nn_module
+    handles = [nn_module.register_module_forward_pre_hook(phases.forward_pre),
+               nn_module.register_module_forward_hook(phases.forward_post, always_call=True),
+               register_optimizer_step_pre_hook(phases.step_pre),
+               register_optimizer_step_post_hook(phases.step_post)]
+    real = torch.autograd.backward
+    torch.autograd.backward = phases.backward(real)
+    try:
+        yield
+    finally:
+        torch.autograd.backward = real
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _loaders(batch_size: int | None, run: ScriptRun) -> Iterator[None]:
+    """Every DataLoader the script makes: in this process (num_workers=0: the workers' memory
+    is host memory), with ``batch_size`` when oomdoctor sets it."""
+    import inspect
+    loader = torch.utils.data.DataLoader
+    real = loader.__init__
+    signature = inspect.signature(real)
+
+    def init(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments["num_workers"] = 0
+        bound.arguments.pop("prefetch_factor", None)
+        bound.arguments.pop("persistent_workers", None)
+        if batch_size is not None and bound.arguments.get("batch_size", 1) is not None \
+                and bound.arguments.get("batch_sampler") is None:
+            bound.arguments["batch_size"] = batch_size
+        run.loader_batches.append(bound.arguments.get("batch_size", 1))
+        real(*bound.args, **bound.kwargs)
+    loader.__init__ = init
+    try:
+        yield
+    finally:
+        loader.__init__ = real
+
+
+def _run_file(script: ScriptSpec, argv: list[str]) -> str:
+    """Run the script as ``__main__``; how it ended."""
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script.path)))
+    try:
+        runpy.run_path(script.path, run_name="__main__")
+        return "script end"
+    except _Stop:
+        return "steps"
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise ScriptError(f"{script.name} exited with {e.code!r} before its optimizer "
+                              f"steps; run `{script.command()}` to see why") from None
+        return "script end"
+    except ScriptError:
+        raise
+    except Exception as e:
+        raise ScriptError(_failure(script, e)) from e
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def _failure(script: ScriptSpec, e: BaseException) -> str:
+    """One line: where the script failed, what, and the fallback."""
+    from oomdoctor.models.spec import user_frame
+    where = user_frame(e) or script.name
+    return (f"{where}: {type(e).__name__}: {first_line(e)}; the fake GPU could not follow the "
+            "script here. If it runs on a GPU, write a model file for it (see `oomdoctor probe "
+            "--help`) or stop earlier with --steps 1; --debug shows the traceback")
+
+
+def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
+                 batch_size: int | None = None, seq_len: int | None = None,
+                 limits: ScriptLimits = ScriptLimits(),
+                 progress: Callable[[str], None] | None = None) -> Trace:
+    """Run ``script`` for ``cfg.steps`` optimizer steps on the fake ``gpu`` and record its GPU
+    memory. ``batch_size``: every DataLoader's batch size and the ``{batch}`` placeholder
+    (None: the script's own); ``seq_len``: the ``{seq}`` placeholder."""
+    argv = script.argv(batch_size, seq_len)
+    gc.collect()
+    reads = fakecuda.Reads()
+    device = fakecuda.Device(gpu, values.Shadows(), reads)
+    rec = ScriptRecorder(device)
+    gpu.usage = rec.usage
+    run = ScriptRun()
+    phases = _Phases(rec, run, cfg.steps, limits, progress)
+    notes: list[str] = []
+    with eager.fake_trace([], rec.fused), emulate.fused_optimizers_on_meta(), \
+            fakecuda.fake_cuda(device), _loaders(batch_size, run), \
+            emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch), \
+            values.active(device.shadows), rec, \
+            every_step(lambda opt: label_state(rec, True, opt)) as stepped, _hooks(phases):
+        run.ended = _run_file(script, argv)
+        rec.closed = True
+        held = list(dict.fromkeys([*run.optimizers, *stepped]))
+        state = sum(state_bytes(o, lambda k, v, o=o: not host_state(True, o, k, v))
+                    for o in held)
+    if run.steps_done == 0:
+        raise ScriptError(f"{script.name} ended without an optimizer step; oomdoctor measures "
+                          "training steps: check the script trains with these arguments")
+    return _result(cfg, run, rec, device, phases.marks, state, notes + _run_notes(
+        script, cfg, run, device, batch_size))
+
+
+def _run_notes(script: ScriptSpec, cfg: TraceConfig, run: ScriptRun, device: fakecuda.Device,
+               batch_size: int | None) -> list[str]:
+    notes = [f"ran {script.command()} on a fake {device.gpu.name} until "
+             + (f"its step {cfg.steps}" if run.ended == "steps" else
+                f"it ended, after {run.steps_done} optimizer step(s)")]
+    if batch_size is not None and run.loader_batches and "batch" not in script.placeholders:
+        notes.append(f"every DataLoader's batch_size set to {batch_size}")
+    reads = device.reads
+    if reads.scalars or reads.copies:
+        notes.append(f"{reads.scalars + reads.copies} reads of values the weights decide "
+                     "(such as loss.item()) answered with stand-ins; a branch on them takes "
+                     "a healthy run's way")
+    if device.shadows.answered:
+        notes.append(f"{device.shadows.answered} data-dependent questions answered from the "
+                     "batch's real values")
+    return notes
+
+
+def _result(cfg: TraceConfig, run: ScriptRun, rec: ScriptRecorder, device: fakecuda.Device,
+            marks: list[PhaseMark], state: int, notes: list[str]) -> Trace:
+    """The finished trace, labelled as a model file's is."""
+    params = _parameters(run)
+    buffers = [b for m in run.roots.values() for b in m.buffers()]
+    _label_model(rec, run)
+    label_activations(rec, marks)
+    on_gpu = [p for p in params.values() if rec.handle_of(p) is not None]
+    weights = unique_storages(on_gpu)
+    trainable = unique_storages(p for p in on_gpu if p.requires_grad)
+    buf = unique_storages(b for b in buffers if rec.handle_of(b) is not None
+                          and b.untyped_storage()._cdata not in weights)
+    return Trace(
+        config=replace(cfg, batch_size=_batch_size(run), precision=_precision(device, on_gpu)),
+        events=allocator_events(rec), storages=rec.storages, marks=tuple(marks),
+        parameter_bytes=sum(t.untyped_storage().nbytes() for t in weights.values()),
+        trainable_parameter_bytes=sum(t.untyped_storage().nbytes() for t in trainable.values()),
+        num_parameters=sum(adapters.logical_numel(p) for p in on_gpu),
+        num_trainable_parameters=sum(p.numel() for p in on_gpu if p.requires_grad),
+        buffer_bytes=sum(t.untyped_storage().nbytes() for t in buf.values()),
+        gradient_bytes=run.gradient_bytes, optimizer_state_bytes=state, checkpointed=(),
+        notes=tuple(dict.fromkeys(notes)), raw_events=tuple(rec.raw),
+        libraries=traced_versions(next(iter(run.roots.values()), None),
+                                  run.optimizers[0] if run.optimizers else None))
+
+
+def _batch_size(run: ScriptRun) -> int:
+    """The batch size to report: the first DataLoader's (the training one, as a rule)."""
+    sizes = [b for b in run.loader_batches if isinstance(b, int) and b > 0]
+    return sizes[0] if sizes else 1
+
+
+def _precision(device: fakecuda.Device, params: list[torch.Tensor]) -> str:
+    """What the script trains in, as oomdoctor names it: autocast's dtype, else the weights'."""
+    if device.autocast:
+        return "bf16" if torch.bfloat16 in device.autocast else "fp16"
+    dtypes = {p.dtype for p in params if p.requires_grad}
+    return {frozenset({torch.bfloat16}): "bf16-pure",
+            frozenset({torch.float16}): "fp16-pure"}.get(frozenset(dtypes), "fp32")
+
+
+def _label_model(rec: Recorder, run: ScriptRun) -> None:
+    """Parameters and buffers of every module the script ran, by name."""
+    for root in run.roots.values():
+        for name, p in root.named_parameters():
+            rec.relabel(p, Category.PARAMETERS, name=name)
+        for name, b in root.named_buffers():
+            rec.relabel(b, Category.BUFFERS, name=name)
+
+
