@@ -18,9 +18,10 @@ from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_C
 
 
 @cli.command(epilog=MODEL_PROTOCOL)
-@click.argument("model_file", type=click.Path())
-@click.option("-b", "--batch-size", type=click.IntRange(1), required=True,
-              help="Micro-batch size per GPU.")
+@click.argument("model_words", nargs=-1, required=True, metavar="MODEL | -- COMMAND...")
+@click.option("-b", "--batch-size", type=click.IntRange(1),
+              help="Micro-batch size per GPU (a script: every DataLoader's batch_size and its "
+                   "{batch} placeholder; default its own).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True,
               help="fp16/bf16: autocast AMP (fp16 with GradScaler); bf16-pure / fp16-pure: "
                    "model.to(bf16) / model.half(), no autocast, no GradScaler.")
@@ -38,22 +39,44 @@ from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_C
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), metavar="FILE",
               help="Draw memory over the step stacked by category, with reserved, the phases "
                    "and the budget: FILE.png, .svg or .html (needs matplotlib: the plot extra).")
+@click.option("--steps", type=click.IntRange(1), default=2, show_default=True,
+              help="Optimizer steps to trace (the second holds the optimizer's state).")
 @_budget_options
-def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpus, snapshot_file,
-             plot_file, gpu_name, memory, overhead, other_mem, margin, alloc_conf, checkpoint_class,
-             grad_accum, optimizer, zero_grad, no_cuda_emulation, as_json, debug):
+def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gpus,
+             snapshot_file, plot_file, steps, gpu_name, memory, overhead, other_mem, margin,
+             alloc_conf, checkpoint_class, grad_accum, optimizer, zero_grad, no_cuda_emulation,
+             as_json, debug):
     """Peak GPU memory of one training configuration, and what it is made of.
 
     \b
     oomdoctor estimate sample_models/gpt2_small.py --batch-size 8 --precision bf16 --json
+    oomdoctor estimate --gpu rtx3090 -- python train.py --lr 3e-4
 
-    Exit codes: 0 fits, 1 does not fit, 2 usage error, 3 model file error.
+    After `--`, MODEL is your training script's command line: it runs as it is on a fake GPU
+    until its second optimizer step (see "Your training script as it is" in the README).
+
+    Exit codes: 0 fits, 1 does not fit, 2 usage error, 3 model file or script error.
     """
     from oomdoctor.plans import estimate as estimate_mod
     from oomdoctor.models.spec import ModelFileError
     from oomdoctor.sim.trace import TraceConfig
+    from oomdoctor.cli import script as script_cli
+    try:
+        script = script_cli.script_of(model_words)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    if script is None:
+        model_file = script_cli.one_source(model_words)
+        if batch_size is None:
+            raise click.UsageError("Missing option '-b' / '--batch-size'.")
+    else:
+        script_cli.refuse_loop_options(click.get_current_context())
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
+
+    def _cfg():
+        return TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
+                           optimizer, not no_cuda_emulation, zero_grad=zero_grad, steps=steps)
     if (snapshot_file or plot_file) and strategy != "single":
         raise click.UsageError("--snapshot and --plot show one GPU's step: use them without "
                                "--strategy")
@@ -61,22 +84,24 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
         _check_plot_file(plot_file)
     snapshot = series = None
     try:
-        spec = _load_model(model_file)
-        cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
-                          optimizer, not no_cuda_emulation, zero_grad=zero_grad)
-        if snapshot_file or plot_file:
+        if script is not None:
+            result, snapshot, series = script_cli.run_script(lambda: _estimate_script(
+                script, TraceConfig(batch_size or 1, steps=steps), budget, alloc, batch_size,
+                bool(snapshot_file), bool(plot_file)))
+        elif snapshot_file or plot_file:
             from oomdoctor.plans import snapshot as snapshot_mod
             result, snapshot, series = snapshot_mod.estimate_views(
-                spec, cfg, budget, alloc, bool(snapshot_file), bool(plot_file),
-                progress=_slow_trace_progress())
+                _load_model(model_file), _cfg(), budget, alloc, bool(snapshot_file),
+                bool(plot_file), progress=_slow_trace_progress())
         elif strategy != "single":
             from oomdoctor.plans import parallel as par
-            report = par.estimate_strategies(spec, cfg, budget, num_gpus, [strategy], alloc,
+            report = par.estimate_strategies(_load_model(model_file), _cfg(), budget, num_gpus,
+                                             [strategy], alloc,
                                              progress=lambda m: click.echo(m, err=True))
             if report.errors:
                 raise ValueError(report.errors[0][1])
         else:
-            result = estimate_mod.estimate(spec, cfg, budget, alloc,
+            result = estimate_mod.estimate(_load_model(model_file), _cfg(), budget, alloc,
                                            progress=_slow_trace_progress())
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
@@ -97,6 +122,17 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
     else:
         click.echo(estimate_mod.render_text(result))
     sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
+
+
+def _estimate_script(script, cfg, budget, alloc, batch_size, snapshot, series):
+    """(estimate, snapshot or None, plot series or None) of a training script's run."""
+    from oomdoctor.cli.script import seq_len_option
+    from oomdoctor.plans.estimate import script_trace
+    from oomdoctor.plans.snapshot import trace_views
+    trace = script_trace(script, cfg, budget, batch_size=batch_size,
+                         seq_len=seq_len_option(click.get_current_context()),
+                         progress=_slow_trace_progress())
+    return trace_views(trace, script.name, budget, alloc, snapshot, series)
 
 
 def _write_plot(series, result, path, debug):

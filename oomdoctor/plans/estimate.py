@@ -225,19 +225,27 @@ def estimate(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
                           spec.name)
 
 
-def estimate_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
-                    alloc: AllocatorConfig = AllocatorConfig(), *, batch_size: int | None = None,
-                    seq_len: int | None = None, progress=None) -> Estimate:
+def script_trace(script: ScriptSpec, cfg: TraceConfig, budget: Budget, *,
+                 batch_size: int | None = None, seq_len: int | None = None,
+                 progress=None) -> Trace:
     """Run a training script on a fake ``budget.gpu`` for ``cfg.steps`` optimizer steps (see
-    :mod:`oomdoctor.sim.script`) and estimate its peak, as :func:`estimate` does for a model
-    file. ``batch_size`` sets every DataLoader's (and ``{batch}``); ``seq_len`` fills
-    ``{seq}``."""
+    :mod:`oomdoctor.sim.script`). ``batch_size`` sets every DataLoader's (and fills
+    ``{batch}``); ``seq_len`` fills ``{seq}``."""
     from oomdoctor.sim.fakecuda import FakeGpu
     from oomdoctor.sim.script import trace_script
     gpu = budget.gpu
     fake = FakeGpu(gpu.name, gpu.total_bytes, gpu.compute_capability, script.processes)
     cfg = replace(cfg, compute_capability=gpu.compute_capability, gpu_arch=gpu.arch)
-    trace = trace_script(script, cfg, fake, batch_size=batch_size, seq_len=seq_len,
+    return trace_script(script, cfg, fake, batch_size=batch_size, seq_len=seq_len,
+                        progress=progress)
+
+
+def estimate_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
+                    alloc: AllocatorConfig = AllocatorConfig(), *, batch_size: int | None = None,
+                    seq_len: int | None = None, progress=None) -> Estimate:
+    """A training script's peak, as :func:`estimate` gives a model file's (see
+    :func:`script_trace`)."""
+    trace = script_trace(script, cfg, budget, batch_size=batch_size, seq_len=seq_len,
                          progress=progress)
     return estimate_trace(trace, budget, alloc, script.name)
 

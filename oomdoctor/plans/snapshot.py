@@ -161,9 +161,17 @@ def estimate_views(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
                    ) -> tuple[Estimate, dict[str, Any] | None, Any]:
     """``estimate`` with, from the same trace, its snapshot and/or its plot's series
     (:func:`oomdoctor.plans.stepplot.step_series`); None for those not asked for."""
+    return trace_views(trace_for(spec, cfg, budget.gpu, progress=progress), spec.name, budget,
+                       alloc, snapshot, series)
+
+
+def trace_views(trace: Trace, name: str, budget: Budget,
+                alloc: AllocatorConfig = AllocatorConfig(), snapshot: bool = True,
+                series: bool = False) -> tuple[Estimate, dict[str, Any] | None, Any]:
+    """The estimate of a finished trace (a model file's or a script's), with its snapshot and/or
+    its plot's series."""
     from oomdoctor.plans.stepplot import step_series
-    trace = trace_for(spec, cfg, budget.gpu, progress=progress)
-    return (estimate_trace(trace, budget, alloc, spec.name),
+    return (estimate_trace(trace, budget, alloc, name),
             build_snapshot(trace, budget, alloc) if snapshot else None,
             step_series(trace, budget, alloc) if series else None)
 

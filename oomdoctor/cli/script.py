@@ -1,0 +1,79 @@
+"""A training script as MODEL: ``oomdoctor estimate|probe -- python train.py ARGS``.
+
+What the commands share when MODEL is a command line: telling it from a model source, refusing
+the options that describe a model file's loop (a script's loop says them itself), and running
+the script with its own output kept off oomdoctor's stdout (where --json goes).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Callable, Iterator
+
+import click
+from click.core import ParameterSource
+
+# Options that describe the loop oomdoctor builds around a model file; a script has its own.
+_LOOP_OPTIONS = {
+    "precision": "(its autocast, its .to(dtype))", "checkpointing": "(its checkpoint calls)",
+    "checkpoint_class": "(its checkpoint calls)", "grad_accum": "(its accumulation loop)",
+    "optimizer": "(its optimizer)", "zero_grad": "(its zero_grad calls)",
+    "no_cuda_emulation": "(a script always runs on the fake CUDA device)",
+    "strategy": "(multi-GPU scripts are not simulated yet: oomdoctor runs one process)",
+}
+# Model-source options of _model_source_options (remembered in ctx.meta, not parameters).
+_SOURCE_OPTIONS = ("task", "image_size", "num_classes", "lora_rank", "quantize",
+                   "keep_outputs", "lora_targets", "double_quant")
+
+
+def script_of(words: tuple[str, ...]):
+    """The :class:`ScriptSpec` when MODEL's words are a command line, else None."""
+    from oomdoctor.models.script import is_command, parse_command
+    return parse_command(words) if is_command(words) else None
+
+
+def one_source(words: tuple[str, ...]) -> str:
+    """MODEL as one model source, or a usage error that says how to pass a script."""
+    if len(words) != 1:
+        raise click.UsageError("MODEL is one model file, Hugging Face id or timm:/torchvision: "
+                               "name; to run a training script, put it after `--`: "
+                               "`oomdoctor estimate -- python train.py ARGS`")
+    return words[0]
+
+
+def refuse_loop_options(ctx: click.Context) -> None:
+    """A usage error for an option given on the command line that a script decides itself."""
+    for name, own in _LOOP_OPTIONS.items():
+        if name in ctx.params and ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
+            flag = "--" + name.replace("_", "-")
+            raise click.UsageError(f"{flag} describes a model file's training loop; a script "
+                                   f"decides it in its own code {own}. Change the script's "
+                                   "arguments instead")
+    remembered = ctx.meta.get("oomdoctor.source", {})
+    for name in _SOURCE_OPTIONS:
+        if remembered.get(name):
+            raise click.UsageError(f"--{name.replace('_', '-').replace('-rank', '')} describes "
+                                   "a model source; a script builds its own model (its peft "
+                                   "config, its quantization)")
+
+
+def seq_len_option(ctx: click.Context) -> int | None:
+    """--seq-len for a script: the value of its ``{seq}`` placeholder."""
+    seq = ctx.meta.get("oomdoctor.source", {}).get("seq_len")
+    if seq == "max":
+        raise click.UsageError("--seq-len max is not available for a script yet; give a token "
+                               "count for its {seq} placeholder")
+    return seq
+
+
+@contextlib.contextmanager
+def script_output() -> Iterator[None]:
+    """The script's prints go to stderr while it runs: oomdoctor's stdout is its report."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def run_script(fn: Callable[[], Any]) -> Any:
+    """``fn()`` with the script's output on stderr."""
+    with script_output():
+        return fn()
