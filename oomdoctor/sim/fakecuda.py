@@ -26,6 +26,7 @@ Everything the module patches is restored when :func:`fake_cuda` ends.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -296,6 +297,30 @@ class ScriptGradScaler(torch.amp.GradScaler):
             self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
+class _Autocast:
+    """One ``torch.autocast(...)`` object: a context manager, or a decorator
+    (accelerate wraps ``model.forward`` in ``torch.autocast(...)(forward)``); each use enters a
+    fresh emulated autocast."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+        self.open: list[Any] = []
+
+    def __enter__(self):
+        self.open.append(self.make())
+        return self.open[-1].__enter__()
+
+    def __exit__(self, *exc):
+        return self.open.pop().__exit__(*exc)
+
+    def __call__(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def autocast_forward(*args, **kwargs):
+            with self.make():
+                return fn(*args, **kwargs)
+        return autocast_forward
+
+
 def _autocast(real: Callable, device: Device) -> Callable:
     """``torch.autocast`` where "cuda" (and "meta", the fake GPU's tensors' device) is CUDA's
     autocast as oomdoctor emulates it."""
@@ -304,9 +329,9 @@ def _autocast(real: Callable, device: Device) -> Callable:
         if device_type not in ("cuda", "meta"):
             return real(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
         if not enabled:
-            return emulate._Off()
+            return _Autocast(emulate._Off)
         device.autocast.add(dtype or torch.float16)
-        return emulate.CudaAutocast(dtype or torch.float16)
+        return _Autocast(lambda: emulate.CudaAutocast(dtype or torch.float16))
     return autocast
 
 
