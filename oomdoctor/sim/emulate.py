@@ -425,9 +425,15 @@ class CudaKernels(_OurMode):
 
 @contextlib.contextmanager
 def _reenter(modes: list[TorchFunctionMode]):
+    """Enter again those of ``modes`` that are not on the function-mode stack now: backward
+    runs with an empty stack, even when it was called inside the modes (a training script runs
+    inside CudaKernels, oomdoctor.sim.script), while a recompute nested in another keeps
+    them."""
+    from torch.overrides import _get_current_function_mode_stack
+    current = _get_current_function_mode_stack()
     with contextlib.ExitStack() as stack:
-        if not _ACTIVE:
-            for m in modes:
+        for m in modes:
+            if not any(a is m for a in current):
                 stack.enter_context(m)
         yield
 

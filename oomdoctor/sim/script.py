@@ -154,7 +154,8 @@ class _Phases:
                               "model file")
 
     def forward_pre(self, module: torch.nn.Module, _args: Any) -> None:
-        if self.depth == 0:
+        # A forward inside backward is a checkpointed block recomputing: part of the backward.
+        if self.depth == 0 and self.rec.phase is not Phase.BACKWARD:
             self._stop_if_done()
             self._root(module)
             if self.rec.phase is not Phase.FORWARD:

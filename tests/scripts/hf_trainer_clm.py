@@ -15,9 +15,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 class Sequences(torch.utils.data.Dataset):
     """Token sequences of 24 to 64 tokens, as a tokenized corpus gives them."""
 
-    def __init__(self, n, vocab, seed=0):
+    def __init__(self, n, vocab, seed=0, length=None):
         rng = random.Random(seed)
-        self.items = [[rng.randrange(vocab) for _ in range(rng.randint(24, 64))]
+        self.items = [[rng.randrange(vocab) for _ in range(length or rng.randint(24, 64))]
                       for _ in range(n)]
 
     def __len__(self):
@@ -46,6 +46,8 @@ def main():
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--n_layer", type=int, default=4)
+    parser.add_argument("--fixed_length", type=int, help="every sequence this long (no padding)")
+    parser.add_argument("--optim", default="adamw_torch")
     args = parser.parse_args()
 
     config = GPT2Config(n_layer=args.n_layer, n_embd=256, n_head=4, vocab_size=8192,
@@ -55,8 +57,10 @@ def main():
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, bf16=args.bf16,
         gradient_checkpointing=args.gradient_checkpointing, max_steps=20, learning_rate=3e-4,
-        logging_steps=5, save_strategy="no", report_to=[], dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=training_args, train_dataset=Sequences(256, 8192),
+        logging_steps=5, save_strategy="no", report_to=[], dataloader_num_workers=0,
+        optim=args.optim)
+    data = Sequences(256, 8192, length=args.fixed_length)
+    trainer = Trainer(model=model, args=training_args, train_dataset=data,
                       data_collator=pad_collate)
     trainer.train()
 
