@@ -23,6 +23,7 @@ import contextlib
 import gc
 import os
 import runpy
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -359,12 +360,12 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
         raise ScriptError(f"{script.name} ended without an optimizer step; oomdoctor measures "
                           "training steps: check the script trains with these arguments")
     return _result(cfg, run, rec, device, phases.marks, state, notes + _run_notes(
-        script, cfg, run, device, batch_size))
+        script, argv, cfg, run, device, batch_size))
 
 
-def _run_notes(script: ScriptSpec, cfg: TraceConfig, run: ScriptRun, device: fakecuda.Device,
-               batch_size: int | None) -> list[str]:
-    notes = [f"ran {script.command()} on a fake {device.gpu.name} until "
+def _run_notes(script: ScriptSpec, argv: list[str], cfg: TraceConfig, run: ScriptRun,
+               device: fakecuda.Device, batch_size: int | None) -> list[str]:
+    notes = [f"ran {shlex.join(['python', *argv])} on a fake {device.gpu.name} until "
              + (f"its step {cfg.steps}" if run.ended == "steps" else
                 f"it ended, after {run.steps_done} optimizer step(s)")]
     if batch_size is not None and run.loader_batches and "batch" not in script.placeholders:

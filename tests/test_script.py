@@ -1,0 +1,215 @@
+"""A training script as it is (`oomdoctor estimate -- python train.py ARGS`).
+
+The independent check is the model file: the same network, batch, loss and optimizer written in
+oomdoctor's model-file protocol is traced by the model-file loop, which these scripts never use.
+A script's run must give that trace's peak (tests/scripts/loop.py wraps the sample models in a
+plain loop; hf_trainer_clm.py is a Hugging Face Trainer script checked against the HF config
+source). The rest checks what only a script has: its own data pipeline, its arguments, its
+failures.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from oomdoctor.models.loader import load_model
+from oomdoctor.models.script import is_command, parse_command
+from oomdoctor.models.spec import ModelFileError
+from oomdoctor.plans.estimate import Budget, estimate, estimate_script, script_trace
+from oomdoctor.sim.gpus import get_profile
+from oomdoctor.sim.recorder import Category
+from oomdoctor.sim.script import ScriptError, ScriptLimits, trace_script
+from oomdoctor.sim.fakecuda import FakeGpu
+from oomdoctor.sim.trace import TraceConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+BUDGET = Budget(get_profile("a100-80"))
+MiB = 2**20
+
+
+def _script(name, *args):
+    return parse_command(["python", os.path.join(SCRIPTS, name), *map(str, args)])
+
+
+def _close(script_value, file_value, share=0.005, slack=0):
+    return abs(script_value - file_value) <= share * file_value + slack
+
+
+@pytest.mark.parametrize("model,batch,amp,accum", [
+    ("tiny_mlp", 64, "none", 1), ("tiny_mlp", 64, "fp16", 1), ("tiny_mlp", 64, "bf16", 2),
+    ("gpt2_small", 2, "bf16", 2), ("resnet_cnn", 8, "none", 1), ("bert_base", 2, "fp16", 1),
+    ("lora_gpt", 2, "bf16", 1),
+])
+def test_a_plain_loop_gives_the_model_files_peak(model, batch, amp, accum):
+    path = os.path.join(ROOT, "sample_models", f"{model}.py")
+    run = estimate_script(_script("loop.py", "--model", path, "--batch-size", batch,
+                                  "--amp", amp, "--accum", accum), TraceConfig(1), BUDGET)
+    precision = {"none": "fp32"}.get(amp, amp)
+    ref = estimate(load_model(path), TraceConfig(batch, precision, grad_accum=accum), BUDGET)
+    assert run.precision == precision
+    assert _close(run.peak_allocated_bytes, ref.peak_allocated_bytes), \
+        (run.peak_allocated_bytes, ref.peak_allocated_bytes)
+    assert _close(run.peak_reserved_bytes, ref.peak_reserved_bytes)
+    assert (run.parameter_bytes, run.optimizer_state_bytes) == (ref.parameter_bytes,
+                                                                ref.optimizer_state_bytes)
+    assert run.peak_phase == ref.peak_phase
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_config(tmp_path_factory):
+    """The HF Trainer script's model as a config folder, for the HF source (the Trainer turns
+    the KV cache off in training, TrainingArguments.use_cache; so does this config)."""
+    from transformers import GPT2Config
+    folder = tmp_path_factory.mktemp("gpt2-tiny")
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=128,
+                        use_cache=False, architectures=["GPT2LMHeadModel"])
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("batch,bf16,checkpointing", [(2, False, False), (4, True, True)])
+def test_an_hf_trainer_script_gives_the_hf_sources_peak(tiny_gpt2_config, batch, bf16,
+                                                        checkpointing):
+    pytest.importorskip("transformers")
+    args = ["--per_device_train_batch_size", batch, "--fixed_length", 64]
+    args += ["--bf16"] * bf16 + ["--gradient_checkpointing"] * checkpointing
+    run = estimate_script(_script("hf_trainer_clm.py", *args), TraceConfig(1), BUDGET)
+    ref = estimate(load_model(tiny_gpt2_config, seq_len=64),
+                   TraceConfig(batch, "bf16" if bf16 else "fp32", checkpointing), BUDGET)
+    assert run.batch_size == batch
+    assert _close(run.peak_allocated_bytes, ref.peak_allocated_bytes)
+    # reserved: within 0.5% or one 2 MiB block (small models' segments are that coarse)
+    assert _close(run.peak_reserved_bytes, ref.peak_reserved_bytes, slack=2 * MiB)
+
+
+def test_the_data_pipeline_runs_for_real():
+    """The padding collator's real batches reach the GPU: each batch's input copy is
+    (B, longest in that batch) int64, as the data makes them - the two traced steps' and the
+    third's, which the loop loads before the forward where the run stops."""
+    sys.path.insert(0, SCRIPTS)
+    try:
+        import pad_loop
+    finally:
+        sys.path.remove(SCRIPTS)
+    batch = 4
+    lengths = pad_loop.lengths(64)
+    expected = [batch * max(lengths[i:i + batch]) * 8 for i in (0, batch, 2 * batch)]
+    trace = script_trace(_script("pad_loop.py", "--bs", "{batch}"), TraceConfig(1), BUDGET,
+                         batch_size=batch)
+    inputs = [s.nbytes for s in sorted(trace.storages.values(), key=lambda s: s.t_alloc)
+              if s.category is Category.INPUTS and s.nbytes > batch * 8]
+    assert inputs == expected
+
+
+def test_batch_size_reaches_the_dataloader_and_the_placeholder():
+    by_loader = estimate_script(_script("mlp_loop.py"), TraceConfig(1), BUDGET, batch_size=96)
+    by_argument = estimate_script(_script("mlp_loop.py", "--batch-size", 96), TraceConfig(1),
+                                  BUDGET)
+    own = estimate_script(_script("mlp_loop.py"), TraceConfig(1), BUDGET)
+    assert by_loader.batch_size == by_argument.batch_size == 96 and own.batch_size == 32
+    assert by_loader.peak_allocated_bytes == by_argument.peak_allocated_bytes
+    assert own.peak_allocated_bytes < by_loader.peak_allocated_bytes
+
+
+def test_the_script_sees_the_chosen_card(tmp_path):
+    """torch.cuda answers as --gpu says; memory_allocated follows the simulation."""
+    out = tmp_path / "seen.json"
+    script = tmp_path / "ask.py"
+    script.write_text(
+        "import json, sys, torch\n"
+        "p = torch.cuda.get_device_properties(0)\n"
+        "m = torch.nn.Linear(1024, 1024).cuda()\n"
+        "seen = dict(available=torch.cuda.is_available(), count=torch.cuda.device_count(),\n"
+        "            name=p.name, total=p.total_memory, bf16=torch.cuda.is_bf16_supported(),\n"
+        "            allocated=torch.cuda.memory_allocated())\n"
+        "json.dump(seen, open(sys.argv[1], 'w'))\n"
+        "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    m(torch.randn(8, 1024).cuda()).sum().backward(); opt.step(); opt.zero_grad()\n")
+    gpu = get_profile("rtx3090")
+    trace_script(parse_command(["python", str(script), str(out)]), TraceConfig(1),
+                 FakeGpu(gpu.name, gpu.total_bytes, gpu.compute_capability, count=2))
+    seen = json.loads(out.read_text())
+    assert seen == {"available": True, "count": 2, "name": "rtx3090", "total": gpu.total_bytes,
+                    "bf16": True, "allocated": 1024 * 1024 * 4 + 1024 * 4}
+
+
+def _write(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(body)
+    return str(path)
+
+
+def test_a_script_without_a_step_and_one_that_fails_say_where(tmp_path):
+    never = _write(tmp_path, "infer.py", "import torch\nm = torch.nn.Linear(4, 4).cuda()\n"
+                   "while True:\n    m(torch.randn(2, 4).cuda())\n")
+    with pytest.raises(ScriptError, match=r"3 forward passes without an optimizer step "
+                                          r"\(the script was at infer.py:4\)"):
+        trace_script(parse_command(["python", never]), TraceConfig(1),
+                     FakeGpu("x", 2**30, (8, 0)), limits=ScriptLimits(forwards=3))
+    ends = _write(tmp_path, "ends.py", "import torch\nprint(torch.cuda.is_available())\n")
+    with pytest.raises(ScriptError, match="ended without an optimizer step"):
+        trace_script(parse_command(["python", ends]), TraceConfig(1), FakeGpu("x", 2**30, (8, 0)))
+    fails = _write(tmp_path, "fails.py", "import torch\n\n\ndef main():\n"
+                   "    raise RuntimeError('no data in /data/train')\n\n\nmain()\n")
+    with pytest.raises(ScriptError, match=r"fails.py:5 .*RuntimeError: no data in /data/train"):
+        trace_script(parse_command(["python", fails]), TraceConfig(1), FakeGpu("x", 2**30, (8, 0)))
+
+
+def test_command_lines():
+    loop = os.path.join(SCRIPTS, "loop.py")
+    assert not is_command(["sample_models/tiny_mlp.py"]) and is_command(["python", loop])
+    s = parse_command(["torchrun", "--nproc_per_node", "2", "--master-port=29501", loop, "--x"])
+    assert (s.path, s.args, s.processes, s.launcher) == (loop, ("--x",), 2, "torchrun")
+    s = parse_command(["accelerate", "launch", "--num_processes=4", loop])
+    assert (s.path, s.processes) == (loop, 4)
+    s = parse_command(["python3", "-u", loop, "--bs", "{batch}", "--len={seq}"])
+    assert s.placeholders == {"batch", "seq"}
+    assert s.argv(8, 512) == [loop, "--bs", "8", "--len=512"]
+    with pytest.raises(ModelFileError, match="pass --seq-len"):
+        s.argv(8, None)
+    with pytest.raises(ModelFileError, match="no such Python script"):
+        parse_command(["python", "missing.py"])
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "oomdoctor", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+
+
+def test_cli_json_stays_clean_and_errors_are_one_line(tmp_path):
+    """The script prints every step; --json on stdout still parses. A failing script exits 3
+    with one line; a model-file option exits 2."""
+    r = _cli("estimate", "--gpu", "rtx3090", "--json", "--", "python",
+             "tests/scripts/mlp_loop.py", "--batch-size", "16")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["batch_size"] == 16 and doc["model"] == "mlp_loop.py"
+    assert "loss" in r.stderr                       # the script's own print, kept off stdout
+    fails = _write(tmp_path, "fails.py", "import torch\nx = torch.ones(3).cuda()\n"
+                   "torch.nonzero(x)\n")
+    r = _cli("estimate", "--gpu", "rtx3090", "--", "python", fails)
+    assert r.returncode == 3
+    assert r.stderr.count("\n") == 1 and "fails.py:3" in r.stderr and "nonzero" in r.stderr
+    r = _cli("estimate", "--gpu", "rtx3090", "--precision", "bf16", "--", "python",
+             "tests/scripts/mlp_loop.py")
+    assert r.returncode == 2 and "its autocast" in r.stderr
+
+
+def test_a_random_mix_of_script_arguments_matches_the_model_file():
+    """One more draw of the equivalence, on arguments nobody picked by hand."""
+    rng = random.Random(20261126)
+    batch, amp, accum = rng.choice([3, 17, 40]), rng.choice(["none", "fp16", "bf16"]), \
+        rng.choice([1, 3])
+    path = os.path.join(ROOT, "sample_models", "tiny_mlp.py")
+    run = estimate_script(_script("loop.py", "--model", path, "--batch-size", batch, "--amp", amp,
+                                  "--accum", accum), TraceConfig(1), BUDGET)
+    ref = estimate(load_model(path), TraceConfig(batch, {"none": "fp32"}.get(amp, amp),
+                                                 grad_accum=accum), BUDGET)
+    assert _close(run.peak_allocated_bytes, ref.peak_allocated_bytes)
