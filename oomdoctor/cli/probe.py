@@ -9,7 +9,8 @@ import click
 from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                               EXIT_USAGE, cli)
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _check_plot_file,
-                                   _detect_gpus, _die, _load_model, _make_budget, _progress,
+                                   _detect_gpus, _die, _load_model, _make_budget,
+                                   _modelled_torch, _progress,
                                    _slow_trace_progress, _wants_longest_context,
                                    _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_run
@@ -63,7 +64,8 @@ def estimate(model_file, batch_size, precision, checkpointing, strategy, num_gpu
     try:
         spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
-                          optimizer, not no_cuda_emulation, zero_grad=zero_grad)
+                          optimizer, not no_cuda_emulation, zero_grad=zero_grad,
+                          torch=_modelled_torch())
         if snapshot_file or plot_file:
             from oomdoctor.plans import snapshot as snapshot_mod
             result, snapshot, series = snapshot_mod.estimate_views(
@@ -259,7 +261,8 @@ def _probe_matrix(model_file, precisions, checkpointing, max_batch_size, jobs, s
     try:
         spec = _load_model(model_file)
         base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer,
-                           not no_cuda_emulation, zero_grad=zero_grad)
+                           not no_cuda_emulation, zero_grad=zero_grad,
+                          torch=_modelled_torch())
         result = probe_mod.probe(spec, base, budget, configs, alloc,
                                  progress=lambda msg: click.echo(msg, err=True),
                                  max_batch=max_batch_size,
@@ -426,7 +429,8 @@ def _longest_context(model_file, precisions, checkpointing, batch_size, budget, 
             raise ValueError(f"{budget.gpu.name} has no bf16 support; {no_bf16_fix(bad[0])}")
         spec = _load_model(model_file, longest=True)
         base = TraceConfig(batch_size, "fp32", False, checkpoint_class, grad_accum, optimizer,
-                           not no_cuda_emulation, zero_grad=zero_grad)
+                           not no_cuda_emulation, zero_grad=zero_grad,
+                          torch=_modelled_torch())
         result = context.longest_context(spec, base, budget, configs, alloc,
                                          progress=lambda m: click.echo(m, err=True))
     except ModelFileError as e:

@@ -103,6 +103,23 @@ def blas_workspace_bytes(arch: str) -> int:
     return HIPBLAS_WORKSPACE_GFX94_95 if arch.startswith(("gfx94", "gfx95")) else HIPBLAS_WORKSPACE
 
 
+def release_workspace_bytes(arch: str, profile_bytes: int, torch_version) -> int:
+    """The BLAS workspace one thread takes from the caching allocator on ``arch`` under
+    ``torch_version`` (a :class:`oomdoctor.sim.versions.TorchVersion`, None: installed):
+    ``profile_bytes`` (today's, above) from 2.6; in 2.5 hipBLASLt's 1 MiB on the targets that
+    prefer it (allocated per GEMM then; taken as held) and nothing elsewhere; before 2.5 nothing,
+    rocBLAS kept its workspace outside the caching allocator (facts in sim.versions)."""
+    from oomdoctor.sim import versions
+    if not versions.has(torch_version, versions.HIPBLASLT_DEFAULT):
+        return 0
+    lt = prefers_hipblaslt(arch)
+    if not versions.has(torch_version, versions.HIPBLASLT_WORKSPACE_76MIB) and lt:
+        return 1 * MiB
+    if not versions.has(torch_version, versions.HIPBLAS_WORKSPACE_IN_ALLOCATOR) and not lt:
+        return 0
+    return profile_bytes
+
+
 def sdpa_kernel(arch: str, dtype: str, has_mask: bool, mask_dtype: str | None,
                 head_dim: int, same_heads: bool) -> str:
     """The backend ROCm's ``select_sdp_backend`` picks: 'flash', 'efficient' or 'math'.
