@@ -33,9 +33,9 @@ they live here (no torch import: the CLI reads this before it decides to load to
   compute capability: gfx90a as 9.0 (the number Hopper has on CUDA), gfx942 as 9.4; here the
   target name decides, never that number.
 
-Known limitations: older releases differ and are not modelled (before the workspaces were set
-through PyTorch, rocBLAS allocated its own outside the caching allocator, and before AOTriton,
-ROCm had no fused attention); a hipBLASLt GEMM without a solution falls back to hipBLAS and
+Known limitations: older releases' workspaces are modelled only through ``--torch``
+(:func:`release_workspace_bytes`: before 2.5 rocBLAS allocated its own outside the caching
+allocator); before AOTriton ROCm had no fused attention, which is not modelled; a hipBLASLt GEMM without a solution falls back to hipBLAS and
 then holds both workspaces; MIOpen's convolution workspaces, like cuDNN's, are invisible.
 """
 from __future__ import annotations
