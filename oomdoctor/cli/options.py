@@ -54,6 +54,11 @@ def _source_options(f):
     --lora/--quantize (how the model is fine-tuned). They are kept in the context (not passed
     to every command function) and read by _load_model."""
     for opt in reversed([
+        click.option("--torch", "torch_release", metavar="VERSION", expose_value=False,
+                     callback=_remember_torch, is_eager=True,
+                     help="The torch release the training runs, e.g. 2.1 or 2.4.1+rocm6.0: "
+                          "its CUDA facts (foreach default, zero_grad, fused attention, BLAS "
+                          "workspaces; docs/simulator.md) instead of the installed torch's."),
         click.option("--task", type=click.Choice(TASKS),
                      expose_value=False, callback=_remember, is_eager=True,
                      help="For a Hugging Face id or config: the head to train (default: from "
@@ -176,12 +181,13 @@ def _budget_options(f):
         click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
                      help="Override the model file's optimizer (default: its make_optimizer, "
                           "else AdamW)."),
-        click.option("--zero-grad", type=click.Choice(ZERO_GRAD_MODES), default="after-step",
-                     show_default=True,
+        click.option("--zero-grad", type=click.Choice(ZERO_GRAD_MODES), default=None,
+                     callback=_zero_grad_default,
                      help="When the loop drops gradients: after-step (zero_grad(set_to_none="
-                          "True) after step), after-forward (zero_grad between forward and "
-                          "backward: gradients live through the forward), in-place "
-                          "(set_to_none=False: gradients never freed)."),
+                          "True) after step; the default), after-forward (zero_grad between "
+                          "forward and backward: gradients live through the forward), in-place "
+                          "(set_to_none=False: gradients never freed; the default with --torch "
+                          "before 2.0)."),
         click.option("--no-cuda-emulation", is_flag=True,
                      help="Trace as the CPU runs (CPU kernels, for-loop optimizer): for checks "
                           "against a real CPU run."),
@@ -221,6 +227,41 @@ def _card_options(f):
     for opt in reversed(opts):
         f = opt(f)
     return _source_options(f)
+
+
+_TORCH = "oomdoctor.torch"           # ctx.meta key: --torch, a sim.versions.TorchVersion
+
+
+def _remember_torch(ctx: click.Context, param: click.Parameter, value):
+    from oomdoctor.sim.versions import parse_version
+    if value is not None:
+        try:
+            ctx.meta[_TORCH] = parse_version(value)
+        except ValueError as e:
+            _die(e, False, EXIT_USAGE)
+    return value
+
+
+def _modelled_torch():
+    """--torch as a TorchVersion, or None (the installed torch)."""
+    ctx = click.get_current_context(silent=True)
+    return ctx.meta.get(_TORCH) if ctx is not None else None
+
+
+def _torch_config() -> dict:
+    """TraceConfig's torch and zero_grad for a command without --zero-grad: the modelled
+    release and the loop its `optimizer.zero_grad()` makes."""
+    from oomdoctor.sim.versions import default_zero_grad
+    version = _modelled_torch()
+    return {"torch": version, "zero_grad": default_zero_grad(version)}
+
+
+def _zero_grad_default(ctx: click.Context, param: click.Parameter, value):
+    """--zero-grad, or the loop `optimizer.zero_grad()` makes in the modelled release."""
+    if value is not None:
+        return value
+    from oomdoctor.sim.versions import default_zero_grad
+    return default_zero_grad(ctx.meta.get(_TORCH))
 
 
 _ARCH = "oomdoctor.arch"             # ctx.meta key: --arch, read by _make_budget

@@ -10,7 +10,7 @@ from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                                  cli)
 from oomdoctor.cli.options import (_alloc_config, _card_options, _check_plot_file, _detect_gpus,
                                    _die, _load_model, _make_budget, _num_gpus, _progress,
-                                   _write_bar_plot)
+                                   _torch_config, _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
 from oomdoctor.configs import (MODEL_PROTOCOL, NODE_STRATEGY_CHOICES, PRECISIONS,
                                STRATEGY_CHOICES)
@@ -58,7 +58,7 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
     try:
         spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
-                          optimizer)
+                          optimizer, **_torch_config())
         report = par.estimate_strategies(spec, cfg, budget, n, strategies or par.STRATEGIES,
                                          alloc, bucket_view, progress=_progress)
     except ModelFileError as e:
@@ -102,7 +102,7 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
     try:
         spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
-                          optimizer)
+                          optimizer, **_torch_config())
         plan = par.plan_split(spec, cfg, budget, alloc, progress=_progress)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
@@ -189,7 +189,8 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
         hw = rec.hardware(budget.gpu, n, link or (detected[2] if detected else None),
                           detected is not None, nodes, inter_node, inter_node_gbps)
         spec = _load_model(model_file)
-        base = TraceConfig(1, "fp32", False, checkpoint_class, 1, optimizer)
+        base = TraceConfig(1, "fp32", False, checkpoint_class, 1, optimizer,
+                           **_torch_config())
         def plan(hw, budget, detail=not quick):
             return rec.recommend(spec, hw, target_batch, budget, list(precisions) or None,
                                  list(dict.fromkeys(parse_strategy(s) for s in strategies))

@@ -9,7 +9,8 @@ import click
 from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                               EXIT_USAGE, cli)
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _check_plot_file,
-                                   _detect_gpus, _die, _load_model, _make_budget, _progress,
+                                   _detect_gpus, _die, _load_model, _make_budget,
+                                   _modelled_torch, _progress,
                                    _slow_trace_progress, _wants_longest_context,
                                    _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_run
@@ -76,7 +77,8 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
 
     def _cfg():
         return TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
-                           optimizer, not no_cuda_emulation, zero_grad=zero_grad, steps=steps)
+                           optimizer, not no_cuda_emulation, zero_grad=zero_grad, steps=steps,
+                           torch=_modelled_torch())
     if (snapshot_file or plot_file) and strategy != "single":
         raise click.UsageError("--snapshot and --plot show one GPU's step: use them without "
                                "--strategy")
@@ -86,7 +88,8 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
     try:
         if script is not None:
             result, snapshot, series = script_cli.run_script(lambda: _estimate_script(
-                script, TraceConfig(batch_size or 1, steps=steps), budget, alloc, batch_size,
+                script, TraceConfig(batch_size or 1, steps=steps, torch=_modelled_torch()),
+                budget, alloc, batch_size,
                 bool(snapshot_file), bool(plot_file)))
         elif snapshot_file or plot_file:
             from oomdoctor.plans import snapshot as snapshot_mod
@@ -295,7 +298,8 @@ def _probe_matrix(model_file, precisions, checkpointing, max_batch_size, jobs, s
     try:
         spec = _load_model(model_file)
         base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer,
-                           not no_cuda_emulation, zero_grad=zero_grad)
+                           not no_cuda_emulation, zero_grad=zero_grad,
+                          torch=_modelled_torch())
         result = probe_mod.probe(spec, base, budget, configs, alloc,
                                  progress=lambda msg: click.echo(msg, err=True),
                                  max_batch=max_batch_size,
@@ -462,7 +466,8 @@ def _longest_context(model_file, precisions, checkpointing, batch_size, budget, 
             raise ValueError(f"{budget.gpu.name} has no bf16 support; {no_bf16_fix(bad[0])}")
         spec = _load_model(model_file, longest=True)
         base = TraceConfig(batch_size, "fp32", False, checkpoint_class, grad_accum, optimizer,
-                           not no_cuda_emulation, zero_grad=zero_grad)
+                           not no_cuda_emulation, zero_grad=zero_grad,
+                          torch=_modelled_torch())
         result = context.longest_context(spec, base, budget, configs, alloc,
                                          progress=lambda m: click.echo(m, err=True))
     except ModelFileError as e:

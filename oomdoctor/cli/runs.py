@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from oomdoctor.cli.group import EXIT_PROBLEM
-from oomdoctor.cli.options import _die, _progress
+from oomdoctor.cli.options import _die, _progress, _torch_config
 
 
 def _smoke_best(spec, best, budget, alloc, checkpoint_class, optimizer, debug):
@@ -41,7 +41,7 @@ def _smoke_prediction(spec, cfg, budget, alloc):
     from oomdoctor.sim.trace import TraceConfig
     have_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= cfg.num_gpus
     tcfg = TraceConfig(cfg.micro_batch, cfg.precision, cfg.checkpointing, cfg.checkpoint_class,
-                       cfg.grad_accum, cfg.optimizer)
+                       cfg.grad_accum, cfg.optimizer, **_torch_config())
     if cfg.strategy == "pipeline2" and cfg.device_map is None:
         plan = par.plan_split(spec, tcfg, budget, alloc, progress=_progress)
         cfg = dataclasses.replace(cfg, device_map=plan.partition.device_map,

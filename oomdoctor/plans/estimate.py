@@ -14,13 +14,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from oomdoctor.configs import needs_bf16, no_bf16_fix
-from oomdoctor.sim import rocm
+from oomdoctor.sim import rocm, versions
 from oomdoctor.sim.allocator import AllocatorConfig, ReplayResult, replay
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.sim.libraries import versions_text
 from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.sim.trace import Category, Trace, TraceConfig, trace_training
+from oomdoctor.sim.versions import TorchVersion
 from oomdoctor.sim.workspaces import workspace_marks
 
 # The JSON contract's breakdown keys, in display order.
@@ -87,6 +88,9 @@ class Estimate:
     # (name, version) of torch/transformers/peft/bitsandbytes as traced: the installed code
     # decides the answer (oomdoctor.sim.libraries); JSON: {"torch": "2.13.0", ...}
     traced_with: tuple[tuple[str, str], ...] = ()
+    # --torch when it names another release than the installed one (sim.versions), else ""
+    # (JSON: the key only then)
+    modelled_torch: str = ""
 
     @property
     def device_peak_bytes(self) -> int:
@@ -98,6 +102,8 @@ class Estimate:
         d["top_activations"] = [{"module": m, "bytes": b} for m, b in self.top_activations]
         d["notes"] = list(self.notes)
         d["traced_with"] = dict(self.traced_with)
+        if not self.modelled_torch:
+            del d["modelled_torch"]
         return d
 
 
@@ -129,7 +135,9 @@ def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None)
     for mark in workspace_marks(trace):
         insert_at[mark.start] = next_handle
         next_handle += 1
-    ws = gpu.cublas_workspace_bytes
+    ws = workspace_bytes(gpu, trace.config.torch)
+    if not ws:                  # a release whose BLAS kept its workspace outside the allocator
+        insert_at = {}
     events: list[tuple[bool, int, int]] = []
     index: list[int] = []
     for i, (is_alloc, handle, nbytes) in enumerate(trace.events):
@@ -140,6 +148,13 @@ def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None)
         events.append((is_alloc, handle, nbytes if sizes is None else sizes[i]))
         index.append(i)
     return DeviceEvents(events, index, frozenset(insert_at.values()))
+
+
+def workspace_bytes(gpu: GpuProfile, torch_version: TorchVersion | None) -> int:
+    """One thread's BLAS workspace from the caching allocator under that torch release."""
+    if gpu.is_rocm:
+        return rocm.release_workspace_bytes(gpu.arch, gpu.cublas_workspace_bytes, torch_version)
+    return gpu.cublas_workspace_bytes
 
 
 def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = AllocatorConfig(),
@@ -180,9 +195,12 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
     if gpu.is_rocm and dev.workspace_handles:
         lib = "hipBLASLt" if rocm.prefers_hipblaslt(gpu.arch) else "hipBLAS"
         notes.append(f"ROCm ({gpu.arch}): {len(dev.workspace_handles)} x "
-                     f"{gpu.cublas_workspace_bytes // 2**20} MiB {lib} workspace from the caching "
+                     f"{workspace_bytes(gpu, cfg.torch) // 2**20} MiB {lib} workspace from the caching "
                      "allocator, one per thread that runs a matmul (PyTorch's default BLAS "
                      "library on this target)")
+    modelled = versions.modelled_note(cfg.torch, gpu.is_rocm)
+    if modelled:
+        notes.append(modelled)
     if not fits and limited.oom is not None:
         notes.append(f"out of memory in the {trace.phase_at(dev.trace_index[limited.oom_index]).phase.value}"
                      f" of step {trace.phase_at(dev.trace_index[limited.oom_index]).iteration + 1}")
@@ -200,7 +218,8 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
         gradient_bytes=trace.gradient_bytes, optimizer_state_bytes=trace.optimizer_state_bytes,
         allocator=allocator_conf_string(alloc), num_alloc_retries=result.num_alloc_retries,
         top_activations=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])[:5]),
-        notes=tuple(notes), other_bytes=budget.other_bytes, traced_with=trace.libraries)
+        notes=tuple(notes), other_bytes=budget.other_bytes, traced_with=trace.libraries,
+        modelled_torch=str(cfg.torch) if modelled else "")
 
 
 def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,

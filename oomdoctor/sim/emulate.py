@@ -364,10 +364,11 @@ class CudaKernels(_OurMode):
     """Pick CUDA's kernels where their memory differs from the CPU's: fused SDPA, fused dropout."""
 
     def __init__(self, compute_capability: tuple[int, int], notes: list[str] | None = None,
-                 arch: str = ""):
+                 arch: str = "", fused_sdpa: bool = True):
         super().__init__()
         self.cc = compute_capability
         self.arch = arch            # an AMD target: ROCm's kernels (oomdoctor.sim.rocm)
+        self.fused_sdpa = fused_sdpa  # False: a torch before 2.0 (oomdoctor.sim.versions)
         self.notes = notes if notes is not None else []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -398,7 +399,8 @@ class CudaKernels(_OurMode):
         bound = dict(zip(names, args), **kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
-        kernel = sdpa_kernel(q, mask, bound.get("dropout_p", 0.0), self.cc, self.arch, k)
+        kernel = (sdpa_kernel(q, mask, bound.get("dropout_p", 0.0), self.cc, self.arch, k)
+                  if self.fused_sdpa else "math")
         dtype = str(q.dtype).removeprefix("torch.")
         if self.arch:
             self.notes.append(f"scaled_dot_product_attention: ROCm would use the {kernel} kernel "

@@ -33,9 +33,9 @@ they live here (no torch import: the CLI reads this before it decides to load to
   compute capability: gfx90a as 9.0 (the number Hopper has on CUDA), gfx942 as 9.4; here the
   target name decides, never that number.
 
-Known limitations: older releases differ and are not modelled (before the workspaces were set
-through PyTorch, rocBLAS allocated its own outside the caching allocator, and before AOTriton,
-ROCm had no fused attention); a hipBLASLt GEMM without a solution falls back to hipBLAS and
+Known limitations: older releases' workspaces are modelled only through ``--torch``
+(:func:`release_workspace_bytes`: before 2.5 rocBLAS allocated its own outside the caching
+allocator); before AOTriton ROCm had no fused attention, which is not modelled; a hipBLASLt GEMM without a solution falls back to hipBLAS and
 then holds both workspaces; MIOpen's convolution workspaces, like cuDNN's, are invisible.
 """
 from __future__ import annotations
@@ -101,6 +101,23 @@ def blas_workspace_bytes(arch: str) -> int:
     if prefers_hipblaslt(arch):
         return HIPBLASLT_WORKSPACE
     return HIPBLAS_WORKSPACE_GFX94_95 if arch.startswith(("gfx94", "gfx95")) else HIPBLAS_WORKSPACE
+
+
+def release_workspace_bytes(arch: str, profile_bytes: int, torch_version) -> int:
+    """The BLAS workspace one thread takes from the caching allocator on ``arch`` under
+    ``torch_version`` (a :class:`oomdoctor.sim.versions.TorchVersion`, None: installed):
+    ``profile_bytes`` (today's, above) from 2.6; in 2.5 hipBLASLt's 1 MiB on the targets that
+    prefer it (allocated per GEMM then; taken as held) and nothing elsewhere; before 2.5 nothing,
+    rocBLAS kept its workspace outside the caching allocator (facts in sim.versions)."""
+    from oomdoctor.sim import versions
+    if not versions.has(torch_version, versions.HIPBLASLT_DEFAULT):
+        return 0
+    lt = prefers_hipblaslt(arch)
+    if not versions.has(torch_version, versions.HIPBLASLT_WORKSPACE_76MIB) and lt:
+        return 1 * MiB
+    if not versions.has(torch_version, versions.HIPBLAS_WORKSPACE_IN_ALLOCATOR) and not lt:
+        return 0
+    return profile_bytes
 
 
 def sdpa_kernel(arch: str, dtype: str, has_mask: bool, mask_dtype: str | None,

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_leaves
 from oomdoctor.models import adapters
 from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError, first_line
-from oomdoctor.sim import eager, emulate, fakecuda, values
+from oomdoctor.sim import eager, emulate, fakecuda, values, versions
 from oomdoctor.sim.labels import allocator_events, label_activations, label_state
 from oomdoctor.sim.libraries import traced_versions
 from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
@@ -125,6 +125,7 @@ class _Phases:
     def __init__(self, rec: ScriptRecorder, run: ScriptRun, steps: int, limits: ScriptLimits,
                  progress: Callable[[str], None] | None) -> None:
         self.rec, self.run, self.steps, self.limits = rec, run, steps, limits
+        self.torch = None        # whose CUDA facts (sim.versions): set by trace_script
         self.progress = progress
         self.marks: list[PhaseMark] = []
         self.micro = self.depth = self.forwards = 0
@@ -197,7 +198,8 @@ class _Phases:
     def step_pre(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if not any(o is optimizer for o in self.run.optimizers):
             self.run.optimizers.append(optimizer)
-            emulate.cuda_optimizer_defaults(optimizer)   # foreach, as on CUDA
+            if versions.has(self.torch, versions.FOREACH_DEFAULT):
+                emulate.cuda_optimizer_defaults(optimizer)   # foreach, as on CUDA
         self.mark(Phase.OPTIMIZER)
 
     def step_post(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
@@ -345,10 +347,12 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
     gpu.usage = rec.usage
     run = ScriptRun()
     phases = _Phases(rec, run, cfg.steps, limits, progress)
+    phases.torch = cfg.torch
     notes: list[str] = []
     with eager.fake_trace([], rec.fused), emulate.fused_optimizers_on_meta(), \
             fakecuda.fake_cuda(device), _loaders(batch_size, run), \
-            emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch), \
+            emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
+                                versions.has(cfg.torch, versions.FUSED_SDPA)), \
             values.active(device.shadows), rec, \
             every_step(lambda opt: label_state(rec, True, opt)) as stepped, _hooks(phases):
         run.ended = _run_file(script, argv)

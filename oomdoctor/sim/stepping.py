@@ -16,6 +16,7 @@ import contextlib
 from typing import Callable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
@@ -179,3 +180,37 @@ def foreach_measured(notes: list[str], foreach: list[str], steps: list[tuple[int
             else f"its step() temporaries traced: at most {most / 2**20:,.1f} MiB at once, "
                  f"{most / max(parameter_bytes, 1):.2f}x the parameters' bytes")
     return [f"{n} ({said})" if n in foreach else n for n in notes]
+
+
+class _OutOfPlaceEps(TorchFunctionMode):
+    """The foreach Adam/AdamW step of torch 2.0: ``denom = torch._foreach_add(exp_avg_sq_sqrt,
+    eps)`` made a second parameter-sized set of intermediates, alive with the first until
+    ``step()`` returned (torch/optim/adam.py at v2.0.0, ``_multi_tensor_adam``). Since 2.1 eps
+    is added in place (github.com/pytorch/pytorch/pull/104898): the installed torch runs that,
+    and each in-place ``_foreach_add_(tensors, scalar)`` here also makes the old copy, held
+    until the step ends. Step counters (0-dim) are left alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch._foreach_add_ and len(args) == 2 and not kwargs
+                and isinstance(args[1], (int, float)) and all(t.dim() > 0 for t in args[0])):
+            self.held.append(torch._foreach_add(args[0], args[1]))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def foreach_adam_before_2_1(optimizer: torch.optim.Optimizer, enabled: bool):
+    """Around ``optimizer.step()``: torch 2.0's second foreach Adam/AdamW intermediate
+    (:class:`_OutOfPlaceEps`) when ``enabled`` and the optimizer runs foreach."""
+    foreach = any(g.get("foreach") for g in optimizer.param_groups)
+    if not (enabled and foreach and type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)):
+        yield
+        return
+    mode = _OutOfPlaceEps()
+    with mode:
+        yield
+    mode.held.clear()

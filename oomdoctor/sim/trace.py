@@ -33,16 +33,18 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomdoctor.models import adapters
-from oomdoctor.sim import emulate, rnn, values
+from oomdoctor.sim import emulate, rnn, values, versions
 # Category, Phase and PhaseMark are the plans' too: they import them from here.
 from oomdoctor.sim.recorder import (Category, Phase, PhaseMark, Recorder, Storage, in_phase,
                                     module_hooks)
-from oomdoctor.sim.stepping import (compile_notes, every_step, foreach_measured, host_state,
-                                state_bytes, step_notes, unique_storages)
+from oomdoctor.sim.stepping import (compile_notes, every_step, foreach_adam_before_2_1,
+                                    foreach_measured, host_state, state_bytes, step_notes,
+                                    unique_storages)
 from oomdoctor.sim.eager import fake_trace
 from oomdoctor.sim.labels import (allocator_events, label_activations, label_gradients,
                                   label_state)
 from oomdoctor.sim.libraries import traced_versions
+from oomdoctor.sim.versions import TorchVersion
 from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec
 from oomdoctor.models.training import (build_for_training, compute_loss, make_configured_batch,
                                        make_configured_optimizer)
@@ -64,6 +66,7 @@ class TraceConfig:
     gpu_arch: str = ""                 # an AMD target (gfx90a): ROCm's kernels instead of CUDA's
     steps: int = 2                     # optimizer steps traced (>= 2: the second has state)
     zero_grad: str = "after-step"      # when gradients go: see ZERO_GRAD_MODES
+    torch: TorchVersion | None = None  # whose CUDA facts (sim.versions); None: the installed
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -132,13 +135,16 @@ class Trace:
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer,
-                    scaler: emulate.GradScalerEmulation | None) -> bool:
+                    scaler: emulate.GradScalerEmulation | None, cfg: TraceConfig) -> bool:
     """The loop's step() (stepping.every_step gives it host counters and labels its state);
     whether it found any gradient to apply."""
     if scaler is not None:
         scaler.unscale_(optimizer)
     found = any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
-    with emulate.paged_optimizers_on_meta(optimizer):
+    old_adam = cfg.emulate_cuda and not versions.has(cfg.torch,
+                                                     versions.FOREACH_ADAM_ONE_INTERMEDIATE)
+    with emulate.paged_optimizers_on_meta(optimizer), foreach_adam_before_2_1(optimizer,
+                                                                                old_adam):
         optimizer.step()
     return found
 
@@ -287,7 +293,8 @@ def _build(spec: ModelSpec, cfg: TraceConfig, fake: bool, notes: list[str]
     # Optimizers that create state in __init__ (Adagrad) make host-side counters there too.
     with torch.device("cpu"):
         optimizer = make_configured_optimizer(spec, model, cfg.optimizer)
-    defaults = emulate.cuda_optimizer_defaults(optimizer) if cfg.emulate_cuda else []
+    foreach = cfg.emulate_cuda and versions.has(cfg.torch, versions.FOREACH_DEFAULT)
+    defaults = emulate.cuda_optimizer_defaults(optimizer) if foreach else []
     notes += defaults
     return model, checkpointed, optimizer, defaults
 
@@ -347,7 +354,8 @@ def _run_steps(loop: _Loop, notes: list[str]) -> list[torch.optim.Optimizer]:
     if loop.spec.keep_outputs and loop.spec.loss_fn is None:
         # the model's own output is the loop's `outputs` (a loss_fn's locals die with it)
         hooks.append(loop.model.register_forward_hook(lambda _m, _a, o: loop.outputs.append(o)))
-    loop.kernels = (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch)
+    loop.kernels = (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
+                                        versions.has(cfg.torch, versions.FUSED_SDPA))
                     if cfg.emulate_cuda else None)
     try:
         with rec, values.active(rec.shadows), \
@@ -373,7 +381,7 @@ def _step(loop: _Loop, it: int) -> None:
         if loop.optimizer_from is not None:
             _splice_optimizer(rec, loop.optimizer_from, marks, loop.virtual)
         else:
-            loop.stepped |= _optimizer_step(loop.optimizer, loop.scaler)
+            loop.stepped |= _optimizer_step(loop.optimizer, loop.scaler, cfg)
     with in_phase(rec, marks, Phase.ZERO_GRAD, it, 0):
         if cfg.zero_grad == "after-step":
             loop.optimizer.zero_grad(set_to_none=True)
