@@ -213,3 +213,33 @@ def test_a_random_mix_of_script_arguments_matches_the_model_file():
     ref = estimate(load_model(path), TraceConfig(batch, {"none": "fp32"}.get(amp, amp),
                                                  grad_accum=accum), BUDGET)
     assert _close(run.peak_allocated_bytes, ref.peak_allocated_bytes)
+
+
+def test_probe_agrees_with_the_model_file_at_its_edges():
+    """`probe -- python loop.py --batch-size {batch}` searches by real runs; at the edge it
+    finds (the largest that fits, one more that does not), and at the model file's probe's
+    edge, the script's runs and the model file's traces give the same verdicts. (Reserved
+    memory is not monotonic in the batch size - allocator rounding - so two searches may stop
+    at different edges: here the model file's probe stops at 13312 and the doubling search
+    jumps to 14336, both fitting, 13313 not.)"""
+    from oomdoctor.plans import probe as probe_mod
+    from oomdoctor.plans.script_probe import probe_script
+    from oomdoctor.sim.gpus import custom_profile
+    path = os.path.join(ROOT, "sample_models", "tiny_mlp.py")
+    budget = Budget(custom_profile(160 * MiB), context_bytes=0)
+    script = _script("loop.py", "--model", path, "--batch-size", "{batch}")
+    found = probe_script(script, TraceConfig(1), budget)
+    ref = probe_mod.probe_config(load_model(path), TraceConfig(1), budget).max_batch_size
+    assert found.trials[found.max_batch_size].fits
+    assert not found.trials[found.max_batch_size + 1].fits
+    for batch in (found.max_batch_size, found.max_batch_size + 1, ref, ref + 1):
+        by_file = estimate(load_model(path), TraceConfig(batch), budget)
+        by_script = estimate_script(script, TraceConfig(1), budget, batch_size=batch)
+        assert (by_script.fits, by_script.peak_reserved_bytes) == (by_file.fits,
+                                                                  by_file.peak_reserved_bytes)
+
+
+def test_probe_says_when_the_data_bounds_the_batch():
+    from oomdoctor.plans.script_probe import probe_script
+    found = probe_script(_script("pad_loop.py", "--bs", "{batch}"), TraceConfig(1), BUDGET)
+    assert found.data_bound == found.max_batch_size == 64     # the dataset's 64 samples

@@ -170,7 +170,7 @@ def _write_snapshots(files, debug):
 
 
 @cli.command(epilog=MODEL_PROTOCOL)
-@click.argument("model_file", type=click.Path())
+@click.argument("model_words", nargs=-1, required=True, metavar="MODEL | -- COMMAND...")
 @click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
               help="Probe only these precisions (repeatable; default: fp32, fp16, and bf16 "
                    "AMP and pure bf16 where the card supports bf16; fp16-pure only if named).")
@@ -210,7 +210,7 @@ def _write_snapshots(files, debug):
                    "against the budget, labelled with that batch: FILE.png, .svg or .html "
                    "(needs matplotlib: the plot extra).")
 @_budget_options
-def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, jobs, strategy,
+def probe(model_words, precisions, checkpointing, max_batch_size, context_batch, jobs, strategy,
           num_gpus,
           target_batch, run_smoke, device, snapshot_file, plot_file, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
@@ -223,11 +223,26 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
     oomdoctor probe sample_models/llama7b.py --gpu a100-80 --precision bf16-pure --json
     oomdoctor probe Qwen/Qwen2.5-0.5B --seq-len max -b 1 --gpu rtx3090
 
+    oomdoctor probe --gpu rtx3090 -- python train.py --bs {batch}
+
+    After `--`, MODEL is your training script's command line: each trial runs it at one batch
+    size (every DataLoader's batch_size, or its {batch} placeholder) on a fake GPU.
+
     Progress goes to stderr, the result to stdout.
-    Exit codes: 0 something fits, 1 nothing fits, 2 usage error, 3 model file error,
+    Exit codes: 0 something fits, 1 nothing fits, 2 usage error, 3 model file or script error,
     4 --device cuda[:i] and no such GPU here.
     """
     from oomdoctor.plans import probe as probe_mod
+    from oomdoctor.cli import script as script_cli
+    from oomdoctor.models.spec import ModelFileError
+    try:
+        script = script_cli.script_of(model_words)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    if script is not None:
+        _probe_script(script, max_batch_size, gpu_name, memory, overhead, other_mem, margin,
+                      alloc_conf, as_json, debug)
+    model_file = script_cli.one_source(model_words)
     if device:     # before minutes of simulation: is the device there at all?
         _check_device(device, debug)
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
@@ -270,6 +285,28 @@ def probe(model_file, precisions, checkpointing, max_batch_size, context_batch, 
         _die(failed[0], debug, failed[1])
     fits = any(r.max_batch_size for r in result.results)
     sys.exit(EXIT_OK if fits and (smoke is None or smoke.ok) else EXIT_PROBLEM)
+
+
+def _probe_script(script, max_batch_size, gpu_name, memory, overhead, other_mem, margin,
+                  alloc_conf, as_json, debug):
+    """`probe -- python train.py`: the largest batch the script fits, by running it."""
+    from oomdoctor.cli import script as script_cli
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.plans import script_probe
+    from oomdoctor.sim.trace import TraceConfig
+    ctx = click.get_current_context()
+    script_cli.refuse_loop_options(ctx)
+    budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
+    try:
+        result = script_cli.run_script(lambda: script_probe.probe_script(
+            script, TraceConfig(1, torch=_modelled_torch()), budget, _alloc_config(alloc_conf),
+            max_batch=max_batch_size, seq_len=script_cli.seq_len_option(ctx),
+            progress=_progress))
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json
+               else script_probe.render_text(result))
+    sys.exit(EXIT_OK if result.max_batch_size else EXIT_PROBLEM)
 
 
 def _check_device(device, debug):

@@ -363,7 +363,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
     if run.steps_done == 0:
         raise ScriptError(f"{script.name} ended without an optimizer step; oomdoctor measures "
                           "training steps: check the script trains with these arguments")
-    return _result(cfg, run, rec, device, phases.marks, state, notes + _run_notes(
+    return _result(script, batch_size, cfg, run, rec, device, phases.marks, state, notes + _run_notes(
         script, argv, cfg, run, device, batch_size))
 
 
@@ -385,7 +385,8 @@ def _run_notes(script: ScriptSpec, argv: list[str], cfg: TraceConfig, run: Scrip
     return notes
 
 
-def _result(cfg: TraceConfig, run: ScriptRun, rec: ScriptRecorder, device: fakecuda.Device,
+def _result(script: ScriptSpec, batch_size: int | None, cfg: TraceConfig, run: ScriptRun,
+            rec: ScriptRecorder, device: fakecuda.Device,
             marks: list[PhaseMark], state: int, notes: list[str]) -> Trace:
     """The finished trace, labelled as a model file's is."""
     params = _parameters(run)
@@ -407,6 +408,8 @@ def _result(cfg: TraceConfig, run: ScriptRun, rec: ScriptRecorder, device: fakec
         buffer_bytes=sum(t.untyped_storage().nbytes() for t in buf.values()),
         gradient_bytes=run.gradient_bytes, optimizer_state_bytes=state, checkpointed=(),
         notes=tuple(dict.fromkeys(notes)), raw_events=tuple(rec.raw),
+        batch_from=("placeholder" if "batch" in script.placeholders else
+                    "dataloader" if batch_size is not None and run.loader_batches else "script"),
         libraries=traced_versions(next(iter(run.roots.values()), None),
                                   run.optimizers[0] if run.optimizers else None))
 

@@ -103,6 +103,9 @@ class Trace:
     flops: int = 0
     raw_events: tuple[tuple[bool, int, int], ...] = ()  # events incl. host-side storages
     libraries: tuple[tuple[str, str], ...] = ()   # (name, version) traced (sim.libraries)
+    # A training script's run (sim.script): where its batch size came from - "dataloader"
+    # (oomdoctor set every DataLoader's), "placeholder" ({batch}), "script" (its own)
+    batch_from: str = ""
 
     def phase_at(self, index: int) -> PhaseMark:
         """The phase an event index falls in."""
