@@ -243,3 +243,21 @@ def test_probe_says_when_the_data_bounds_the_batch():
     from oomdoctor.plans.script_probe import probe_script
     found = probe_script(_script("pad_loop.py", "--bs", "{batch}"), TraceConfig(1), BUDGET)
     assert found.data_bound == found.max_batch_size == 64     # the dataset's 64 samples
+
+
+@pytest.mark.parametrize("name,args", [
+    ("mlp_loop.py", ["--samples", "32", "--batch-size", "16"]),
+    ("pad_loop.py", ["--bs", "8"]),                    # a padding collator
+    ("hf_trainer_clm.py", ["--per_device_train_batch_size", "4", "--n_layer", "2"]),
+])
+def test_the_fake_device_off_matches_a_real_cpu_run(name, args):
+    """With the CUDA emulation off, the script's trace is what its real run on the CPU
+    allocates (tests/reference.py: the same script run for real under torch.profiler, stopped
+    at the same point). The real run also counts the script's CPU-side data (its dataset, the
+    collator's scratch), which is not GPU memory: the scripts keep it small."""
+    from reference import real_cpu_script_peak
+    path = os.path.join(SCRIPTS, name)
+    real = real_cpu_script_peak(path, args)
+    trace = trace_script(parse_command(["python", path, *args]),
+                         TraceConfig(1, emulate_cuda=False), FakeGpu("x", 2**34, (8, 0)))
+    assert abs(trace.peak_live_bytes - real) <= 0.005 * real, (trace.peak_live_bytes, real)

@@ -126,6 +126,7 @@ class _Phases:
                  progress: Callable[[str], None] | None) -> None:
         self.rec, self.run, self.steps, self.limits = rec, run, steps, limits
         self.torch = None        # whose CUDA facts (sim.versions): set by trace_script
+        self.emulate_cuda = True
         self.progress = progress
         self.marks: list[PhaseMark] = []
         self.micro = self.depth = self.forwards = 0
@@ -198,7 +199,7 @@ class _Phases:
     def step_pre(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if not any(o is optimizer for o in self.run.optimizers):
             self.run.optimizers.append(optimizer)
-            if versions.has(self.torch, versions.FOREACH_DEFAULT):
+            if self.emulate_cuda and versions.has(self.torch, versions.FOREACH_DEFAULT):
                 emulate.cuda_optimizer_defaults(optimizer)   # foreach, as on CUDA
         self.mark(Phase.OPTIMIZER)
 
@@ -347,12 +348,13 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
     gpu.usage = rec.usage
     run = ScriptRun()
     phases = _Phases(rec, run, cfg.steps, limits, progress)
-    phases.torch = cfg.torch
+    phases.torch, phases.emulate_cuda = cfg.torch, cfg.emulate_cuda
     notes: list[str] = []
     with eager.fake_trace([], rec.fused), emulate.fused_optimizers_on_meta(), \
             fakecuda.fake_cuda(device), _loaders(batch_size, run), \
-            emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
-                                versions.has(cfg.torch, versions.FUSED_SDPA)), \
+            (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
+                                 versions.has(cfg.torch, versions.FUSED_SDPA))
+             if cfg.emulate_cuda else contextlib.nullcontext()), \
             values.active(device.shadows), rec, \
             every_step(lambda opt: label_state(rec, True, opt)) as stepped, _hooks(phases):
         run.ended = _run_file(script, argv)

@@ -29,10 +29,11 @@ def main():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--amp", choices=["none", "fp16", "bf16"], default="none")
+    parser.add_argument("--samples", type=int, default=1024)
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    data = TensorDataset(torch.randn(1024, 256), torch.randint(0, 10, (1024,)))
+    data = TensorDataset(torch.randn(args.samples, 256), torch.randint(0, 10, (args.samples,)))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
     model = MLP().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
