@@ -4,10 +4,13 @@
     e = oomdoctor.estimate("sample_models/gpt2_small.py", batch_size=8, precision="bf16")
     print(e.fits, e.peak_reserved_bytes)
     r = oomdoctor.probe(lambda: MyNet(), lambda b: torch.randn(b, 3, 224, 224), gpu="rtx3090")
+    e = oomdoctor.estimate(script="train.py", args=["--lr", "3e-4"], gpu="rtx3090")
 
 ``model`` is anything the command line accepts (a model file, a Hugging Face id or config
 folder), a :class:`oomdoctor.models.spec.ModelSpec`, or a zero-argument factory of an
-``nn.Module`` together with ``batch`` (a factory of one batch from its size). The results are
+``nn.Module`` together with ``batch`` (a factory of one batch from its size). Or, instead of a
+model, ``script=`` a training script and ``args=`` its arguments: it runs as it is on a fake GPU
+(``oomdoctor estimate -- python train.py ARGS``); its prints go where it prints them. The results are
 the objects the CLI renders (``Estimate``, ``ProbeResult``), with bytes as ints and ``to_json()``.
 Nothing is printed.
 """
@@ -67,7 +70,19 @@ def _budget(gpu: str | None, memory: int | None, margin: float, overhead: int | 
     return Budget(card, margin, overhead, other)
 
 
-def estimate(model: Any, batch_size: int, *, batch: Callable[[int], Any] | None = None,
+def _script(script: str, args: Any, model: Any):
+    """The ScriptSpec of ``script=`` / ``args=`` (and no model)."""
+    from oomdoctor.models.script import parse_command
+    if model is not None:
+        raise ValueError("give a model or script=, not both")
+    if isinstance(args, str):
+        raise TypeError("args= is a list of the script's arguments, e.g. ['--lr', '3e-4']")
+    return parse_command(["python", script, *map(str, args)])
+
+
+def estimate(model: Any = None, batch_size: int | None = None, *,
+             script: str | None = None, args: Any = (), steps: int = 2,
+             batch: Callable[[int], Any] | None = None,
              loss_fn: Callable | None = None, precision: str = "fp32",
              checkpointing: bool = False, checkpoint_class: str | None = None,
              grad_accum: int = 1, optimizer: str | None = None, gpu: str | None = None,
@@ -82,20 +97,31 @@ def estimate(model: Any, batch_size: int, *, batch: Callable[[int], Any] | None 
     ``memory`` a card's capacity in bytes; ``overhead`` and ``other`` are bytes too.
     ``lora=RANK`` (with ``lora_targets=`` names, ``quantize="nf4"``) trains LoRA/QLoRA;
     ``arch="sm89"`` gives a ``memory=`` card its architecture; ``image_size`` and
-    ``num_classes`` shape a ``"timm:NAME"`` / ``"torchvision:NAME"`` model's batch and head."""
+    ``num_classes`` shape a ``"timm:NAME"`` / ``"torchvision:NAME"`` model's batch and head.
+    ``script=`` (with ``args=``) runs a training script instead, for ``steps`` optimizer steps;
+    ``batch_size`` then sets its DataLoaders' (and ``{batch}``), ``seq_len`` its ``{seq}``,
+    and the options of a model file's loop (precision, checkpointing, ...) do not apply."""
     from oomdoctor.plans import estimate as estimate_mod
     from oomdoctor.sim.allocator import AllocatorConfig
     from oomdoctor.sim.trace import TraceConfig
+    alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
+    if script is not None:
+        return estimate_mod.estimate_script(
+            _script(script, args, model), TraceConfig(batch_size or 1, steps=steps),
+            _budget(gpu, memory, margin, overhead, other, arch), alloc, batch_size=batch_size,
+            seq_len=seq_len)
+    if model is None or batch_size is None:
+        raise ValueError("estimate() needs a model and batch_size=, or script=")
     spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize,
                  image_size, num_classes)
     cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
-                      optimizer, zero_grad=zero_grad)
-    alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
+                      optimizer, zero_grad=zero_grad, steps=steps)
     budget = _budget(gpu, memory, margin, overhead, other, arch)
     return estimate_mod.estimate(spec, cfg, budget, alloc)
 
 
-def probe(model: Any, batch: Callable[[int], Any] | None = None, *,
+def probe(model: Any = None, batch: Callable[[int], Any] | None = None, *,
+          script: str | None = None, args: Any = (),
           loss_fn: Callable | None = None, precisions: tuple[str, ...] | None = None,
           checkpointing: bool | None = None, checkpoint_class: str | None = None,
           grad_accum: int = 1, optimizer: str | None = None, gpu: str | None = None,
@@ -110,11 +136,21 @@ def probe(model: Any, batch: Callable[[int], Any] | None = None, *,
     :class:`oomdoctor.plans.probe.ProbeResult`; ``oomdoctor.plans.probe.recommended(result)``
     picks the configuration to train with. ``progress`` hears one line per step of the search;
     ``lora=RANK`` (``lora_targets=``, ``quantize=``), ``image_size`` and ``num_classes`` as
-    in :func:`estimate`."""
+    in :func:`estimate`. ``script=`` (with ``args=``): the largest batch a training script
+    fits, by running it (a :class:`oomdoctor.plans.script_probe.ScriptProbe`)."""
     from oomdoctor.plans import probe as probe_mod
     from oomdoctor.sim.allocator import AllocatorConfig
     from oomdoctor.configs import MAX_BATCH
     from oomdoctor.sim.trace import TraceConfig
+    if script is not None:
+        from oomdoctor.plans.script_probe import probe_script
+        alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
+        return probe_script(_script(script, args, model), TraceConfig(1),
+                            _budget(gpu, memory, margin, overhead, other, arch), alloc,
+                            max_batch=max_batch_size or MAX_BATCH, seq_len=seq_len,
+                            progress=progress)
+    if model is None:
+        raise ValueError("probe() needs a model, or script=")
     spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize,
                  image_size, num_classes)
     budget = _budget(gpu, memory, margin, overhead, other, arch)

@@ -261,3 +261,19 @@ def test_the_fake_device_off_matches_a_real_cpu_run(name, args):
     trace = trace_script(parse_command(["python", path, *args]),
                          TraceConfig(1, emulate_cuda=False), FakeGpu("x", 2**34, (8, 0)))
     assert abs(trace.peak_live_bytes - real) <= 0.005 * real, (trace.peak_live_bytes, real)
+
+
+def test_the_python_api_runs_a_script_as_the_cli_does():
+    import oomdoctor
+    path = os.path.join(SCRIPTS, "mlp_loop.py")
+    by_api = oomdoctor.estimate(script=path, args=["--amp", "bf16"], batch_size=24,
+                                gpu="rtx3090")
+    by_plan = estimate_script(_script("mlp_loop.py", "--amp", "bf16"), TraceConfig(1),
+                              Budget(get_profile("rtx3090")), batch_size=24)
+    assert by_api.to_json() == by_plan.to_json()
+    assert by_api.precision == "bf16" and by_api.batch_size == 24
+    probed = oomdoctor.probe(script=os.path.join(SCRIPTS, "pad_loop.py"),
+                             args=["--bs", "{batch}"], gpu="rtx3090")
+    assert probed.data_bound == 64
+    with pytest.raises(ValueError, match="not both"):
+        oomdoctor.estimate(path, 8, script=path)
