@@ -277,3 +277,27 @@ def test_the_python_api_runs_a_script_as_the_cli_does():
     assert probed.data_bound == 64
     with pytest.raises(ValueError, match="not both"):
         oomdoctor.estimate(path, 8, script=path)
+
+
+def test_check_gates_a_script(tmp_path):
+    """A `command = python train.py` case in check: recorded (as the script's own estimate),
+    then failing when the script's model grows; its prints stay off the JSON report."""
+    import shutil
+    shutil.copy(os.path.join(SCRIPTS, "mlp_loop.py"), tmp_path / "train.py")
+    cfg = tmp_path / "setup.cfg"
+    cfg.write_text("[oomdoctor]\ntolerance = 1%%\n\n[oomdoctor:train]\n"
+                   "command = python train.py --batch-size 512\ngpu = rtx3090\n")
+    r = _cli("check", "--config", str(cfg), "--update", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    recorded = json.loads((tmp_path / "oomdoctor-baseline.json").read_text())
+    assert recorded["cases"]["train"]["config"]["command"] == "python train.py --batch-size 512"
+    direct = estimate_script(parse_command(["python", str(tmp_path / "train.py"), "--batch-size",
+                                            "512"]), TraceConfig(1), Budget(get_profile("rtx3090")))
+    assert recorded["cases"]["train"]["peak_reserved_bytes"] == direct.peak_reserved_bytes
+    assert doc["passed"]
+    script = tmp_path / "train.py"              # the script's hidden width grows: a regression
+    script.write_text(script.read_text().replace("512", "1024"))
+    r = _cli("check", "--config", str(cfg), "--json")
+    assert r.returncode == 1
+    assert json.loads(r.stdout)["cases"][0]["status"] == "regression"

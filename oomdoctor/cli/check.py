@@ -49,8 +49,10 @@ def check(config_path, update, tolerance, fmt, junit_xml, jobs, as_json, debug):
         baseline = None if update else check_mod.read_baseline(baseline_path)
     except check_mod.ConfigError as e:
         raise click.UsageError(str(e)) from e
-    measured = check_mod.measure_all(cfg, jobs or probe_mod.default_jobs(),
-                                     progress=lambda m: click.echo(m, err=True))
+    from oomdoctor.cli.script import script_output
+    with script_output():       # a `command` case's script prints; the report is stdout's
+        measured = check_mod.measure_all(cfg, jobs or probe_mod.default_jobs(),
+                                         progress=lambda m: click.echo(m, err=True))
     if update:
         try:
             doc = check_mod.baseline_document(cfg, measured)

@@ -20,6 +20,10 @@ Cases live in the project's ``setup.cfg`` (or ``--config FILE``), one section pe
     margin = 0.05               ; ... with this safety margin
     tolerance = 0.01            ; optional per-case override
 
+    [oomdoctor:train-script]
+    command = python train.py --bs 8   ; a training script as it is (instead of model =):
+    gpu = rtx3090                      ; it runs on a fake GPU until its second step
+
 Everything is computed on fake tensors, so the numbers are identical run after run and process
 after process: no clocks, no randomness. A case that cannot be estimated fails the check with
 its reason (fail closed). A changed torch version is reported: numbers may legitimately move
@@ -80,6 +84,7 @@ class Case:
     quantize: str | None = None      # ... and 4-bit frozen weights (QLoRA)
     image_size: int | None = None    # timm:, torchvision:, HF image models: input side ...
     num_classes: int | None = None   # ... and head width
+    command: str | None = None       # a training script's command line, instead of a model
 
     def config(self) -> dict[str, Any]:
         """What defines the numbers: a change here makes the baseline stale. (task, seq_len and
@@ -87,7 +92,7 @@ class Case:
         d = asdict(self)
         del d["name"], d["tolerance"]
         for key in ("task", "seq_len", "lora", "lora_targets", "quantize", "image_size",
-                    "num_classes"):
+                    "num_classes", "command"):
             if d[key] is None:
                 del d[key]
         return d
@@ -195,13 +200,17 @@ def load_config(path: str | None = None) -> CheckConfig:
         where = f"{path} [{section}]"
         known = {"model", "batch_size", "precision", "checkpointing", "grad_accum", "optimizer",
                  "strategy", "gpu", "budget", "margin", "tolerance", "task", "seq_len",
-                 "lora", "lora_targets", "quantize", "image_size", "num_classes"}
+                 "lora", "lora_targets", "quantize", "image_size", "num_classes", "command"}
         unknown = set(s) - known
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: "
                               f"{', '.join(sorted(known))}")
+        if "command" in s:
+            cases.append(_command_case(name, s, where, tolerance))
+            continue
         if "model" not in s or "batch_size" not in s:
-            raise ConfigError(f"{where}: needs `model = path/to/model.py` and `batch_size = N`")
+            raise ConfigError(f"{where}: needs `model = path/to/model.py` and `batch_size = N` "
+                              "(or `command = python train.py ARGS`)")
         try:
             batch_size = int(s["batch_size"])
             grad_accum = int(s.get("grad_accum", "1"))
@@ -244,20 +253,62 @@ def load_config(path: str | None = None) -> CheckConfig:
     return CheckConfig(top.get("baseline", DEFAULT_BASELINE), tolerance, tuple(cases), root)
 
 
+def _command_case(name: str, s: Any, where: str, tolerance: float) -> Case:
+    """A case that runs a training script: ``command``, ``gpu``, ``budget``, ``margin``,
+    ``tolerance`` and an optional ``batch_size`` (every DataLoader's, or ``{batch}``); the
+    script decides the rest."""
+    loop_keys = set(s) & {"model", "precision", "checkpointing", "grad_accum", "optimizer",
+                          "strategy", "task", "lora", "lora_targets", "quantize", "image_size",
+                          "num_classes"}
+    if loop_keys:
+        raise ConfigError(f"{where}: {', '.join(sorted(loop_keys))} describe a model file's "
+                          "loop; a `command` case's script decides them itself")
+    try:
+        batch_size = int(s["batch_size"]) if "batch_size" in s else 0
+        seq_len = int(s["seq_len"]) if "seq_len" in s else None
+        get_profile(s.get("gpu", "rtx3090"))
+        budget = parse_size(s["budget"]) if "budget" in s else None
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from e
+    return Case(name, "", batch_size, gpu=s.get("gpu", "rtx3090"), budget_bytes=budget,
+                margin=_fraction(s.get("margin", "5%"), "margin"),
+                tolerance=_fraction(s["tolerance"], "tolerance") if "tolerance" in s
+                else tolerance, seq_len=seq_len, command=s["command"])
+
+
+def _script_estimate(case: Case, root: str, budget: Budget):
+    """A ``command`` case's estimate: the script (relative to the config's folder) run on a
+    fake GPU."""
+    import shlex
+
+    from oomdoctor.models.script import parse_command
+    from oomdoctor.plans.estimate import estimate_script
+    words = shlex.split(case.command)
+    for i, w in enumerate(words):               # the script's path, relative to the config
+        if w.endswith(".py") and os.path.exists(os.path.join(root, w)):
+            words[i] = os.path.join(root, w)
+            break
+    return estimate_script(parse_command(words), TraceConfig(case.batch_size or 1), budget,
+                           batch_size=case.batch_size or None, seq_len=case.seq_len)
+
+
 # -- measuring ------------------------------------------------------------------------------
 
 def measure_case(case: Case, root: str) -> Measured:
     """Estimate one case; any failure becomes the case's error (fail closed)."""
     try:
-        # a path relative to the config's folder, else a Hugging Face id as written
-        local = os.path.join(root, case.model)
-        spec = load_model(local if os.path.exists(local) else case.model, task=case.task,
-                          seq_len=case.seq_len, adapters=case.adapters(),
-                          image_size=case.image_size, num_classes=case.num_classes)
         gpu = get_profile(case.gpu)
-        cfg = TraceConfig(case.batch_size, case.precision, case.checkpointing, None,
-                          case.grad_accum, case.optimizer)
-        e = estimate(spec, cfg, Budget(gpu, case.margin))
+        if case.command:
+            e = _script_estimate(case, root, Budget(gpu, case.margin))
+        else:
+            # a path relative to the config's folder, else a Hugging Face id as written
+            local = os.path.join(root, case.model)
+            spec = load_model(local if os.path.exists(local) else case.model, task=case.task,
+                              seq_len=case.seq_len, adapters=case.adapters(),
+                              image_size=case.image_size, num_classes=case.num_classes)
+            cfg = TraceConfig(case.batch_size, case.precision, case.checkpointing, None,
+                              case.grad_accum, case.optimizer)
+            e = estimate(spec, cfg, Budget(gpu, case.margin))
         fits = None
         if case.budget_bytes is not None:
             card = custom_profile(case.budget_bytes, gpu.bf16, gpu.compute_capability)
@@ -340,7 +391,8 @@ def compare(cfg: CheckConfig, measured: list[Measured], baseline: dict[str, Any]
                      "`oomdoctor check --update`")
     for case, m in zip(cfg.cases, measured):
         b = base_cases.get(case.name)
-        common = dict(case=case.name, model=case.model, tolerance=case.tolerance,
+        common = dict(case=case.name, model=case.command or case.model,
+                      tolerance=case.tolerance,
                       now_reserved=m.peak_reserved_bytes, now_allocated=m.peak_allocated_bytes,
                       baseline_reserved=b and b.get("peak_reserved_bytes"),
                       baseline_allocated=b and b.get("peak_allocated_bytes"))
