@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -220,11 +221,23 @@ class _Properties:
                 f"minor={self.minor}, total_memory={self.total_memory // 2**20}MB)")
 
 
+# Libraries that pick CUDA kernels by asking torch.cuda.is_available() and then call into them:
+# they are told the truth, no GPU, and keep their CPU kernels, which oomdoctor's emulation
+# stands in for as it does in a model file's trace (bitsandbytes/__init__.py loads its CUDA
+# backend, whose ops call torch._C._cuda_getCurrentRawStream, absent from a CPU build).
+_KEEP_CPU_KERNELS = ("bitsandbytes",)
+
+
+def _is_available() -> bool:
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    return caller.split(".")[0] not in _KEEP_CPU_KERNELS
+
+
 def _cuda_answers(gpu: FakeGpu) -> dict[str, Any]:
     """``torch.cuda`` functions as the fake card answers them."""
     props = _Properties(gpu)
     return {
-        "is_available": lambda: True,
+        "is_available": _is_available,
         "device_count": lambda: gpu.count,
         "current_device": lambda: 0,
         "set_device": lambda device: None,

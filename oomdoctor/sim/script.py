@@ -316,22 +316,6 @@ def _failure(script: ScriptSpec, e: BaseException) -> str:
             "--help`) or stop earlier with --steps 1; --debug shows the traceback")
 
 
-# Libraries that pick their kernels when imported, by asking torch.cuda.is_available(): imported
-# before the fake GPU is up, they keep their CPU kernels (bitsandbytes would load its CUDA
-# backend, whose ops call torch._C._cuda_getCurrentRawStream, absent from a CPU build;
-# bitsandbytes/backends/cuda/ops.py). oomdoctor's emulation stands in for their CUDA kernels.
-_IMPORT_FIRST = ("bitsandbytes",)
-
-
-def _import_first() -> None:
-    import importlib
-    import importlib.util
-    for name in _IMPORT_FIRST:
-        if name not in sys.modules and importlib.util.find_spec(name) is not None:
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
-
-
 def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
                  batch_size: int | None = None, seq_len: int | None = None,
                  limits: ScriptLimits = ScriptLimits(),
@@ -340,7 +324,6 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
     memory. ``batch_size``: every DataLoader's batch size and the ``{batch}`` placeholder
     (None: the script's own); ``seq_len``: the ``{seq}`` placeholder."""
     argv = script.argv(batch_size, seq_len)
-    _import_first()
     gc.collect()
     reads = fakecuda.Reads()
     device = fakecuda.Device(gpu, values.Shadows(), reads)
