@@ -17,6 +17,9 @@ from typing import Any, Callable
 
 import torch
 
+from oomdoctor.sim.labels import phase_ends
+from oomdoctor.sim.recorder import Category, Phase
+from oomdoctor.sim.stepping import foreach_measured
 from oomdoctor.sim.unroll import Short, Unrolled, UnrollError, unroll
 
 MIN_BLOCKS = 16        # below this, three short traces cost about what the full one does
@@ -134,7 +137,24 @@ class Stack:
                 raise UnrollError(f"{f} differs between the short traces")
         events = tuple((a, h, 0) if got.storages[h].host else (a, h, b) for a, h, b in got.raw)
         return dict(sums, events=events, raw_events=got.raw, storages=got.storages,
-                    marks=got.marks, notes=notes_for([t.notes for t in traces], n))
+                    marks=got.marks, notes=_notes(traces, n, got, events, sums))
+
+
+def _notes(traces: list, n: int, got: Unrolled, events, sums: dict[str, int]
+           ) -> tuple[str, ...]:
+    """The notes at ``n`` blocks; the foreach notes measured again on the whole stream, as
+    trace._result measures them."""
+    defaults = traces[-1].foreach_notes
+
+    def unmeasured(note: str) -> str:
+        return next((d for d in defaults if note.startswith(d + " (")), note)
+    notes = notes_for([tuple(unmeasured(x) for x in t.notes) for t in traces], n)
+    ends = phase_ends(list(got.marks), len(events))
+    steps = [(m.start, ends[m.start]) for m in got.marks
+             if m.phase is Phase.OPTIMIZER and m.start < len(ends)]
+    return tuple(dict.fromkeys(foreach_measured(
+        list(notes), list(defaults), steps, events, sums["parameter_bytes"],
+        lambda h: got.storages[h].category is Category.TEMPORARIES)))
 
 
 def affine(values: list[int], n: int) -> int:

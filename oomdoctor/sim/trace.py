@@ -101,6 +101,7 @@ class Trace:
     flops: int = 0
     raw_events: tuple[tuple[bool, int, int], ...] = ()  # events incl. host-side storages
     libraries: tuple[tuple[str, str], ...] = ()   # (name, version) traced (sim.libraries)
+    foreach_notes: tuple[str, ...] = ()  # the notes foreach_measured measures (sim.repeat)
 
     def phase_at(self, index: int) -> PhaseMark:
         """The phase an event index falls in."""
@@ -525,4 +526,5 @@ def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
         buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
         gradient_bytes=loop.gradient_bytes, optimizer_state_bytes=state,
         checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),
-        raw_events=tuple(rec.raw), libraries=traced_versions(model, loop.optimizer))
+        raw_events=tuple(rec.raw), libraries=traced_versions(model, loop.optimizer),
+        foreach_notes=tuple(defaults))

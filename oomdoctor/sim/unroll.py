@@ -99,69 +99,92 @@ def _common(a: list[int], i: int, b: list[int], j: int) -> int:
     return got
 
 
-def _insertions(a: list[int], b: list[int]) -> list[tuple[int, int, int]]:
-    """(position in a, position in b, length) of each run b has and a lacks, each slid to the
-    start of its periodic run."""
-    surplus = len(b) - len(a)
-    if surplus < 0:
-        raise UnrollError("a longer stack traced fewer events")
-    out: list[tuple[int, int, int]] = []
-    i = j = 0
-    while surplus:
-        m = _common(a, i, b, j)
-        i, j = i + m, j + m
-        if i == len(a):
-            out.append((i, j, surplus))
-            break
-        best = max(range(1, surplus + 1), key=lambda n: (_common(a, i, b, j + n), -n))
-        out.append((i, j, best))
-        j += best
-        surplus -= best
+def _slide(a: list[int], b: list[int], found: list[tuple[int, int, int]]
+           ) -> list[tuple[int, int, int]]:
+    """Each insertion moved to the start of its periodic run (the same place in every cut)."""
     slid, floor = [], 0
-    for i, j, n in out:
+    for i, j, n in found:
         while i > floor and b[j + n - 1] == a[i - 1]:
             i, j = i - 1, j - 1
         slid.append((i, j, n))
-        floor = i + 2 * n
+        floor = i
     return slid
 
 
-Part = tuple[bool, list[int]]      # (repeated per block, tokens)
+# A unit: (copies fewer than the block count - 0, or 1-2 where the first or last block's run
+# differs and stays static -, its tokens); a static run: (None, tokens).
+Part = tuple["int | None", list[int]]
 
 
-def _template(a: list[int], b: list[int], k: int) -> list[Part]:
-    """One phase's runs: static tokens and units, from the k-block and (k+1)-block streams."""
+def _parts(a: list[int], b: list[int], found: list[tuple[int, int, int]], k: int
+           ) -> list[Part] | None:
     parts: list[Part] = []
     prev = 0
-    for i, j, n in _insertions(a, b):
+    for i, j, n in _slide(a, b, found):
+        unit = b[j:j + n]
+        copies = 0
+        while copies < k and a[i + copies * n:i + (copies + 1) * n] == unit:
+            copies += 1
         if i < prev:
-            raise UnrollError("repeated runs overlap")
-        parts.append((False, a[prev:i]))
-        parts.append((True, b[j:j + n]))
-        prev = i + k * n
-    parts.append((False, a[prev:]))
+            return None
+        parts.append((None, a[prev:i]))
+        parts.append((k - copies, unit))
+        prev = i + copies * n
+    parts.append((None, a[prev:]))
     return parts
 
 
+def _template(a: list[int], b: list[int], k: int, fits) -> list[Part]:
+    """One phase's runs from the k-block and (k+1)-block streams: the first split of b into a
+    and inserted runs (shortest runs first, backtracking) whose template ``fits``."""
+    budget = [20000]
+
+    def search(i: int, j: int, found: list) -> list[Part] | None:
+        m = _common(a, i, b, j)
+        i, j = i + m, j + m
+        surplus = (len(b) - j) - (len(a) - i)
+        if i == len(a) and surplus:
+            found, j, surplus = found + [(i, j, surplus)], len(b), 0
+        if not surplus:
+            parts = _parts(a, b, found, k) if i == len(a) else None
+            return parts if parts is not None and fits(parts) else None
+        for n in range(1, surplus + 1):
+            if b[j + n] != a[i]:
+                continue
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise UnrollError("no repeated runs found")
+            got = search(i, j + n, found + [(i, j, n)])
+            if got is not None:
+                return got
+        return None
+    got = search(0, 0, [])
+    if got is None:
+        raise UnrollError("the phase does not repeat per block")
+    return got
+
+
 def _expand(parts: list[Part], k: int) -> list[int]:
-    return [t for rep, toks in parts for _ in range(k if rep else 1) for t in toks]
+    return [t for e, toks in parts for _ in range(1 if e is None else k - e) for t in toks]
 
 
 def _coords(parts: list[Part], k: int, phase: int):
-    """(phase, part, copy, offset) of each event of the k-block stream; copy -1: static."""
-    for q, (rep, toks) in enumerate(parts):
-        for c in range(k) if rep else (-1,):
+    """(phase, part, copy, offset, copies) of each event of the k-block stream; copy -1:
+    static."""
+    for q, (e, toks) in enumerate(parts):
+        m = 1 if e is None else k - e
+        for c in range(m) if e is not None else (-1,):
             for o in range(len(toks)):
-                yield (phase, q, c, o)
+                yield (phase, q, c, o, m)
 
 
 # -- relations ---------------------------------------------------------------------------------
-def _class(c: int, k: int) -> str:
-    return "s" if c < 0 else "f" if c == 0 else "l" if c == k - 1 else "m"
+def _class(c: int, m: int) -> str:
+    return "s" if c < 0 else "f" if c == 0 else "l" if c == m - 1 else "m"
 
 
 def _forms(c: int, k: int, target: int) -> set[tuple[str, int]]:
-    """Every way to say which block ``target`` is, seen from block ``c`` of ``k``."""
+    """Every way to say which block ``target`` is, seen from copy ``c`` of a k-block cut."""
     forms = {("start", target), ("end", k - 1 - target)}
     if c >= 0:
         forms |= {("fwd", target - c), ("rev", target + c - (k - 1))}
@@ -174,30 +197,60 @@ def _apply(form: tuple[str, int], c: int, k: int) -> int:
 
 
 class _Fit:
-    """Per source position and block class, the one relation all observations share."""
+    """Per source position the one relation all its observations share; where the first or
+    last copy differs, one per class of copy (first, middle, last)."""
 
     def __init__(self) -> None:
+        self.seen: dict[tuple, list[tuple]] = {}
         self.rules: dict[tuple, tuple] = {}
 
-    def see(self, key: tuple, base, c: int, k: int, target: int | None) -> None:
-        forms = None if target is None or target < 0 else _forms(c, k, target)
-        old = self.rules.get(key)
-        if old is None:
-            self.rules[key] = (base, forms)
-            return
-        if old[0] != base or (old[1] is None) != (forms is None):
-            raise UnrollError(f"no one relation at {key}")
-        if forms is not None:
-            both = old[1] & forms
-            if not both:
-                raise UnrollError(f"no one relation at {key}")
-            self.rules[key] = (base, both)
+    def see(self, key: tuple, cls: str, base, c: int, k: int, target: int | None) -> None:
+        self.seen.setdefault(key, []).append((cls, base, c, k, target))
 
-    def target(self, key: tuple, c: int, k: int) -> tuple[object, int | None]:
-        base, forms = self.rules[key]
+    def solve(self) -> None:
+        for key, obs in self.seen.items():
+            for groups in _GROUPS:
+                rules = {g: _rule([o for o in obs if o[0] in g]) for g in groups}
+                if all(r is not None for g, r in rules.items() if any(o[0] in g for o in obs)):
+                    for g, r in rules.items():
+                        for cls in g:
+                            self.rules[key, cls] = r
+                    break
+            else:
+                raise UnrollError(f"no one relation at {key}")
+
+    def target(self, key: tuple, cls: str, c: int, k: int) -> tuple[object, int | None]:
+        rule = self.rules.get((key, cls))
+        if rule is None:
+            raise UnrollError(f"nothing seen at {key} ({cls})")
+        base, forms = rule
         if forms is None:
             return base, None
-        return base, _apply(min(forms), c, k)
+        at = {_apply(f, c, k) for f in forms}
+        if len(at) != 1:
+            raise UnrollError(f"the traces leave the relation at {key} open")
+        return base, at.pop()
+
+
+# Which copies share a relation: all of them, or the first or last apart (its input comes from
+# outside the stack, its output leaves it), or each class on its own.
+_GROUPS = ((("s", "f", "m", "l"),), (("s",), ("f",), ("m", "l")), (("s",), ("f", "m"), ("l",)),
+           (("s",), ("f",), ("m",), ("l",)))
+
+
+def _rule(obs: list[tuple]) -> tuple | None:
+    """(base, forms) that every observation fits, or None."""
+    if not obs:
+        return None
+    if len({o[1] for o in obs}) != 1 or len({o[4] is None for o in obs}) != 1:
+        return None
+    if obs[0][4] is None:
+        return obs[0][1], None
+    forms = None
+    for _, _, c, k, target in obs:
+        here = _forms(c, k, target)
+        forms = here if forms is None else forms & here
+    return (obs[0][1], forms) if forms else None
 
 
 # -- the whole stream --------------------------------------------------------------------------
@@ -213,11 +266,9 @@ def unroll(shorts: list[Short], n: int, path: str) -> Unrolled:
     per_phase = [_split(t, s) for t, s in zip(toks, shorts)]
     templates = []
     for p in range(len(shorts[0].marks)):
-        parts = _template(per_phase[0][p], per_phase[1][p], 2)
-        for s, phases in zip(shorts, per_phase):
-            if _expand(parts, s.k) != phases[p]:
-                raise UnrollError(f"phase {p} does not repeat per block")
-        templates.append(parts)
+        def fits(parts: list[Part], p: int = p) -> bool:
+            return all(_expand(parts, s.k) == ph[p] for s, ph in zip(shorts, per_phase))
+        templates.append(_template(per_phase[0][p], per_phase[1][p], 2, fits))
     coords = [[xy for p, parts in enumerate(templates) for xy in _coords(parts, s.k, p)]
               for s in shorts]
     frees, names = _fit(shorts, coords, idx)
@@ -235,59 +286,62 @@ def _fit(shorts: list[Short], coords: list[list[tuple]], idx) -> tuple[_Fit, _Fi
     for s, xy, index in zip(shorts, coords, idx):
         at = {h: i for i, (a, h, _) in enumerate(s.raw) if a}
         for i, (is_alloc, h, _) in enumerate(s.raw):
-            p, q, c, o = xy[i]
-            key = (p, q, o, _class(c, s.k))
+            p, q, c, o, m = xy[i]
+            cls = _class(c, m)
             if is_alloc:
                 jm, jn = index[i]
-                names.see(key + ("module",), None, c, s.k, jm)
-                names.see(key + ("name",), None, c, s.k, jn)
+                names.see((p, q, o, "module"), cls, None, c, s.k, jm)
+                names.see((p, q, o, "name"), cls, None, c, s.k, jn)
             else:
-                tp, tq, tc, to = xy[at[h]]
-                frees.see(key, (tp, tq, to), c, s.k, tc if tc >= 0 else None)
+                tp, tq, tc, to, _ = xy[at[h]]
+                frees.see((p, q, o), cls, (tp, tq, to), c, s.k, tc if tc >= 0 else None)
+    frees.solve()
+    names.solve()
     return frees, names
 
 
 def _generate(ref: Short, ref_xy: list[tuple], templates: list[list[Part]], n: int,
               frees: _Fit, names: _Fit, tokens: _Tokens) -> Unrolled:
     """Walk the template for ``n`` blocks: fresh handles in allocation order, each free
-    resolved by its relation, each storage copied from its position in ``ref`` (the 4-block
+    resolved by its relation, each storage copied from its place in ``ref`` (the 4-block
     trace) with its block index renamed."""
-    sample = {}             # (phase, part, class, offset) -> a storage of ref at that place
+    sample = {}     # (phase, part, offset) -> a storage of ref there (its token: all alike)
     for i, (is_alloc, h, _) in enumerate(ref.raw):
-        p, q, c, o = ref_xy[i]
         if is_alloc:
-            sample.setdefault((p, q, o, _class(c, ref.k)), ref.storages[h])
+            sample.setdefault(ref_xy[i][:2] + ref_xy[i][3:4], ref.storages[h])
     raw: list[tuple[bool, int, int]] = []
     storages: dict[int, Storage] = {}
     marks: list[PhaseMark] = []
     handle_at: dict[tuple, int] = {}
     for p, parts in enumerate(templates):
         marks.append(replace(ref.marks[p], start=len(raw)))
-        for q, (rep, toks) in enumerate(parts):
-            for c in range(n) if rep else (-1,):
+        for q, (e, toks) in enumerate(parts):
+            m = 1 if e is None else n - e
+            for c in range(m) if e is not None else (-1,):
+                cls = _class(c, m)
                 for o in range(len(toks)):
-                    key = (p, q, o, _class(c, n))
-                    if key + ("module",) in names.rules:
+                    if (p, q, o, "module") in names.seen:
                         h = len(storages)
-                        s = _renamed(sample[key], names, key, c, n, tokens)
+                        s = _renamed(sample[p, q, o], names, (p, q, o), cls, c, n, tokens)
                         storages[h] = replace(s, handle=h, t_alloc=len(raw), t_free=None)
                         handle_at[(p, q, c, o)] = h
                         raw.append((True, h, s.nbytes))
-                    else:
-                        (tp, tq, to), tc = frees.target(key, c, n)
-                        h = handle_at.get((tp, tq, -1 if tc is None else tc, to))
-                        if h is None or storages[h].t_free is not None:
-                            raise UnrollError("a free without its allocation")
-                        storages[h].t_free = len(raw)
-                        raw.append((False, h, storages[h].nbytes))
+                        continue
+                    (tp, tq, to), tc = frees.target((p, q, o), cls, c, n)
+                    h = handle_at.get((tp, tq, -1 if tc is None else tc, to))
+                    if h is None or storages[h].t_free is not None:
+                        raise UnrollError("a free without its allocation")
+                    storages[h].t_free = len(raw)
+                    raw.append((False, h, storages[h].nbytes))
     return Unrolled(tuple(raw), storages, tuple(marks))
 
 
-def _renamed(s: Storage, names: _Fit, key: tuple, c: int, n: int, tokens: _Tokens) -> Storage:
-    """``s`` with the block index of its module and name as block ``c`` of ``n`` has it."""
+def _renamed(s: Storage, names: _Fit, key: tuple, cls: str, c: int, n: int,
+             tokens: _Tokens) -> Storage:
+    """``s`` with the block index of its module and name as copy ``c`` at ``n`` has it."""
     fields = {}
     for attr in ("module", "name"):
-        _, j = names.target(key + (attr,), c, n)
+        _, j = names.target(key + (attr,), cls, c, n)
         text = getattr(s, attr)
         if j is not None:
             if j < 0 or j >= n:
