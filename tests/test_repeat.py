@@ -64,6 +64,7 @@ def _same(spec, cfg: TraceConfig) -> None:
     (TraceConfig(1, precision="fp16", checkpointing=True), None),
     (TraceConfig(1, optimizer="sgd", zero_grad="in-place"), None),
     (TraceConfig(1, checkpointing=True), Adapters(4, quantize="nf4")),
+    (TraceConfig(1), Adapters(4)),
 ])
 def test_unrolled_stack_is_the_full_trace(tmp_path, unrolled, cfg, adapters):
     _same(_spec(tmp_path, 8, adapters), cfg)

@@ -27,6 +27,7 @@ CUTS = (2, 3, 4)
 # Attributes that number a block and may differ between identical ones (transformers'
 # layer_idx names the block's KV-cache slot; training runs without a cache).
 _INDEX = re.compile(r"(^|_)(idx|index|id)$")
+_PATH_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 _PRIMITIVE = (bool, int, float, str, type(None), torch.dtype, torch.device)
 # The trace's figures that add up over blocks.
 SUMS = ("parameter_bytes", "trainable_parameter_bytes", "num_parameters",
@@ -36,6 +37,9 @@ SUMS = ("parameter_bytes", "trainable_parameter_bytes", "num_parameters",
 
 def _value(v: Any, depth: int = 0) -> Any:
     """What an attribute says about a block's behaviour, comparable across blocks."""
+    if isinstance(v, str):
+        # a module path naming the block (peft's target_name "model.layers.3.self_attn.q_proj")
+        return _PATH_INDEX.sub("#", v)
     if isinstance(v, _PRIMITIVE):
         return v
     if isinstance(v, torch.Tensor):
