@@ -62,16 +62,7 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
     from oomdoctor.models.spec import ModelFileError
     from oomdoctor.sim.trace import TraceConfig
     from oomdoctor.cli import script as script_cli
-    try:
-        script = script_cli.script_of(model_words)
-    except ModelFileError as e:
-        _die(e, debug, EXIT_MODEL)
-    if script is None:
-        model_file = script_cli.one_source(model_words)
-        if batch_size is None:
-            raise click.UsageError("Missing option '-b' / '--batch-size'.")
-    else:
-        script_cli.refuse_loop_options(click.get_current_context())
+    script, model_file = _script_or_model(model_words, batch_size, debug)
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
 
@@ -125,6 +116,22 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
     else:
         click.echo(estimate_mod.render_text(result))
     sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
+
+
+def _script_or_model(words, batch_size, debug):
+    """(the ScriptSpec, None) when MODEL is a command line, else (None, the model source)."""
+    from oomdoctor.cli import script as script_cli
+    from oomdoctor.models.spec import ModelFileError
+    try:
+        script = script_cli.script_of(words)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    if script is not None:
+        script_cli.refuse_loop_options(click.get_current_context())
+        return script, None
+    if batch_size is None:
+        raise click.UsageError("Missing option '-b' / '--batch-size'.")
+    return None, script_cli.one_source(words)
 
 
 def _estimate_script(script, cfg, budget, alloc, batch_size, snapshot, series):

@@ -26,14 +26,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomdoctor.models import adapters
-from oomdoctor.sim import emulate, rnn, values, versions
+from oomdoctor.sim import emulate, repeat, rnn, values, versions
 # Category, Phase and PhaseMark are the plans' too: they import them from here.
 from oomdoctor.sim.recorder import (Category, Phase, PhaseMark, Recorder, Storage, in_phase,
                                     module_hooks)
@@ -44,6 +44,7 @@ from oomdoctor.sim.eager import fake_trace
 from oomdoctor.sim.labels import (allocator_events, label_activations, label_gradients,
                                   label_state)
 from oomdoctor.sim.libraries import traced_versions
+from oomdoctor.sim.unroll import UnrollError
 from oomdoctor.sim.versions import TorchVersion
 from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec
 from oomdoctor.models.training import (build_for_training, compute_loss, make_configured_batch,
@@ -106,6 +107,7 @@ class Trace:
     # A training script's run (sim.script): where its batch size came from - "dataloader"
     # (oomdoctor set every DataLoader's), "placeholder" ({batch}), "script" (its own)
     batch_from: str = ""
+    foreach_notes: tuple[str, ...] = ()  # the notes foreach_measured measures (sim.repeat)
 
     def phase_at(self, index: int) -> PhaseMark:
         """The phase an event index falls in."""
@@ -189,7 +191,8 @@ def _splice_optimizer(rec: Recorder, ref: Trace, marks: list[PhaseMark], virtual
 
 def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
                    optimizer_from: Trace | None = None, backend: str = "auto",
-                   progress: Callable[[str], None] | None = None) -> Trace:
+                   progress: Callable[[str], None] | None = None,
+                   min_blocks: int | None = repeat.MIN_BLOCKS) -> Trace:
     """Run ``cfg.steps`` optimizer steps of the model file's training loop and record memory
     (see :func:`_trace_training`).
 
@@ -200,11 +203,34 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
 
     ``progress(message)``, if given, hears "step 1/2: backward" at each phase of the loop (a
     long trace - a big model, an RNN's per-timestep loop - can then say where it is).
+
+    A model with a deep stack of identical blocks (``min_blocks`` or more; None: never) is
+    traced with the stack cut to 2, 3 and 4 blocks and unrolled (:mod:`oomdoctor.sim.repeat`),
+    on the meta backend; where the cut traces do not extend exactly, it is traced in full.
     """
+    if min_blocks is not None and fake and backend == "auto" and cfg.emulate_cuda:
+        stack = repeat.Stack(min_blocks)
+        traces = []
+        for k in repeat.CUTS:
+            traces.append(_trace_values(spec, cfg, fake, None, backend, progress,
+                                        stack.cut(k)))
+            if stack.path is None:
+                return traces[0]          # no deep stack: that was the full trace
+        try:
+            return replace(traces[-1], **stack.full(traces))
+        except UnrollError:
+            pass
+    return _trace_values(spec, cfg, fake, optimizer_from, backend, progress, None)
+
+
+def _trace_values(spec: ModelSpec, cfg: TraceConfig, fake: bool, optimizer_from: Trace | None,
+                  backend: str, progress: Callable[[str], None] | None, builder) -> Trace:
+    """One trace; again with the batch's real values mirrored if the step asks about them."""
     if spec.make_batch not in _ASKS_ABOUT_VALUES:
         try:
             return _trace_training(spec, cfg, fake=fake, optimizer_from=optimizer_from,
-                                   backend=backend, shadows=False, progress=progress)
+                                   backend=backend, shadows=False, progress=progress,
+                                   builder=builder)
         except DataDependentError:
             if not fake:
                 raise
@@ -213,7 +239,7 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
             progress("the step asked about tensor values: tracing again with the batch's "
                      "real values")
     return _trace_training(spec, cfg, fake=fake, optimizer_from=optimizer_from,
-                           backend=backend, shadows=True, progress=progress)
+                           backend=backend, shadows=True, progress=progress, builder=builder)
 
 
 # Model files whose step asked a data-dependent question (keyed by their make_batch): later
@@ -223,7 +249,7 @@ _ASKS_ABOUT_VALUES: "weakref.WeakSet" = weakref.WeakSet()
 
 def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
                     optimizer_from: Trace | None, backend: str, shadows: bool,
-                    progress: Callable[[str], None] | None = None) -> Trace:
+                    progress: Callable[[str], None] | None = None, builder=None) -> Trace:
     """Run ``cfg.steps`` optimizer steps of the model file's training loop and record memory.
 
     With ``fake=False`` the same loop runs on real CPU tensors (slow; for checks and smoke runs).
@@ -247,7 +273,7 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
     with fake_mode, (fake_trace(compiled, fused) if fake else contextlib.nullcontext()), \
             (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()):
         notes: list[str] = []
-        model, checkpointed, optimizer, defaults = _build(spec, cfg, fake, notes)
+        model, checkpointed, optimizer, defaults = _build(spec, cfg, fake, notes, builder)
         scaler = emulate.GradScalerEmulation() if cfg.precision == "fp16" else None
         rec = Recorder()
         recorders.append(rec)
@@ -280,19 +306,23 @@ def _fake_mode(cfg: TraceConfig, fake: bool, backend: str) -> contextlib.Abstrac
     return FakeTensorMode()
 
 
-def _build(spec: ModelSpec, cfg: TraceConfig, fake: bool, notes: list[str]
+def _build(spec: ModelSpec, cfg: TraceConfig, fake: bool, notes: list[str], builder=None
            ) -> tuple[torch.nn.Module, tuple[str, ...], torch.optim.Optimizer, list[str]]:
     """The model as ``.cuda()`` leaves it, the checkpointed blocks and the optimizer; the notes
-    on CUDA's optimizer defaults (added to ``notes``, kept only if the loop steps)."""
-    model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
-                                             cfg.checkpoint_class, preserve_rng_state=not fake,
-                                             notes=notes)
-    if cfg.emulate_cuda and rnn.flatten_parameters(model):
-        # .cuda() flattens RNN weights into cuDNN's one buffer (RNNBase.flatten_parameters)
-        notes.append("RNN weights in one flat cuDNN buffer, as .cuda() leaves them")
-    if checkpointed:
-        notes.append(f"checkpointing {len(checkpointed)} blocks of class " + ",".join(
-            dict.fromkeys(type(model.get_submodule(n)).__name__ for n in checkpointed)))
+    on CUDA's optimizer defaults (added to ``notes``, kept only if the loop steps).
+    ``builder(build, notes)``: a repeat.Stack's, which builds once and cuts the stack."""
+    def build() -> tuple[torch.nn.Module, tuple[str, ...]]:
+        model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
+                                                 cfg.checkpoint_class,
+                                                 preserve_rng_state=not fake, notes=notes)
+        if cfg.emulate_cuda and rnn.flatten_parameters(model):
+            # .cuda() flattens RNN weights into cuDNN's one buffer (RNNBase.flatten_parameters)
+            notes.append("RNN weights in one flat cuDNN buffer, as .cuda() leaves them")
+        if checkpointed:
+            notes.append(f"checkpointing {len(checkpointed)} blocks of class " + ",".join(
+                dict.fromkeys(type(model.get_submodule(n)).__name__ for n in checkpointed)))
+        return model, checkpointed
+    model, checkpointed = build() if builder is None else builder(build, notes)
     # Optimizers that create state in __init__ (Adagrad) make host-side counters there too.
     with torch.device("cpu"):
         optimizer = make_configured_optimizer(spec, model, cfg.optimizer)
@@ -507,4 +537,5 @@ def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
         buffer_bytes=sum(t.untyped_storage().nbytes() for t in buffers.values()),
         gradient_bytes=loop.gradient_bytes, optimizer_state_bytes=state,
         checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),
-        raw_events=tuple(rec.raw), libraries=traced_versions(model, loop.optimizer))
+        raw_events=tuple(rec.raw), libraries=traced_versions(model, loop.optimizer),
+        foreach_notes=tuple(defaults))
