@@ -301,3 +301,36 @@ def test_check_gates_a_script(tmp_path):
     r = _cli("check", "--config", str(cfg), "--json")
     assert r.returncode == 1
     assert json.loads(r.stdout)["cases"][0]["status"] == "regression"
+
+
+@pytest.mark.parametrize("model,batch,amp,bucket_view", [
+    ("gpt2_small", 2, "bf16", False), ("tiny_mlp", 64, "none", True),
+])
+def test_a_torchrun_ddp_script_gives_the_ddp_planners_per_gpu_peak(model, batch, amp,
+                                                                   bucket_view):
+    """`-- torchrun --nproc_per_node 2 ddp_loop.py`: rank 0 with DDP's broadcast and buckets is
+    the per-GPU peak `oomdoctor parallel --strategy ddp` plans for the model file (whose DDP
+    model is built from the layout, apart from the script's stand-in)."""
+    from oomdoctor.plans import parallel as par
+    path = os.path.join(ROOT, "sample_models", f"{model}.py")
+    budget = Budget(get_profile("rtx3090"))
+    script = parse_command(["torchrun", "--nproc_per_node", "2", os.path.join(SCRIPTS, "ddp_loop.py"),
+                            "--model", path, "--batch-size", str(batch), "--amp", amp]
+                           + ["--bucket-view"] * bucket_view)
+    run = estimate_script(script, TraceConfig(1), budget)
+    plan = par.estimate_strategies(load_model(path), TraceConfig(batch, {"none": "fp32"}.get(amp, amp)),
+                                   budget, 2, ["ddp"], bucket_view=bucket_view)
+    gpu = plan.estimates[0].gpus[0]
+    assert _close(run.peak_allocated_bytes, gpu.peak_allocated_bytes)
+    assert _close(run.peak_reserved_bytes, gpu.peak_reserved_bytes)
+    assert any("rank 0 of the 2 processes torchrun" in n for n in run.notes)
+
+
+def test_fsdp_in_a_script_is_refused_in_one_line(tmp_path):
+    script = _write(tmp_path, "fsdp.py", "import torch, torch.distributed as dist\n"
+                    "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+                    "dist.init_process_group('nccl')\n"
+                    "model = FSDP(torch.nn.Linear(8, 8).cuda())\n")
+    r = _cli("estimate", "--gpu", "rtx3090", "--", "torchrun", "--nproc_per_node", "2", script)
+    assert r.returncode == 3 and r.stderr.count("\n") == 1
+    assert "fsdp.py:4" in r.stderr and "--strategy zero3" in r.stderr

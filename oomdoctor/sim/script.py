@@ -36,8 +36,8 @@ from torch.utils._pytree import tree_leaves
 
 from oomdoctor.models import adapters
 from oomdoctor.models.script import ScriptSpec
-from oomdoctor.models.spec import ModelFileError, first_line
-from oomdoctor.sim import eager, emulate, fakecuda, values, versions
+from oomdoctor.models.spec import ModelFileError, first_line, user_frame
+from oomdoctor.sim import ddp, eager, emulate, fakecuda, values, versions
 from oomdoctor.sim.labels import allocator_events, label_activations, label_state
 from oomdoctor.sim.libraries import traced_versions
 from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
@@ -301,6 +301,8 @@ def _run_file(script: ScriptSpec, argv: list[str]) -> str:
         return "script end"
     except ScriptError:
         raise
+    except ddp.UnsupportedParallel as e:
+        raise ScriptError(f"{user_frame(e) or script.name}: {e}") from None
     except Exception as e:
         raise ScriptError(_failure(script, e)) from e
     finally:
@@ -309,7 +311,6 @@ def _run_file(script: ScriptSpec, argv: list[str]) -> str:
 
 def _failure(script: ScriptSpec, e: BaseException) -> str:
     """One line: where the script failed, what, and the fallback."""
-    from oomdoctor.models.spec import user_frame
     where = user_frame(e) or script.name
     return (f"{where}: {type(e).__name__}: {first_line(e)}; the fake GPU could not follow the "
             "script here. If it runs on a GPU, write a model file for it (see `oomdoctor probe "
@@ -334,7 +335,8 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
     phases.torch, phases.emulate_cuda = cfg.torch, cfg.emulate_cuda
     notes: list[str] = []
     with eager.fake_trace([], rec.fused), emulate.fused_optimizers_on_meta(), \
-            fakecuda.fake_cuda(device), _loaders(batch_size, run), \
+            fakecuda.fake_cuda(device), ddp.rank_zero(script.processes), \
+            _loaders(batch_size, run), \
             (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
                                  versions.has(cfg.torch, versions.FUSED_SDPA))
              if cfg.emulate_cuda else contextlib.nullcontext()), \
@@ -357,6 +359,17 @@ def _run_notes(script: ScriptSpec, argv: list[str], cfg: TraceConfig, run: Scrip
     notes = [f"ran {shlex.join(['python', *argv])} on a fake {device.gpu.name} until "
              + (f"its step {cfg.steps}" if run.ended == "steps" else
                 f"it ended, after {run.steps_done} optimizer step(s)")]
+    if script.processes > 1:
+        notes.append(f"run as rank 0 of the {script.processes} processes {script.launcher} "
+                     "starts, one per GPU: every GPU holds what this one does (collectives move "
+                     "no data in the simulation)")
+    wrapped = [m for m in run.roots.values() if isinstance(m, ddp.ScriptDDP)]
+    if wrapped:
+        notes.append("DistributedDataParallel: its start-up broadcast and gradient buckets "
+                     "allocated as DDP does" + (" (gradient_as_bucket_view: the gradients are "
+                                               "the buckets)" if wrapped[0]._view else
+                                               "; gradient_as_bucket_view=True drops the "
+                                               "second copy of the gradients"))
     if batch_size is not None and run.loader_batches and "batch" not in script.placeholders:
         notes.append(f"every DataLoader's batch_size set to {batch_size}")
     reads = device.reads

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
 
-from oomdoctor.sim.gpus import MiB
+# DDP's constants and bucket sizes live with the script's DDP stand-in (re-exported here, as
+# oomdoctor.plans.parallel exposes them).
+from oomdoctor.sim.ddp import (DDP_BROADCAST_BUCKET_BYTES, DDP_BUCKET_BYTES,  # noqa: F401
+                               DDP_FIRST_BUCKET_BYTES, chunks as _chunks, ddp_buckets)
 from oomdoctor.plans.parallel.events import _base, _Context, _Gpu
 from oomdoctor.plans.parallel.layout import MAIN
 from oomdoctor.plans.parallel.results import prose_size
@@ -12,47 +14,9 @@ from oomdoctor.plans.parallel.strategy import Strategy
 from oomdoctor.sim.trace import Category, Phase
 
 
-# DDP constants (torch/nn/parallel/distributed.py, torch 2.x): buckets of 25 MiB
-# (_DEFAULT_BUCKET_CAP_MB), the first one 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES) once buckets are
-# rebuilt in gradient-ready order after the first iteration; before that a single bucket holds
-# every gradient (compute_bucket_size_limits: [sys.maxsize] unless find_unused_parameters).
-# Reducer::initialize_buckets clears the old buckets before allocating the new ones.
-DDP_FIRST_BUCKET_BYTES = 1 * MiB
-DDP_BUCKET_BYTES = 25 * MiB
-# DistributedDataParallel.__init__: self.broadcast_bucket_size = 250 * 1024 * 1024, used by
-# _sync_module_states at start-up and by the buffer broadcast before every forward.
-DDP_BROADCAST_BUCKET_BYTES = 250 * MiB
-# torch/nn/parallel/comm.py: broadcast_coalesced / reduce_add_coalesced(buffer_size=10485760).
+# DataParallel: torch/nn/parallel/comm.py: broadcast_coalesced / reduce_add_coalesced
+# (buffer_size=10485760).
 DP_COALESCE_BYTES = 10 * 1024 * 1024
-
-
-def _chunks(sizes: Iterable[int], cap: int) -> list[int]:
-    """Greedy coalescing chunks (comm.cpp take_tensors): a chunk closes once it reaches cap."""
-    out, cur = [], 0
-    for n in sizes:
-        if cur and cur + n > cap:
-            out.append(cur)
-            cur = 0
-        cur += n
-    if cur:
-        out.append(cur)
-    return out
-
-
-def ddp_buckets(grad_sizes: list[int], first: int = DDP_FIRST_BUCKET_BYTES,
-                cap: int = DDP_BUCKET_BYTES) -> list[int]:
-    """Rebuilt DDP buckets (reducer.cpp compute_bucket_assignment_by_size): gradients in the order
-    they become ready, a bucket closes when it reaches its limit - 1 MiB for the first, then
-    25 MiB."""
-    out, cur = [], 0
-    for n in grad_sizes:
-        cur += n
-        if cur >= (first if not out else cap):
-            out.append(cur)
-            cur = 0
-    if cur:
-        out.append(cur)
-    return out
 
 
 def _add_ddp(ctx: _Context, g: _Gpu, bucket_view: bool) -> list[str]:
