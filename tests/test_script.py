@@ -334,3 +334,17 @@ def test_fsdp_in_a_script_is_refused_in_one_line(tmp_path):
     r = _cli("estimate", "--gpu", "rtx3090", "--", "torchrun", "--nproc_per_node", "2", script)
     assert r.returncode == 3 and r.stderr.count("\n") == 1
     assert "fsdp.py:4" in r.stderr and "--strategy zero3" in r.stderr
+
+
+def test_a_checkpoint_of_gpu_tensors_is_skipped_with_a_note(tmp_path):
+    script = _write(tmp_path, "saves.py", "import torch, sys\n"
+                    "m = torch.nn.Linear(16, 16).cuda()\n"
+                    "torch.save(m.state_dict(), sys.argv[1] + '/init.pt')\n"
+                    "torch.save({'epoch': 0}, sys.argv[1] + '/meta.pt')\n"
+                    "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                    "for _ in range(3):\n"
+                    "    m(torch.randn(4, 16).cuda()).sum().backward(); opt.step(); opt.zero_grad()\n")
+    trace = trace_script(parse_command(["python", script, str(tmp_path)]), TraceConfig(1),
+                         FakeGpu("x", 2**30, (8, 0)))
+    assert sorted(os.listdir(tmp_path)) == ["meta.pt", "saves.py"]     # the CPU object is saved
+    assert any("1 torch.save call(s) of GPU tensors skipped" in n for n in trace.notes)

@@ -56,6 +56,7 @@ class Reads:
 
     scalars: int = 0          # .item() / bool() of a value the weights decide (loss.item())
     copies: int = 0           # .cpu() / .numpy() of such a tensor, answered with zeros
+    saves: int = 0            # torch.save calls of GPU tensors, skipped (no data to write)
     where: list[str] = field(default_factory=list)
 
 
@@ -363,6 +364,29 @@ def _patched(target: Any, answers: dict[str, Any]) -> Iterator[None]:
                 setattr(target, name, fn)
 
 
+def _holds_gpu_tensors(obj: Any, depth: int = 0) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type == "meta"
+    if depth > 4:
+        return False
+    if isinstance(obj, dict):
+        return any(_holds_gpu_tensors(v, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_gpu_tensors(v, depth + 1) for v in obj)
+    return False
+
+
+def _save(real: Callable, reads: Reads) -> Callable:
+    """``torch.save``: a checkpoint of the fake GPU's tensors has no data to write; skipped
+    (counted for the notes), while saving real CPU objects goes on."""
+    def save(obj, f, *args, **kwargs):
+        if _holds_gpu_tensors(obj):
+            reads.saves += 1
+            return None
+        return real(obj, f, *args, **kwargs)
+    return save
+
+
 @contextlib.contextmanager
 def fake_cuda(device: Device) -> Iterator[None]:
     """Everything the script sees of the fake GPU (see the module docstring)."""
@@ -374,7 +398,7 @@ def fake_cuda(device: Device) -> Iterator[None]:
         stack.enter_context(_patched(torch.cuda, _cuda_answers(gpu)))
         if hasattr(torch, "accelerator"):
             stack.enter_context(_patched(torch.accelerator, _accelerator_answers(gpu)))
-        stack.enter_context(_patched(torch, amp))
+        stack.enter_context(_patched(torch, dict(amp, save=_save(torch.save, device.reads))))
         stack.enter_context(_patched(torch.amp, amp))
         stack.enter_context(_patched(torch.cuda.amp, dict(cuda_autocast,
                                                           GradScaler=ScriptGradScaler)))

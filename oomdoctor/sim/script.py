@@ -377,6 +377,9 @@ def _run_notes(script: ScriptSpec, argv: list[str], cfg: TraceConfig, run: Scrip
         notes.append(f"{reads.scalars + reads.copies} reads of values the weights decide "
                      "(such as loss.item()) answered with stand-ins; a branch on them takes "
                      "a healthy run's way")
+    if reads.saves:
+        notes.append(f"{reads.saves} torch.save call(s) of GPU tensors skipped (a checkpoint of "
+                     "the fake GPU has no data to write)")
     if device.shadows.answered:
         notes.append(f"{device.shadows.answered} data-dependent questions answered from the "
                      "batch's real values")
