@@ -21,8 +21,8 @@ from .frames import _CODE_MARKER, _EXC_LINE, _FRAME_RES, _TB_HEADER, _Frame
 from .limits import (_ANCHOR_SPAN, _EXCERPT, _FRAMES_KEEP, _FRAMES_PER_FINDING, _LOOKBACK, _MAX_FINDINGS,
                      _MAX_KEYS, _MAX_LOGICAL, _MAX_RANKS, _PRE_SPAN, _REGION_CARRY, _REGION_GLOBAL_QUIET,
                      _REGION_MAX_CHARS, _REGION_MAX_LINES, _REGION_TAIL, _REGION_TAIL_CHARS, _SUB_BATCH, _TB_REACH)
-from .lines import (_ANSI, _RANK_SPLIT, _TRACEBACK_HINTS, _WS, _contains, _has_keyword, _keyword_lines,
-                    _strip_prefixes)
+from .lines import (_ANSI, _RANK_SPLIT, _WS, _contains, _has_keyword, _has_traceback, _hit_lines, _keyword_offsets,
+                    _line_starts, _strip_prefixes)
 from .results import Kind
 from .sizes import _parse_count
 
@@ -60,9 +60,10 @@ _FACTS: tuple[tuple[str, str, re.Pattern], ...] = (
 )
 
 
-def _lead(text: str, body: str) -> str:
-    """A line's prefixes, digits made equal (timestamps and pids differ from line to line)."""
-    return _DIGITS.sub("0", text[:len(text) - len(body)].strip())
+def _lead(text: str, body_len: int) -> str:
+    """A line's prefixes (all but its last `body_len` characters), digits made equal (timestamps
+    and pids differ from line to line)."""
+    return _DIGITS.sub("0", text[:len(text) - body_len].strip())
 
 
 def _squash(lines: list[tuple[int, str]]) -> tuple[str, list[int]]:
@@ -139,22 +140,48 @@ class _Scanner:
         # / "0.30 GiB is allocated by PyTorch, ...").
         self.wrap_rank: int | None = None
         self.wrap_line = -1
-        self.wrap_lead = ""
+        # That line and the length of its body: its prefix is only worked out when the next line
+        # needs it (rarely), not for every line that might wrap.
+        self.wrap_text = ""
+        self.wrap_body_len = 0
+        # Rank streams with an open region: none for most of a log, and then no stream is looked at.
+        self.open_regions = 0
 
     # batches: a cheap pre-filter decides which lines need real work
-    def feed_batch(self, batch: list[str], text: str | None = None) -> None:
-        """Lines (with or without their newline). One pass of the keyword search over the batch
-        says which lines hold a keyword; only those, the lines of open regions and tracebacks,
-        and the last lines before a quiet stretch are looked at one by one."""
+    def feed_batch(self, batch: list[str]) -> None:
+        """Lines (with or without their newline)."""
+        text = "\n".join(batch)
+        self._feed(batch, text, _keyword_offsets(text))
+
+    def feed_block(self, block: str) -> None:
+        """A run of complete lines joined by newlines (no trailing one). Quiet blocks are only
+        counted - no per-line strings are made for them."""
+        offsets = _keyword_offsets(block)    # searched once: it also says which lines hit
+        if not self._busy(self.lineno) and offsets == [] and not _has_traceback(block):
+            n = block.count("\n") + 1
+            tail = block.rsplit("\n", _LOOKBACK)[-_LOOKBACK:]
+            self.lineno += n - len(tail)
+            self._remember_tail(tail, self.lineno, False)
+            self.lineno += len(tail)
+            return
+        self._feed(block.split("\n"), block, offsets)
+
+    def _feed(self, batch: list[str], text: str, offsets: list[int] | None) -> None:
+        """`batch` joined by newlines is `text`, its keywords at `offsets` (_keyword_offsets): only
+        the lines with a keyword, the lines of open regions and tracebacks, and the last lines
+        before a quiet stretch are looked at one by one."""
         start = self.lineno
-        text = "\n".join(batch) if text is None else text
-        hits = _keyword_lines(text, batch)
-        if hits or self._busy(start) or self._has_traceback(text):
+        starts = _line_starts(batch) if offsets else None
+        hits = _hit_lines(offsets, starts)
+        if hits or self._busy(start) or _has_traceback(text):
+            starts = starts or _line_starts(batch)
             for i in range(0, len(batch), _SUB_BATCH):
                 sub = batch[i:i + _SUB_BATCH]
                 keyword = hits is None or bisect.bisect_left(hits, i) < len(hits) and hits[
                     bisect.bisect_left(hits, i)] < i + _SUB_BATCH
-                if not keyword and not self._busy(start + i) and not self._has_traceback("\n".join(sub)):
+                # The sub-batch is text[starts[i]:starts[i + len(sub)] - 1].
+                if not keyword and not self._busy(start + i) \
+                        and not _has_traceback(text, starts[i], starts[i + len(sub)] - 1):
                     self._remember_tail(sub, start + i, hits is None)
                     continue
                 for j, line in enumerate(sub):
@@ -165,19 +192,9 @@ class _Scanner:
             self._remember_tail(batch, start, hits is None)
         self.lineno = start + len(batch)
 
-    def feed_block(self, block: str) -> None:
-        """A run of complete lines joined by newlines (no trailing one). Quiet blocks are only
-        counted - no per-line strings are made for them."""
-        if not self._busy(self.lineno) and not self._interesting(block):
-            n = block.count("\n") + 1
-            tail = block.rsplit("\n", _LOOKBACK)[-_LOOKBACK:]
-            self.lineno += n - len(tail)
-            self._remember_tail(tail, self.lineno, False)
-            self.lineno += len(tail)
-            return
-        self.feed_batch(block.split("\n"), block)
-
     def _busy(self, lineno: int) -> bool:
+        if not self.open_regions:
+            return False
         busy = False
         for key, st in list(self.keys.items()):
             if st.region is not None:
@@ -186,14 +203,6 @@ class _Scanner:
                 else:
                     busy = True
         return busy
-
-    @staticmethod
-    def _interesting(text: str) -> bool:
-        return _has_keyword(text) or _Scanner._has_traceback(text)
-
-    @staticmethod
-    def _has_traceback(text: str) -> bool:
-        return any(h in text for h in _TRACEBACK_HINTS)
 
     def _remember_tail(self, lines: list[str], start: int, check: bool) -> None:
         """A keyword wrapped across the batch boundary needs the lines just before it. `check`:
@@ -209,19 +218,21 @@ class _Scanner:
             raw = raw[:-1]    # CRLF: the line's end, not a carriage return that rewrites it
         if "\x1b" in raw:
             raw = _ANSI.sub("", raw)
-        pieces = raw.split("\r") if "\r" in raw else (raw,)
-        for piece in pieces:
-            if piece.startswith(("[rank", "[default")) and piece.count("[") == 1:
-                parts = [piece]     # the common tagged line: one tag, in front
-            elif "[rank" in piece or "[default" in piece:
+        for piece in raw.split("\r") if "\r" in raw else (raw,):
+            # The common tagged line - one tag, in front - is one part: no split.
+            if ("[rank" in piece or "[default" in piece) \
+                    and not (piece.startswith(("[rank", "[default")) and piece.count("[") == 1):
                 parts = [p for p in _RANK_SPLIT.split(piece) if p]
                 if len(parts) > 1 and not _strip_prefixes(parts[0])[1].strip():
                     parts[:2] = [parts[0] + parts[1]]   # "<time> [rank3]: ...": one line, the time its prefix
             else:
-                parts = [piece]
+                parts = (piece,)
             for part in parts:
-                for k in range(0, max(1, len(part)), _MAX_LOGICAL):
-                    self._logical(part[k:k + _MAX_LOGICAL], lineno, check)
+                if len(part) <= _MAX_LOGICAL:
+                    self._logical(part, lineno, check)
+                else:
+                    for k in range(0, len(part), _MAX_LOGICAL):
+                        self._logical(part[k:k + _MAX_LOGICAL], lineno, check)
 
     def _state(self, key: int | None) -> _KeyState:
         st = self.keys.get(key)
@@ -240,13 +251,14 @@ class _Scanner:
         # The wrapped rest carries no rank tag of its own: at most the prefix every line of the log
         # has (a timestamp, a pod name), which is then the start of the previous line's prefix.
         if rank is None and self.wrap_rank is not None and lineno == self.wrap_line + 1 \
-                and self.wrap_lead.startswith(_lead(text, body)) and not _STARTS_ANEW.match(body):
+                and _lead(self.wrap_text, self.wrap_body_len).startswith(_lead(text, len(body))) \
+                and not _STARTS_ANEW.match(body):
             rank = self.wrap_rank
         tail = body.rstrip()[-1:]
         self.wrap_rank = rank if rank is not None and (tail.isalnum() or tail in ",;(") else None
         self.wrap_line = lineno
         if self.wrap_rank is not None:
-            self.wrap_lead = _lead(text, body)
+            self.wrap_text, self.wrap_body_len = text, len(body)
         if rank is not None and len(self.ranks_seen) < _MAX_RANKS:
             self.ranks_seen.add(rank)
         st = self._state(rank)
@@ -269,6 +281,7 @@ class _Scanner:
             elif len(st.region) >= _REGION_MAX_LINES or st.region_chars >= _REGION_MAX_CHARS:
                 self._split(st, rank)
         elif hit:
+            self.open_regions += 1
             st.region = [(ln, b) for ln, b in st.recent if ln > st.last_region_end]
             st.region.append((lineno, body))
             st.region_chars = sum(len(b) for _, b in st.region)
@@ -336,6 +349,8 @@ class _Scanner:
 
     # regions
     def _close(self, st: _KeyState, key: int | None) -> None:
+        if st.region is not None:
+            self.open_regions -= 1
         lines, st.region = st.region or [], None
         st.region_chars = 0
         st.quiet = st.quiet_chars = 0
