@@ -91,9 +91,10 @@ _TRACEBACK_HINTS = ("Traceback (most recent", 'File "', "File ~", "Cell In[", ".
 
 # Keywords that share a substring rare in healthy logs are searched only when the text has it: one
 # find() instead of several for most of a log (the search is most of explain's time on a big log).
-_GATES = {"kill": ("killed", "sigkill"), "error": ("bus error", "nccl error", "error:"),
+_GATES = {"kill": ("killed", "sigkill"), "error": ("bus error", "nccl error", "error:", "keyerror"),
           "not s": ("not set", "not supported"), "param": ("params", "parameters =", "parameters:"),
-          "world": ("world_size", "world size"), "unable to ": ("unable to write", "unable to find")}
+          "world": ("world_size", "world size"), "unable to ": ("unable to write", "unable to find"),
+          "device": ("device_count", "device-side")}
 _GATED: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
     [(gate, members) for gate, members in _GATES.items()]
     + [(k, (k,)) for k in _KEYWORDS if not any(k in members for members in _GATES.values())])

@@ -63,7 +63,8 @@ _FACTS: tuple[tuple[str, str, re.Pattern], ...] = (
 def _lead(text: str, body_len: int) -> str:
     """A line's prefixes (all but its last `body_len` characters), digits made equal (timestamps
     and pids differ from line to line)."""
-    return _DIGITS.sub("0", text[:len(text) - body_len].strip())
+    lead = text[:len(text) - body_len].strip()
+    return _DIGITS.sub("0", lead) if lead else ""
 
 
 def _squash(lines: list[tuple[int, str]]) -> tuple[str, list[int]]:
@@ -212,10 +213,11 @@ class _Scanner:
             self._line(lines[j], start + j + 1, check or "\x1b" in lines[j])
 
     def _line(self, raw: str, lineno: int, check: bool = True) -> None:
-        if raw.endswith("\n"):
-            raw = raw[:-1]
-        if raw.endswith("\r"):
-            raw = raw[:-1]    # CRLF: the line's end, not a carriage return that rewrites it
+        if raw.endswith(("\n", "\r")):     # one test for the lines of a block, which have neither
+            if raw.endswith("\n"):
+                raw = raw[:-1]
+            if raw.endswith("\r"):
+                raw = raw[:-1]    # CRLF: the line's end, not a carriage return that rewrites it
         if "\x1b" in raw:
             raw = _ANSI.sub("", raw)
         for piece in raw.split("\r") if "\r" in raw else (raw,):
@@ -251,8 +253,7 @@ class _Scanner:
         # The wrapped rest carries no rank tag of its own: at most the prefix every line of the log
         # has (a timestamp, a pod name), which is then the start of the previous line's prefix.
         if rank is None and self.wrap_rank is not None and lineno == self.wrap_line + 1 \
-                and _lead(self.wrap_text, self.wrap_body_len).startswith(_lead(text, len(body))) \
-                and not _STARTS_ANEW.match(body):
+                and self._continues_lead(_lead(text, len(body))) and not _STARTS_ANEW.match(body):
             rank = self.wrap_rank
         tail = body.rstrip()[-1:]
         self.wrap_rank = rank if rank is not None and (tail.isalnum() or tail in ",;(") else None
@@ -261,8 +262,15 @@ class _Scanner:
             self.wrap_text, self.wrap_body_len = text, len(body)
         if rank is not None and len(self.ranks_seen) < _MAX_RANKS:
             self.ranks_seen.add(rank)
-        st = self._state(rank)
-        self._track_frames(st, body, lineno)
+        st = self.keys.get(rank)
+        if st is None:
+            st = self._state(rank)      # a new stream (the oldest may be dropped)
+        else:
+            self.keys.move_to_end(rank)
+        # Most lines are neither in a traceback nor part of one: no call for them. (The words are
+        # those _track_frames looks for, less what follows them.)
+        if st.tb_headers or "File " in body or ".py" in body or "Cell In" in body or _TB_HEADER in body:
+            self._track_frames(st, body, lineno)
         if "rror" in body or "ption" in body or "ailure" in body:
             if _exception_line(body):
                 self.last_exception = (lineno, rank, body)
@@ -288,6 +296,11 @@ class _Scanner:
             st.quiet = st.quiet_chars = 0
             st.last_hit = lineno
         st.recent.append((lineno, body))
+
+    def _continues_lead(self, lead: str) -> bool:
+        """Whether `lead` starts the prefix of the line that may wrap (every prefix starts with none:
+        the common unprefixed line does not need it worked out)."""
+        return not lead or _lead(self.wrap_text, self.wrap_body_len).startswith(lead)
 
     def _track_frames(self, st: _KeyState, body: str, lineno: int) -> None:
         b = body.strip()
@@ -402,7 +415,7 @@ class _Scanner:
         anchored and the matches an earlier one absorbs."""
         found: list[tuple[int, _AnchorSpec, re.Match]] = []
         for spec in _ANCHORS:
-            if not any(t in low for t in spec.triggers):
+            if not any(map(low.__contains__, spec.triggers)):
                 continue
             for m in spec.pattern.finditer(sq):
                 found.append((m.start(), spec, m))
