@@ -58,6 +58,8 @@ _FACTS: tuple[tuple[str, str, re.Pattern], ...] = (
     ("world|nproc", "world_size",
      re.compile(r"(?:\bworld[_ ]size\s*[=:]|nproc[_-]per[_-]node[= ]|\bWORLD_SIZE=)\s*(\d+)", re.I)),
 )
+# The same, triggers split once (every region tests them).
+_FACT_TESTS = tuple((tuple(triggers.split("|")), name, rx) for triggers, name, rx in _FACTS)
 
 
 def _lead(text: str, body_len: int) -> str:
@@ -529,7 +531,7 @@ class _Scanner:
         same.append(d)
 
     def _collect_facts(self, lines: list[tuple[int, str]], sq: str, low: str) -> None:
-        facts = [(name, rx) for triggers, name, rx in _FACTS if any(t in low for t in triggers.split("|"))]
+        facts = [(name, rx) for triggers, name, rx in _FACT_TESTS if any(map(low.__contains__, triggers))]
         for lineno, body in lines if facts else ():
             b = body.strip()
             for name, rx in facts:
