@@ -21,8 +21,8 @@ from .frames import _CODE_MARKER, _EXC_LINE, _FRAME_RES, _TB_HEADER, _Frame
 from .limits import (_ANCHOR_SPAN, _EXCERPT, _FRAMES_KEEP, _FRAMES_PER_FINDING, _LOOKBACK, _MAX_FINDINGS,
                      _MAX_KEYS, _MAX_LOGICAL, _MAX_RANKS, _PRE_SPAN, _REGION_CARRY, _REGION_GLOBAL_QUIET,
                      _REGION_MAX_CHARS, _REGION_MAX_LINES, _REGION_TAIL, _REGION_TAIL_CHARS, _SUB_BATCH, _TB_REACH)
-from .lines import (_ANSI, _RANK_SPLIT, _TRACEBACK_HINTS, _WS, _contains, _has_keyword, _keyword_lines,
-                    _strip_prefixes)
+from .lines import (_ANSI, _RANK_SPLIT, _WS, _contains, _has_keyword, _has_traceback, _hit_lines, _keyword_offsets,
+                    _line_starts, _strip_prefixes)
 from .results import Kind
 from .sizes import _parse_count
 
@@ -58,11 +58,15 @@ _FACTS: tuple[tuple[str, str, re.Pattern], ...] = (
     ("world|nproc", "world_size",
      re.compile(r"(?:\bworld[_ ]size\s*[=:]|nproc[_-]per[_-]node[= ]|\bWORLD_SIZE=)\s*(\d+)", re.I)),
 )
+# The same, triggers split once (every region tests them).
+_FACT_TESTS = tuple((tuple(triggers.split("|")), name, rx) for triggers, name, rx in _FACTS)
 
 
-def _lead(text: str, body: str) -> str:
-    """A line's prefixes, digits made equal (timestamps and pids differ from line to line)."""
-    return _DIGITS.sub("0", text[:len(text) - len(body)].strip())
+def _lead(text: str, body_len: int) -> str:
+    """A line's prefixes (all but its last `body_len` characters), digits made equal (timestamps
+    and pids differ from line to line)."""
+    lead = text[:len(text) - body_len].strip()
+    return _DIGITS.sub("0", lead) if lead else ""
 
 
 def _squash(lines: list[tuple[int, str]]) -> tuple[str, list[int]]:
@@ -139,22 +143,48 @@ class _Scanner:
         # / "0.30 GiB is allocated by PyTorch, ...").
         self.wrap_rank: int | None = None
         self.wrap_line = -1
-        self.wrap_lead = ""
+        # That line and the length of its body: its prefix is only worked out when the next line
+        # needs it (rarely), not for every line that might wrap.
+        self.wrap_text = ""
+        self.wrap_body_len = 0
+        # Rank streams with an open region: none for most of a log, and then no stream is looked at.
+        self.open_regions = 0
 
     # batches: a cheap pre-filter decides which lines need real work
-    def feed_batch(self, batch: list[str], text: str | None = None) -> None:
-        """Lines (with or without their newline). One pass of the keyword search over the batch
-        says which lines hold a keyword; only those, the lines of open regions and tracebacks,
-        and the last lines before a quiet stretch are looked at one by one."""
+    def feed_batch(self, batch: list[str]) -> None:
+        """Lines (with or without their newline)."""
+        text = "\n".join(batch)
+        self._feed(batch, text, _keyword_offsets(text))
+
+    def feed_block(self, block: str) -> None:
+        """A run of complete lines joined by newlines (no trailing one). Quiet blocks are only
+        counted - no per-line strings are made for them."""
+        offsets = _keyword_offsets(block)    # searched once: it also says which lines hit
+        if not self._busy(self.lineno) and offsets == [] and not _has_traceback(block):
+            n = block.count("\n") + 1
+            tail = block.rsplit("\n", _LOOKBACK)[-_LOOKBACK:]
+            self.lineno += n - len(tail)
+            self._remember_tail(tail, self.lineno, False)
+            self.lineno += len(tail)
+            return
+        self._feed(block.split("\n"), block, offsets)
+
+    def _feed(self, batch: list[str], text: str, offsets: list[int] | None) -> None:
+        """`batch` joined by newlines is `text`, its keywords at `offsets` (_keyword_offsets): only
+        the lines with a keyword, the lines of open regions and tracebacks, and the last lines
+        before a quiet stretch are looked at one by one."""
         start = self.lineno
-        text = "\n".join(batch) if text is None else text
-        hits = _keyword_lines(text, batch)
-        if hits or self._busy(start) or self._has_traceback(text):
+        starts = _line_starts(batch) if offsets else None
+        hits = _hit_lines(offsets, starts)
+        if hits or self._busy(start) or _has_traceback(text):
+            starts = starts or _line_starts(batch)
             for i in range(0, len(batch), _SUB_BATCH):
                 sub = batch[i:i + _SUB_BATCH]
                 keyword = hits is None or bisect.bisect_left(hits, i) < len(hits) and hits[
                     bisect.bisect_left(hits, i)] < i + _SUB_BATCH
-                if not keyword and not self._busy(start + i) and not self._has_traceback("\n".join(sub)):
+                # The sub-batch is text[starts[i]:starts[i + len(sub)] - 1].
+                if not keyword and not self._busy(start + i) \
+                        and not _has_traceback(text, starts[i], starts[i + len(sub)] - 1):
                     self._remember_tail(sub, start + i, hits is None)
                     continue
                 for j, line in enumerate(sub):
@@ -165,19 +195,9 @@ class _Scanner:
             self._remember_tail(batch, start, hits is None)
         self.lineno = start + len(batch)
 
-    def feed_block(self, block: str) -> None:
-        """A run of complete lines joined by newlines (no trailing one). Quiet blocks are only
-        counted - no per-line strings are made for them."""
-        if not self._busy(self.lineno) and not self._interesting(block):
-            n = block.count("\n") + 1
-            tail = block.rsplit("\n", _LOOKBACK)[-_LOOKBACK:]
-            self.lineno += n - len(tail)
-            self._remember_tail(tail, self.lineno, False)
-            self.lineno += len(tail)
-            return
-        self.feed_batch(block.split("\n"), block)
-
     def _busy(self, lineno: int) -> bool:
+        if not self.open_regions:
+            return False
         busy = False
         for key, st in list(self.keys.items()):
             if st.region is not None:
@@ -187,14 +207,6 @@ class _Scanner:
                     busy = True
         return busy
 
-    @staticmethod
-    def _interesting(text: str) -> bool:
-        return _has_keyword(text) or _Scanner._has_traceback(text)
-
-    @staticmethod
-    def _has_traceback(text: str) -> bool:
-        return any(h in text for h in _TRACEBACK_HINTS)
-
     def _remember_tail(self, lines: list[str], start: int, check: bool) -> None:
         """A keyword wrapped across the batch boundary needs the lines just before it. `check`:
         whether these lines may hold a keyword (the search found none in them; ANSI codes may hide one)."""
@@ -203,25 +215,28 @@ class _Scanner:
             self._line(lines[j], start + j + 1, check or "\x1b" in lines[j])
 
     def _line(self, raw: str, lineno: int, check: bool = True) -> None:
-        if raw.endswith("\n"):
-            raw = raw[:-1]
-        if raw.endswith("\r"):
-            raw = raw[:-1]    # CRLF: the line's end, not a carriage return that rewrites it
+        if raw.endswith(("\n", "\r")):     # one test for the lines of a block, which have neither
+            if raw.endswith("\n"):
+                raw = raw[:-1]
+            if raw.endswith("\r"):
+                raw = raw[:-1]    # CRLF: the line's end, not a carriage return that rewrites it
         if "\x1b" in raw:
             raw = _ANSI.sub("", raw)
-        pieces = raw.split("\r") if "\r" in raw else (raw,)
-        for piece in pieces:
-            if piece.startswith(("[rank", "[default")) and piece.count("[") == 1:
-                parts = [piece]     # the common tagged line: one tag, in front
-            elif "[rank" in piece or "[default" in piece:
+        for piece in raw.split("\r") if "\r" in raw else (raw,):
+            # The common tagged line - one tag, in front - is one part: no split.
+            if ("[rank" in piece or "[default" in piece) \
+                    and not (piece.startswith(("[rank", "[default")) and piece.count("[") == 1):
                 parts = [p for p in _RANK_SPLIT.split(piece) if p]
                 if len(parts) > 1 and not _strip_prefixes(parts[0])[1].strip():
                     parts[:2] = [parts[0] + parts[1]]   # "<time> [rank3]: ...": one line, the time its prefix
             else:
-                parts = [piece]
+                parts = (piece,)
             for part in parts:
-                for k in range(0, max(1, len(part)), _MAX_LOGICAL):
-                    self._logical(part[k:k + _MAX_LOGICAL], lineno, check)
+                if len(part) <= _MAX_LOGICAL:
+                    self._logical(part, lineno, check)
+                else:
+                    for k in range(0, len(part), _MAX_LOGICAL):
+                        self._logical(part[k:k + _MAX_LOGICAL], lineno, check)
 
     def _state(self, key: int | None) -> _KeyState:
         st = self.keys.get(key)
@@ -240,17 +255,24 @@ class _Scanner:
         # The wrapped rest carries no rank tag of its own: at most the prefix every line of the log
         # has (a timestamp, a pod name), which is then the start of the previous line's prefix.
         if rank is None and self.wrap_rank is not None and lineno == self.wrap_line + 1 \
-                and self.wrap_lead.startswith(_lead(text, body)) and not _STARTS_ANEW.match(body):
+                and self._continues_lead(_lead(text, len(body))) and not _STARTS_ANEW.match(body):
             rank = self.wrap_rank
         tail = body.rstrip()[-1:]
         self.wrap_rank = rank if rank is not None and (tail.isalnum() or tail in ",;(") else None
         self.wrap_line = lineno
         if self.wrap_rank is not None:
-            self.wrap_lead = _lead(text, body)
+            self.wrap_text, self.wrap_body_len = text, len(body)
         if rank is not None and len(self.ranks_seen) < _MAX_RANKS:
             self.ranks_seen.add(rank)
-        st = self._state(rank)
-        self._track_frames(st, body, lineno)
+        st = self.keys.get(rank)
+        if st is None:
+            st = self._state(rank)      # a new stream (the oldest may be dropped)
+        else:
+            self.keys.move_to_end(rank)
+        # Most lines are neither in a traceback nor part of one: no call for them. (The words are
+        # those _track_frames looks for, less what follows them.)
+        if st.tb_headers or "File " in body or ".py" in body or "Cell In" in body or _TB_HEADER in body:
+            self._track_frames(st, body, lineno)
         if "rror" in body or "ption" in body or "ailure" in body:
             if _exception_line(body):
                 self.last_exception = (lineno, rank, body)
@@ -269,12 +291,18 @@ class _Scanner:
             elif len(st.region) >= _REGION_MAX_LINES or st.region_chars >= _REGION_MAX_CHARS:
                 self._split(st, rank)
         elif hit:
+            self.open_regions += 1
             st.region = [(ln, b) for ln, b in st.recent if ln > st.last_region_end]
             st.region.append((lineno, body))
             st.region_chars = sum(len(b) for _, b in st.region)
             st.quiet = st.quiet_chars = 0
             st.last_hit = lineno
         st.recent.append((lineno, body))
+
+    def _continues_lead(self, lead: str) -> bool:
+        """Whether `lead` starts the prefix of the line that may wrap (every prefix starts with none:
+        the common unprefixed line does not need it worked out)."""
+        return not lead or _lead(self.wrap_text, self.wrap_body_len).startswith(lead)
 
     def _track_frames(self, st: _KeyState, body: str, lineno: int) -> None:
         b = body.strip()
@@ -336,6 +364,8 @@ class _Scanner:
 
     # regions
     def _close(self, st: _KeyState, key: int | None) -> None:
+        if st.region is not None:
+            self.open_regions -= 1
         lines, st.region = st.region or [], None
         st.region_chars = 0
         st.quiet = st.quiet_chars = 0
@@ -387,7 +417,7 @@ class _Scanner:
         anchored and the matches an earlier one absorbs."""
         found: list[tuple[int, _AnchorSpec, re.Match]] = []
         for spec in _ANCHORS:
-            if not any(t in low for t in spec.triggers):
+            if not any(map(low.__contains__, spec.triggers)):
                 continue
             for m in spec.pattern.finditer(sq):
                 found.append((m.start(), spec, m))
@@ -501,7 +531,7 @@ class _Scanner:
         same.append(d)
 
     def _collect_facts(self, lines: list[tuple[int, str]], sq: str, low: str) -> None:
-        facts = [(name, rx) for triggers, name, rx in _FACTS if any(t in low for t in triggers.split("|"))]
+        facts = [(name, rx) for triggers, name, rx in _FACT_TESTS if any(map(low.__contains__, triggers))]
         for lineno, body in lines if facts else ():
             b = body.strip()
             for name, rx in facts:

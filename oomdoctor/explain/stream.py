@@ -112,7 +112,16 @@ def _text_blocks(stream: IO[bytes], chunk_size: int) -> Iterator[str]:
 def _bounded(block: str) -> Iterator[str]:
     """`block`, with any line longer than _MAX_LINE cut into pieces (rare: only checked when the
     block itself is long enough to hold such a line)."""
-    if len(block) <= _MAX_LINE or max(map(len, block.split("\n"))) <= _MAX_LINE:
+    if len(block) <= _MAX_LINE or _newline_every_half_line(block) or max(map(len, block.split("\n"))) <= _MAX_LINE:
         yield block
     else:
         yield "\n".join(piece for line in block.split("\n") for piece in _split_line(line))
+
+
+def _newline_every_half_line(block: str) -> bool:
+    """Whether every whole stretch [k*h, (k+1)*h) of `block`, h = _MAX_LINE // 2, holds a newline: then no
+    line is longer than _MAX_LINE, which would contain one such stretch. A few find()s that stop at the
+    first newline, instead of splitting the block (a 64 KiB read and the line it cut are often just over
+    _MAX_LINE)."""
+    h = _MAX_LINE // 2
+    return all(block.find("\n", k, k + h) >= 0 for k in range(0, len(block) - h + 1, h))
