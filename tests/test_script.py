@@ -348,3 +348,23 @@ def test_a_checkpoint_of_gpu_tensors_is_skipped_with_a_note(tmp_path):
                          FakeGpu("x", 2**30, (8, 0)))
     assert sorted(os.listdir(tmp_path)) == ["meta.pt", "saves.py"]     # the CPU object is saved
     assert any("1 torch.save call(s) of GPU tensors skipped" in n for n in trace.notes)
+
+
+@pytest.mark.parametrize("model,batch,precision", [
+    ("gpt2_small", 2, "bf16-mixed"), ("bert_base", 2, "16-mixed"), ("tiny_mlp", 64, "32-true"),
+])
+def test_a_lightning_script_gives_the_model_files_peak(model, batch, precision):
+    """Lightning's own loop (`Trainer.fit`, its precision plugin): its automatic optimization
+    zeroes the gradients inside the step's closure, after training_step and before backward
+    (lightning/pytorch/loops/optimization/automatic.py, Closure.closure), so last step's
+    gradients live through the forward - the model file's `--zero-grad after-forward`."""
+    pytest.importorskip("lightning")
+    path = os.path.join(ROOT, "sample_models", f"{model}.py")
+    run = estimate_script(_script("lightning_loop.py", "--model", path, "--batch-size", batch,
+                                  "--precision", precision), TraceConfig(1), BUDGET)
+    ours = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16"}[precision]
+    ref = estimate(load_model(path), TraceConfig(batch, ours, zero_grad="after-forward"),
+                   BUDGET)
+    assert (run.batch_size, run.precision) == (batch, ours)
+    assert _close(run.peak_allocated_bytes, ref.peak_allocated_bytes)
+    assert _close(run.peak_reserved_bytes, ref.peak_reserved_bytes)

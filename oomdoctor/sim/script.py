@@ -41,7 +41,7 @@ from oomdoctor.sim import ddp, eager, emulate, fakecuda, values, versions
 from oomdoctor.sim.labels import allocator_events, label_activations, label_state
 from oomdoctor.sim.libraries import traced_versions
 from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
-from oomdoctor.sim.stepping import every_step, host_state, state_bytes, unique_storages
+from oomdoctor.sim.stepping import every_step, host_state, in_step, state_bytes, unique_storages
 from oomdoctor.sim.trace import Trace, TraceConfig
 
 
@@ -192,7 +192,8 @@ class _Phases:
             self.run.gradient_bytes = _label_gradients(self.rec, self.run)
             self.micro += 1
             self.backwarded = True
-            self.mark(Phase.DATA)
+            # inside optimizer.step(closure) (Lightning's loop) the update follows at once
+            self.mark(Phase.OPTIMIZER if in_step() else Phase.DATA)
             return out
         return backward
 
