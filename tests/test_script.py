@@ -368,3 +368,38 @@ def test_a_lightning_script_gives_the_model_files_peak(model, batch, precision):
     assert (run.batch_size, run.precision) == (batch, ours)
     assert _close(run.peak_allocated_bytes, ref.peak_allocated_bytes)
     assert _close(run.peak_reserved_bytes, ref.peak_reserved_bytes)
+
+
+def _hf_config(tmp_path, kind):
+    import transformers
+    small = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=2,
+                 intermediate_size=512)
+    if kind == "bert":
+        config = transformers.BertConfig(architectures=["BertForSequenceClassification"],
+                                         **small)
+    else:
+        config = transformers.ViTConfig(image_size=64, patch_size=8,
+                                        architectures=["ViTForImageClassification"], **small)
+    config.save_pretrained(tmp_path / kind)
+    return str(tmp_path / kind)
+
+
+@pytest.mark.parametrize("kind,precision,checkpointing", [
+    ("bert", "fp32", False), ("bert", "bf16", True), ("vit", "bf16", False),
+])
+def test_hf_trainer_classifiers_give_the_hf_sources_peak(tmp_path, kind, precision,
+                                                         checkpointing):
+    """BERT (sequence classification) and ViT (image classification) trained by the HF Trainer
+    from a config folder: the HF source's peak for the same folder. The Trainer's default
+    optimizer in transformers 5 is fused AdamW, which a model-file loop does not build: the
+    scripts run with --optim adamw_torch (foreach AdamW) for this comparison."""
+    pytest.importorskip("transformers")
+    folder = _hf_config(tmp_path, kind)
+    args = ["--config_dir", folder, "--per_device_train_batch_size", 8, "--optim", "adamw_torch"]
+    args += ["--seq_len", 128] * (kind == "bert") + ["--bf16"] * (precision == "bf16")
+    args += ["--gradient_checkpointing"] * checkpointing
+    run = estimate_script(_script("hf_trainer_classify.py", *args), TraceConfig(1), BUDGET)
+    ref = estimate(load_model(folder, seq_len=128 if kind == "bert" else None),
+                   TraceConfig(8, precision, checkpointing), BUDGET)
+    assert _close(run.peak_allocated_bytes, ref.peak_allocated_bytes)
+    assert _close(run.peak_reserved_bytes, ref.peak_reserved_bytes, slack=2 * MiB)
