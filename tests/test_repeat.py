@@ -97,3 +97,31 @@ def test_shallow_models_trace_as_before(tmp_path, unrolled):
     t = trace_training(spec, TraceConfig(1))            # 4 < MIN_BLOCKS: the full trace
     assert unrolled == [] and t.events == trace_training(spec, TraceConfig(1),
                                                          min_blocks=None).events
+
+
+def _hf(tmp_path, name, config, **kw):
+    d = tmp_path / name
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    return load_model(str(d), **kw)
+
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_hidden_layers": 8}
+
+
+@pytest.mark.parametrize("name,config,kw,cfg", [
+    ("mistral", dict(SMALL, model_type="mistral", architectures=["MistralForCausalLM"],
+                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=256),
+     {"seq_len": 64}, TraceConfig(1, precision="bf16", checkpointing=True)),
+    ("qwen2", dict(SMALL, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=256),
+     {"seq_len": 64}, TraceConfig(2, precision="fp16")),
+    ("vit", dict(SMALL, model_type="vit", architectures=["ViTForImageClassification"],
+                 image_size=32, patch_size=8), {}, TraceConfig(2, precision="bf16")),
+])
+def test_other_architectures_unroll_to_the_byte(tmp_path, unrolled, name, config, kw, cfg):
+    """Mistral, Qwen2 and ViT stacks: the unrolled trace is the full trace (events, storages,
+    marks: so every strategy's per-GPU lists, built from them, are the full trace's too)."""
+    _same(_hf(tmp_path, name, config, **kw), cfg)
+    assert unrolled == [True]
