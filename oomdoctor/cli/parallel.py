@@ -8,6 +8,7 @@ import click
 
 from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
                                  cli)
+from oomdoctor.cli.script import model_source_only
 from oomdoctor.cli.options import (_alloc_config, _card_options, _check_plot_file, _detect_gpus,
                                    _die, _load_model, _make_budget, _num_gpus, _progress,
                                    _torch_config, _write_bar_plot)
@@ -26,7 +27,8 @@ _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default
 
 
 @cli.command("parallel", epilog=MODEL_PROTOCOL)
-@click.argument("model_file", type=click.Path())
+@click.argument("model_file", nargs=-1, required=True, metavar="MODEL",
+                callback=model_source_only)
 @click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
               help="Micro-batch per GPU (per data-parallel rank).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
@@ -70,7 +72,8 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
 
 
 @cli.command("split", epilog=MODEL_PROTOCOL)
-@click.argument("model_file", type=click.Path())
+@click.argument("model_file", nargs=-1, required=True, metavar="MODEL",
+                callback=model_source_only)
 @click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
               help="Micro-batch (the whole batch: both GPUs see it in turn).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
@@ -119,7 +122,8 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
 
 
 @cli.command("recommend", epilog=MODEL_PROTOCOL)
-@click.argument("model_file", type=click.Path())
+@click.argument("model_file", nargs=-1, required=True, metavar="MODEL",
+                callback=model_source_only)
 @click.option("--target-batch", type=click.IntRange(1), default=256, show_default=True,
               help="The effective batch you want (micro-batch x accumulation x GPUs).")
 @click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
@@ -265,7 +269,8 @@ def _host_ram(text, local):
 
 
 @cli.command("smoke", epilog=MODEL_PROTOCOL)
-@click.argument("model_file", type=click.Path())
+@click.argument("model_file", nargs=-1, required=True, metavar="MODEL",
+                callback=model_source_only)
 @click.option("--strategy", type=click.Choice(NODE_STRATEGY_CHOICES), default="single",
               show_default=True, help="hsdp (hybrid sharding) with --nodes.")
 @click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,

@@ -41,6 +41,18 @@ def one_source(words: tuple[str, ...]) -> str:
     return words[0]
 
 
+def model_source_only(ctx: click.Context, _param: click.Parameter, words: tuple[str, ...]) -> str:
+    """The MODEL argument of a command that plans a model, not a script (parallel, split,
+    recommend, smoke): one model source, or a usage error that says where scripts go."""
+    from oomdoctor.models.script import is_command
+    if is_command(words):
+        raise click.UsageError(f"`oomdoctor {ctx.command.name}` plans a model file, a Hugging "
+                               "Face id or a timm:/torchvision: name; a training script runs "
+                               "with `oomdoctor estimate|probe -- python train.py ARGS` (also "
+                               "under torchrun, for DDP), or as a `command =` case of check")
+    return one_source(words)
+
+
 def refuse_loop_options(ctx: click.Context) -> None:
     """A usage error for an option given on the command line that a script decides itself."""
     for name, own in _LOOP_OPTIONS.items():
