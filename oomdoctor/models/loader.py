@@ -138,7 +138,9 @@ def load_model_file(path: str) -> ModelSpec:
         fn = getattr(module, name, None)
         if fn is None:
             raise ModelFileError(f"{path}: no `{name}` function; define `def {signature}:` "
-                                 "(see the model-file protocol in `oomdoctor probe --help`)")
+                                 "(see the model-file protocol in `oomdoctor probe --help`), or "
+                                 "if it is a training script, run it as it is: `oomdoctor "
+                                 f"estimate -- python {path} ARGS`")
         if not callable(fn):
             raise ModelFileError(f"{path}: `{name}` is a {type(fn).__name__}, not a function; "
                                  f"define `def {signature}:`")
