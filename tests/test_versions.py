@@ -199,6 +199,7 @@ def test_rocm_hipblas_workspace_in_the_allocator_from_2_6():
 
 
 # -- published rows from older releases, with --torch set to theirs -------------------------
+# (the ROCm rows of optimum-benchmark's CI on torch 2.2-2.4: tests/test_old_releases.py)
 
 def test_pt1_tutorial_on_its_release_stays_in_the_band():
     """PT-1 (pytorch/tutorials optimizer_step_in_backward_tutorial.py, written for 2.1,
