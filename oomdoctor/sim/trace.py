@@ -212,8 +212,15 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
         stack = repeat.Stack(min_blocks)
         traces = []
         for k in repeat.CUTS:
-            traces.append(_trace_values(spec, cfg, fake, None, backend, progress,
-                                        stack.cut(k)))
+            try:    # the first may be the full trace (no deep stack): the probe's splice too
+                traces.append(_trace_values(spec, cfg, fake, None if traces else optimizer_from,
+                                            backend, progress, stack.cut(k)))
+            except SpliceMismatch:
+                if stack.path is None:
+                    raise
+                # a cut stack's optimizer phase is not the full model's: run its own
+                traces.append(_trace_values(spec, cfg, fake, None, backend, progress,
+                                            stack.cut(k)))
             if stack.path is None:
                 return traces[0]          # no deep stack: that was the full trace
         try:
