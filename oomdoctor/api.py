@@ -80,6 +80,17 @@ def _script(script: str, args: Any, model: Any):
     return parse_command(["python", script, *map(str, args)])
 
 
+def _version(text: str | None):
+    """``torch=`` as a TorchVersion (None: the installed torch)."""
+    from oomdoctor.sim.versions import parse_version
+    return parse_version(text) if text else None
+
+
+def _default_zero_grad(version) -> str:
+    from oomdoctor.sim.versions import default_zero_grad
+    return default_zero_grad(version)
+
+
 def estimate(model: Any = None, batch_size: int | None = None, *,
              script: str | None = None, args: Any = (), steps: int = 2,
              batch: Callable[[int], Any] | None = None,
@@ -88,10 +99,11 @@ def estimate(model: Any = None, batch_size: int | None = None, *,
              grad_accum: int = 1, optimizer: str | None = None, gpu: str | None = None,
              memory: int | None = None, margin: float = 0.05, overhead: int | None = None,
              other: int = 0, alloc_conf: str = "", task: str | None = None,
-             seq_len: int | None = None, zero_grad: str = "after-step",
+             seq_len: int | None = None, zero_grad: str | None = None,
              lora: int | None = None, lora_targets: tuple[str, ...] | None = None,
              quantize: str | None = None, arch: str | None = None,
-             image_size: int | None = None, num_classes: int | None = None):
+             image_size: int | None = None, num_classes: int | None = None,
+             torch: str | None = None):
     """Peak GPU memory of one training configuration (``oomdoctor estimate``): an
     :class:`oomdoctor.plans.estimate.Estimate`. ``gpu`` is a profile name (default rtx3090) or
     ``memory`` a card's capacity in bytes; ``overhead`` and ``other`` are bytes too.
@@ -100,14 +112,18 @@ def estimate(model: Any = None, batch_size: int | None = None, *,
     ``num_classes`` shape a ``"timm:NAME"`` / ``"torchvision:NAME"`` model's batch and head.
     ``script=`` (with ``args=``) runs a training script instead, for ``steps`` optimizer steps;
     ``batch_size`` then sets its DataLoaders' (and ``{batch}``), ``seq_len`` its ``{seq}``,
-    and the options of a model file's loop (precision, checkpointing, ...) do not apply."""
+    and the options of a model file's loop (precision, checkpointing, ...) do not apply.
+    ``torch="2.3.1"`` models that release's CUDA facts (``--torch``; default: the installed
+    torch), and ``zero_grad`` then defaults to what its ``optimizer.zero_grad()`` does."""
     from oomdoctor.plans import estimate as estimate_mod
     from oomdoctor.sim.allocator import AllocatorConfig
     from oomdoctor.sim.trace import TraceConfig
     alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
+    version = _version(torch)
     if script is not None:
         return estimate_mod.estimate_script(
-            _script(script, args, model), TraceConfig(batch_size or 1, steps=steps),
+            _script(script, args, model), TraceConfig(batch_size or 1, steps=steps,
+                                                      torch=version),
             _budget(gpu, memory, margin, overhead, other, arch), alloc, batch_size=batch_size,
             seq_len=seq_len)
     if model is None or batch_size is None:
@@ -115,7 +131,8 @@ def estimate(model: Any = None, batch_size: int | None = None, *,
     spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize,
                  image_size, num_classes)
     cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
-                      optimizer, zero_grad=zero_grad, steps=steps)
+                      optimizer, zero_grad=zero_grad or _default_zero_grad(version),
+                      steps=steps, torch=version)
     budget = _budget(gpu, memory, margin, overhead, other, arch)
     return estimate_mod.estimate(spec, cfg, budget, alloc)
 
@@ -131,13 +148,14 @@ def probe(model: Any = None, batch: Callable[[int], Any] | None = None, *,
           progress: Callable[[str], None] | None = None, lora: int | None = None,
           lora_targets: tuple[str, ...] | None = None, quantize: str | None = None,
           arch: str | None = None, image_size: int | None = None,
-          num_classes: int | None = None):
+          num_classes: int | None = None, torch: str | None = None):
     """The largest batch that fits per precision x checkpointing (``oomdoctor probe``): a
     :class:`oomdoctor.plans.probe.ProbeResult`; ``oomdoctor.plans.probe.recommended(result)``
     picks the configuration to train with. ``progress`` hears one line per step of the search;
     ``lora=RANK`` (``lora_targets=``, ``quantize=``), ``image_size`` and ``num_classes`` as
     in :func:`estimate`. ``script=`` (with ``args=``): the largest batch a training script
-    fits, by running it (a :class:`oomdoctor.plans.script_probe.ScriptProbe`)."""
+    fits, by running it (a :class:`oomdoctor.plans.script_probe.ScriptProbe`). ``torch=`` as
+    in :func:`estimate`."""
     from oomdoctor.plans import probe as probe_mod
     from oomdoctor.sim.allocator import AllocatorConfig
     from oomdoctor.configs import MAX_BATCH
@@ -145,7 +163,7 @@ def probe(model: Any = None, batch: Callable[[int], Any] | None = None, *,
     if script is not None:
         from oomdoctor.plans.script_probe import probe_script
         alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
-        return probe_script(_script(script, args, model), TraceConfig(1),
+        return probe_script(_script(script, args, model), TraceConfig(1, torch=_version(torch)),
                             _budget(gpu, memory, margin, overhead, other, arch), alloc,
                             max_batch=max_batch_size or MAX_BATCH, seq_len=seq_len,
                             progress=progress)
@@ -155,7 +173,9 @@ def probe(model: Any = None, batch: Callable[[int], Any] | None = None, *,
                  image_size, num_classes)
     budget = _budget(gpu, memory, margin, overhead, other, arch)
     configs = probe_mod.matrix(budget.gpu, precisions or (), checkpointing)
-    base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer)
+    version = _version(torch)
+    base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer,
+                       zero_grad=_default_zero_grad(version), torch=version)
     alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
     return probe_mod.probe(spec, base, budget, configs, alloc,
                            progress=progress or (lambda _: None),

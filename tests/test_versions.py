@@ -242,3 +242,28 @@ def test_estimate_says_which_release_it_modelled():
     assert json.loads(res.stdout)["modelled_torch"] == "2.0.1"
     res = CliRunner().invoke(cli, ["estimate", MLP, "-b", "8", "--json"])
     assert "modelled_torch" not in json.loads(res.stdout)
+
+
+def test_the_api_and_check_take_the_release_as_the_cli_does(tmp_path):
+    """oomdoctor.estimate(torch=) and a check case's `torch = X.Y` give the CLI's --torch
+    answer; without it, the default release (baselines recorded before stay valid)."""
+    import json as json_mod
+
+    import oomdoctor
+    from oomdoctor.plans.check import load_config, measure_case
+    res = CliRunner().invoke(cli, ["estimate", MLP, "-b", "64", "--gpu", "rtx3090", "--torch",
+                                   "2.0.1", "--json"])
+    by_cli = json_mod.loads(res.output)["peak_allocated_bytes"]
+    by_api = oomdoctor.estimate(MLP, 64, gpu="rtx3090", torch="2.0.1")
+    now = oomdoctor.estimate(MLP, 64, gpu="rtx3090")
+    assert by_api.peak_allocated_bytes == by_cli != now.peak_allocated_bytes
+    cfg = tmp_path / "setup.cfg"
+    cfg.write_text(f"[oomdoctor:old]\nmodel = {MLP}\nbatch_size = 64\ntorch = 2.0.1\n\n"
+                   f"[oomdoctor:new]\nmodel = {MLP}\nbatch_size = 64\n")
+    old, new = load_config(str(cfg)).cases
+    assert old.config()["torch"] == "2.0.1" and "torch" not in new.config()
+    assert measure_case(old, str(tmp_path)).peak_allocated_bytes == by_cli
+    assert measure_case(new, str(tmp_path)).peak_allocated_bytes == now.peak_allocated_bytes
+    cfg.write_text(f"[oomdoctor:bad]\nmodel = {MLP}\nbatch_size = 64\ntorch = 1.8\n")
+    with pytest.raises(ValueError, match="1.13"):
+        load_config(str(cfg))

@@ -38,7 +38,7 @@ import configparser
 import json
 import multiprocessing
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
@@ -85,6 +85,7 @@ class Case:
     image_size: int | None = None    # timm:, torchvision:, HF image models: input side ...
     num_classes: int | None = None   # ... and head width
     command: str | None = None       # a training script's command line, instead of a model
+    torch: str | None = None         # the torch release whose CUDA facts to model (--torch)
 
     def config(self) -> dict[str, Any]:
         """What defines the numbers: a change here makes the baseline stale. (task, seq_len and
@@ -92,7 +93,7 @@ class Case:
         d = asdict(self)
         del d["name"], d["tolerance"]
         for key in ("task", "seq_len", "lora", "lora_targets", "quantize", "image_size",
-                    "num_classes", "command"):
+                    "num_classes", "command", "torch"):
             if d[key] is None:
                 del d[key]
         return d
@@ -200,13 +201,14 @@ def load_config(path: str | None = None) -> CheckConfig:
         where = f"{path} [{section}]"
         known = {"model", "batch_size", "precision", "checkpointing", "grad_accum", "optimizer",
                  "strategy", "gpu", "budget", "margin", "tolerance", "task", "seq_len",
-                 "lora", "lora_targets", "quantize", "image_size", "num_classes", "command"}
+                 "lora", "lora_targets", "quantize", "image_size", "num_classes", "command",
+                 "torch"}
         unknown = set(s) - known
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: "
                               f"{', '.join(sorted(known))}")
         if "command" in s:
-            cases.append(_command_case(name, s, where, tolerance))
+            cases.append(_with_torch(_command_case(name, s, where, tolerance), s, where))
             continue
         if "model" not in s or "batch_size" not in s:
             raise ConfigError(f"{where}: needs `model = path/to/model.py` and `batch_size = N` "
@@ -241,6 +243,7 @@ def load_config(path: str | None = None) -> CheckConfig:
                           _fraction(s["tolerance"], "tolerance") if "tolerance" in s
                           else tolerance, s.get("task"), seq_len, lora,
                           s.get("lora_targets"), s.get("quantize"), image_size, num_classes))
+        cases[-1] = _with_torch(cases[-1], s, where)
         if lora is None and (s.get("quantize") or s.get("lora_targets")):
             raise ConfigError(f"{where}: quantize and lora_targets need lora = RANK")
         try:
@@ -251,6 +254,26 @@ def load_config(path: str | None = None) -> CheckConfig:
         raise ConfigError(f"{path}: no [oomdoctor:NAME] sections; add one per case (see "
                           "`oomdoctor check --help`)")
     return CheckConfig(top.get("baseline", DEFAULT_BASELINE), tolerance, tuple(cases), root)
+
+
+def _with_torch(case: Case, s: Any, where: str) -> Case:
+    """The case with its ``torch = X.Y`` release, checked now (a bad one is a config error)."""
+    if "torch" not in s:
+        return case
+    from oomdoctor.sim.versions import parse_version
+    try:
+        parse_version(s["torch"])
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from e
+    return replace(case, torch=s["torch"])
+
+
+def _trace_config(case: Case, batch_size: int) -> TraceConfig:
+    """The case's TraceConfig: its loop, and the torch release it models."""
+    from oomdoctor.sim.versions import default_zero_grad, parse_version
+    version = parse_version(case.torch) if case.torch else None
+    return TraceConfig(batch_size, case.precision, case.checkpointing, None, case.grad_accum,
+                       case.optimizer, zero_grad=default_zero_grad(version), torch=version)
 
 
 def _command_case(name: str, s: Any, where: str, tolerance: float) -> Case:
@@ -288,7 +311,8 @@ def _script_estimate(case: Case, root: str, budget: Budget):
         if w.endswith(".py") and os.path.exists(os.path.join(root, w)):
             words[i] = os.path.join(root, w)
             break
-    return estimate_script(parse_command(words), TraceConfig(case.batch_size or 1), budget,
+    return estimate_script(parse_command(words), _trace_config(case, case.batch_size or 1),
+                           budget,
                            batch_size=case.batch_size or None, seq_len=case.seq_len)
 
 
@@ -306,9 +330,7 @@ def measure_case(case: Case, root: str) -> Measured:
             spec = load_model(local if os.path.exists(local) else case.model, task=case.task,
                               seq_len=case.seq_len, adapters=case.adapters(),
                               image_size=case.image_size, num_classes=case.num_classes)
-            cfg = TraceConfig(case.batch_size, case.precision, case.checkpointing, None,
-                              case.grad_accum, case.optimizer)
-            e = estimate(spec, cfg, Budget(gpu, case.margin))
+            e = estimate(spec, _trace_config(case, case.batch_size), Budget(gpu, case.margin))
         fits = None
         if case.budget_bytes is not None:
             card = custom_profile(case.budget_bytes, gpu.bf16, gpu.compute_capability)
