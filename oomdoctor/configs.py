@@ -28,7 +28,8 @@ PURE_QUALITY = {
 }
 
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "rmsprop", "adagrad", "adafactor",
+OPTIMIZERS = ("adamw", "adamw-fused", "adam", "sgd", "sgd-momentum", "rmsprop", "adagrad",
+              "adafactor",
               "torchao-adamw8bit", "torchao-adamw4bit")
 MAX_BATCH = 1 << 16   # the probe stops searching here; a model this light fits "at least" this
 # When the training loop drops its gradients:

@@ -409,3 +409,19 @@ def test_hf_trainer_classifiers_give_the_hf_sources_peak(tmp_path, kind, precisi
 def test_planning_commands_say_where_a_script_goes(command):
     r = _cli(command, "--", "python", "tests/scripts/mlp_loop.py")
     assert r.returncode == 2 and "estimate|probe -- python train.py" in r.stderr
+
+
+def test_the_hf_trainers_default_optimizer_is_fused_adamw(tmp_path):
+    """transformers' TrainingArguments defaults to optim="adamw_torch_fused" on torch >= 2.8;
+    a Trainer script left at its default gives the HF source's peak with --optimizer
+    adamw-fused (and not the foreach AdamW a model file's loop builds by default)."""
+    pytest.importorskip("transformers")
+    folder = _hf_config(tmp_path, "bert")
+    run = estimate_script(_script("hf_trainer_classify.py", "--config_dir", folder,
+                                  "--per_device_train_batch_size", 8, "--seq_len", 128),
+                          TraceConfig(1), BUDGET)
+    spec = load_model(folder, seq_len=128)
+    fused = estimate(spec, TraceConfig(8, optimizer="adamw-fused"), BUDGET)
+    foreach = estimate(spec, TraceConfig(8), BUDGET)
+    assert _close(run.peak_allocated_bytes, fused.peak_allocated_bytes)
+    assert not _close(run.peak_allocated_bytes, foreach.peak_allocated_bytes)

@@ -15,6 +15,10 @@ def build_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     name = name.lower()
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-4)
+    if name == "adamw-fused":
+        # The HF Trainer's default on torch >= 2.8 (transformers/training_args.py: optim=
+        # "adamw_torch_fused"): one kernel per parameter group, no foreach temporaries.
+        return torch.optim.AdamW(params, lr=1e-4, fused=True)
     if name == "adam":
         return torch.optim.Adam(params, lr=1e-4)
     if name == "sgd":
