@@ -1,7 +1,7 @@
 """Measure training scripts' real peaks on a GPU, stopped where oomdoctor's run of the same
 script stops: after the second optimizer step, at the script's next forward or backward.
 
-    python benchmarks/measure_scripts.py --out benchmarks/results/scripts-h100-2.x.json
+    python benchmarks/measure_scripts.py --out benchmarks/results/scripts/nvidia-h100-2.x.json
 
 Each case runs in its own process (a fresh CUDA context and caching allocator), as the script
 itself, with the hooks below; the peaks are torch.cuda.max_memory_allocated/reserved at the

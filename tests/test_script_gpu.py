@@ -1,6 +1,6 @@
 """Training scripts as they are, against their real peaks on a GPU.
 
-benchmarks/results/scripts-nvidia-h100-2.11.0.json holds torch.cuda.max_memory_allocated/
+benchmarks/results/scripts/nvidia-h100-2.11.0.json holds torch.cuda.max_memory_allocated/
 reserved of each script in tests/scripts/, run on an NVIDIA H100 80GB HBM3 (driver 580.159.04,
 torch 2.11.0+cu130, transformers 5.17.0, lightning 2.6.6) and stopped where oomdoctor's run
 stops (benchmarks/measure_scripts.py). oomdoctor runs the same scripts here on a fake H100
@@ -24,7 +24,7 @@ from oomdoctor.sim.gpus import get_profile
 from oomdoctor.sim.trace import TraceConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "scripts-nvidia-h100-2.11.0.json")
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "scripts", "nvidia-h100-2.11.0.json")
 RECORDS = json.load(open(RESULTS))["records"]
 UNDER, OVER = 0.06, 0.03
 TRANSFORMERS = ("gpt2_small", "bert_base", "hf_trainer_clm", "lightning_loop")
