@@ -18,6 +18,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from oomdoctor.sim.fakecuda import patched
+
 MiB = 2**20
 # DDP constants (torch/nn/parallel/distributed.py, torch 2.x): buckets of 25 MiB
 # (_DEFAULT_BUCKET_CAP_MB), the first one 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES) once buckets are
@@ -165,21 +167,6 @@ def _distributed_answers(world: int, state: dict) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _patched(target: Any, answers: dict[str, Any]) -> Iterator[None]:
-    saved = {name: getattr(target, name, None) for name in answers}
-    for name, fn in answers.items():
-        setattr(target, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            if fn is None:
-                delattr(target, name)
-            else:
-                setattr(target, name, fn)
-
-
-@contextlib.contextmanager
 def rank_zero(world: int) -> Iterator[None]:
     """The script runs as rank 0 of ``world`` processes: torchrun's environment, a process
     group whose collectives move nothing, DDP as :class:`ScriptDDP`, FSDP refused."""
@@ -192,12 +179,12 @@ def rank_zero(world: int) -> Iterator[None]:
     os.environ.update(env)
     state = {"initialized": False}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(dist, _distributed_answers(world, state)))
-        stack.enter_context(_patched(parallel, {"DistributedDataParallel": ScriptDDP}))
-        stack.enter_context(_patched(distributed, {"DistributedDataParallel": ScriptDDP}))
+        stack.enter_context(patched(dist, _distributed_answers(world, state)))
+        stack.enter_context(patched(parallel, {"DistributedDataParallel": ScriptDDP}))
+        stack.enter_context(patched(distributed, {"DistributedDataParallel": ScriptDDP}))
         with contextlib.suppress(ImportError):
             import torch.distributed.fsdp as fsdp
-            stack.enter_context(_patched(fsdp, {
+            stack.enter_context(patched(fsdp, {
                 "FullyShardedDataParallel": _refuse("FullyShardedDataParallel"),
                 "fully_shard": _refuse("fully_shard")}))
         try:

@@ -350,7 +350,9 @@ def _autocast(real: Callable, device: Device) -> Callable:
 
 
 @contextlib.contextmanager
-def _patched(target: Any, answers: dict[str, Any]) -> Iterator[None]:
+def patched(target: Any, answers: dict[str, Any]) -> Iterator[None]:
+    """Set ``answers`` as attributes of ``target`` (a module) for the block; put back (or
+    remove) what was there after."""
     saved = {name: target.__dict__.get(name) for name in answers}
     for name, fn in answers.items():
         setattr(target, name, fn)
@@ -395,14 +397,14 @@ def fake_cuda(device: Device) -> Iterator[None]:
     cuda_autocast = {"autocast": lambda dtype=torch.float16, enabled=True, cache_enabled=True:
                      amp["autocast"]("cuda", dtype, enabled, cache_enabled)}
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(torch.cuda, _cuda_answers(gpu)))
+        stack.enter_context(patched(torch.cuda, _cuda_answers(gpu)))
         if hasattr(torch, "accelerator"):
-            stack.enter_context(_patched(torch.accelerator, _accelerator_answers(gpu)))
-        stack.enter_context(_patched(torch, dict(amp, save=_save(torch.save, device.reads))))
-        stack.enter_context(_patched(torch.amp, amp))
-        stack.enter_context(_patched(torch.cuda.amp, dict(cuda_autocast,
+            stack.enter_context(patched(torch.accelerator, _accelerator_answers(gpu)))
+        stack.enter_context(patched(torch, dict(amp, save=_save(torch.save, device.reads))))
+        stack.enter_context(patched(torch.amp, amp))
+        stack.enter_context(patched(torch.cuda.amp, dict(cuda_autocast,
                                                           GradScaler=ScriptGradScaler)))
-        stack.enter_context(_patched(torch.amp, {"GradScaler": ScriptGradScaler}))
+        stack.enter_context(patched(torch.amp, {"GradScaler": ScriptGradScaler}))
         stack.enter_context(modules_on_meta(device))
         stack.enter_context(DeviceMode(device))
         yield
