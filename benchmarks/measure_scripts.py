@@ -11,12 +11,14 @@ Cases whose libraries are missing on the GPU machine are recorded as skipped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import runpy
 import subprocess
 import sys
+from typing import Iterator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = os.path.join("tests", "scripts")
@@ -38,20 +40,25 @@ CASES = [
 STEPS = 2
 
 
-class _Stop(BaseException):
-    pass
+class StopRun(BaseException):
+    """The script has taken its steps (BaseException: a script's ``except Exception`` lets it
+    through)."""
 
 
-def _one(script: str, args: list[str]) -> None:
-    """Run the script under the stop hooks; print one JSON line with its peaks."""
+@contextlib.contextmanager
+def stopped_after(steps: int) -> Iterator[list[int]]:
+    """While the block runs a training script, its next forward of a top-level module or its
+    next backward after ``steps`` optimizer steps raises :class:`StopRun` - where oomdoctor's
+    run of a script stops. Yields the steps taken so far (a one-item list). Plain PyTorch, apart
+    from oomdoctor's implementation: tests/reference.py uses it for real CPU runs too."""
     import torch
     from torch.nn.modules import module as nn_module
     from torch.optim.optimizer import register_optimizer_step_post_hook
     done, depth = [0], [0]
 
     def stop_if_done():
-        if done[0] >= STEPS:
-            raise _Stop
+        if done[0] >= steps:
+            raise StopRun
 
     def pre(_m, _a):
         if depth[0] == 0:
@@ -65,18 +72,30 @@ def _one(script: str, args: list[str]) -> None:
     def backward(*a, **k):
         stop_if_done()
         return real_backward(*a, **k)
-    nn_module.register_module_forward_pre_hook(pre)
-    nn_module.register_module_forward_hook(post, always_call=True)
-    register_optimizer_step_post_hook(lambda *_: done.__setitem__(0, done[0] + 1))
+    hooks = [nn_module.register_module_forward_pre_hook(pre),
+             nn_module.register_module_forward_hook(post, always_call=True),
+             register_optimizer_step_post_hook(lambda *_: done.__setitem__(0, done[0] + 1))]
     torch.autograd.backward = backward
+    try:
+        yield done
+    finally:
+        torch.autograd.backward = real_backward
+        for h in hooks:
+            h.remove()
+
+
+def _one(script: str, args: list[str]) -> None:
+    """Run the script under the stop hooks; print one JSON line with its peaks."""
+    import torch
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     out = {"script": os.path.basename(script), "args": args}
-    try:
-        runpy.run_path(script, run_name="__main__")
-        out["ended"] = "script end"
-    except _Stop:
-        out["ended"] = "steps"
+    with stopped_after(STEPS) as done:
+        try:
+            runpy.run_path(script, run_name="__main__")
+            out["ended"] = "script end"
+        except StopRun:
+            out["ended"] = "steps"
     torch.cuda.synchronize()
     out.update(steps=done[0], peak_allocated_bytes=torch.cuda.max_memory_allocated(),
                peak_reserved_bytes=torch.cuda.max_memory_reserved())

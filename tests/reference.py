@@ -134,59 +134,33 @@ def real_cpu_peak_variant(path: str, batch_size: int, *, checkpoint: tuple[str, 
     return _profiled_peak(model, run, opaque)
 
 
-class _Stopped(BaseException):
-    """The real run has taken its steps."""
-
-
 def real_cpu_script_peak(path: str, args: list[str], steps: int = 2) -> int:
     """Peak bytes the CPU allocator held during a real CPU run of a training script, from
     its start until, after ``steps`` optimizer steps, it starts its next forward or backward
     (where oomdoctor's run of a script stops). The script runs as it is, with no GPU: it
     picks the CPU itself. Everything it allocates counts, its dataset included - scripts
     checked this way keep their data small."""
+    import os
     import runpy
     import sys
-
-    from torch.nn.modules import module as nn_module
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    done = [0]
-    depth = [0]
-
-    def stop_if_done(*_):
-        if done[0] >= steps:
-            raise _Stopped
-
-    def pre(_m, _a):
-        if depth[0] == 0:
-            stop_if_done()
-        depth[0] += 1
-
-    def post(_m, _a, _o):
-        depth[0] -= 1
-
-    real_backward = torch.autograd.backward
-
-    def backward(*a, **k):
-        stop_if_done()
-        return real_backward(*a, **k)
-    hooks = [nn_module.register_module_forward_pre_hook(pre),
-             nn_module.register_module_forward_hook(post, always_call=True),
-             register_optimizer_step_post_hook(lambda *_: done.__setitem__(0, done[0] + 1))]
-    torch.autograd.backward = backward
+    # the stop point, shared with the GPU measurements (benchmarks/measure_scripts.py)
+    benchmarks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    from measure_scripts import StopRun, stopped_after
     saved = sys.argv
     sys.argv = [path, *args]
     gc.collect()
     try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with stopped_after(steps), \
+                profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             try:
                 runpy.run_path(path, run_name="__main__")
-            except _Stopped:
+            except StopRun:
                 pass
     finally:
         sys.argv = saved
-        torch.autograd.backward = real_backward
-        for h in hooks:
-            h.remove()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
                     key=lambda e: e.start_ns())
     live = peak = 0
