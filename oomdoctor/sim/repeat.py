@@ -91,6 +91,14 @@ def repeated_stack(model: torch.nn.Module, min_blocks: int = MIN_BLOCKS
     return None if best is None else best[1:]
 
 
+def cut(model: torch.nn.Module, path: str, blocks: list[torch.nn.Module], k: int) -> None:
+    """Put the first ``k`` of ``blocks`` (the stack's, in order) at ``path`` in ``model``: the
+    same module objects, so their parameters keep their storages."""
+    parent, _, attr = path.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    setattr(owner, attr, type(getattr(owner, attr))(blocks[:k]))
+
+
 class Stack:
     """Builds the model once and hands the trace the stack cut to ``k`` blocks."""
 
@@ -124,10 +132,7 @@ class Stack:
     def _cut(self, k: int) -> None:
         for p in self.model.parameters():
             p.grad = None                     # a previous cut's gradients
-        parent, _, attr = self.path.rpartition(".")
-        owner = self.model.get_submodule(parent) if parent else self.model
-        old = getattr(owner, attr)
-        setattr(owner, attr, type(old)(self.blocks[:k]))
+        cut(self.model, self.path, self.blocks, k)
 
     def full(self, traces: list) -> Any:
         """The trace of the whole stack from the traces cut to 2, 3 and 4 blocks (trace.Trace

@@ -5,16 +5,14 @@ import contextlib
 import gc
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from oomdoctor.models.spec import ModelSpec
-from oomdoctor.sim.device import dispatch_with_values, mirrored_batch
-
-
-MAIN = -1          # attribution: the main device (accelerate's io_same_device root), not a block
+from oomdoctor.plans.parallel.passes import MAIN, Pass, run_pass
+from oomdoctor.plans.parallel.stack import cut_passes, span_of
+from oomdoctor.sim.repeat import MIN_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -115,50 +113,34 @@ def execution_blocks(model: torch.nn.Module) -> list[str]:
     return out or [""]
 
 
-def _fresh(func: Any, cache: dict) -> tuple[bool, ...]:
-    hit = cache.get(func)
-    if hit is None:
-        try:
-            hit = tuple(r.alias_info is None for r in func._schema.returns)
-        except AttributeError:
-            hit = ()
-        cache[func] = hit
-    return hit
-
-
-def _leaves(obj: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list, dict)):
-        return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
-    if hasattr(obj, "__dict__"):       # ModelOutput-like objects
-        return [t for t in vars(obj).values() if isinstance(t, torch.Tensor)]
-    return []
-
-
-def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2) -> Layout:
+def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2, *,
+                 min_blocks: int | None = MIN_BLOCKS) -> Layout:
     """Build the model on fake tensors, run one forward + backward at ``batch_size`` (FLOPs,
     execution order, block inputs) and one forward at batch 1 (the batch-independent part of
-    each block input)."""
+    each block input).
+
+    A stack of ``min_blocks`` or more identical blocks (None: never) runs cut to a few blocks and
+    is extended to all of them (:mod:`oomdoctor.plans.parallel.stack`): the same layout, to the byte and FLOP."""
     with _rebuilt_model(spec, precision) as model:
         root = type(model).__name__
         defined = execution_blocks(model)
         st = _storages(model, defined)
-        calls2, order, out2, counts, first_use = _run(spec, model, precision, defined,
-                                                      st.owner_by_key, batch_size, True)
-        calls1, _, out1, _, _ = _run(spec, model, precision, defined, st.owner_by_key, 1, False)
+
+        def run(b: int, backward: bool) -> Pass:
+            return run_pass(spec, model, precision, defined, st.owner_by_key, b, backward)
+        span = span_of(model, defined, st, min_blocks)
+        found = cut_passes(model, span, run, batch_size) if span else None
+        p2, p1 = found or (run(batch_size, True), run(1, False))
         model.zero_grad(set_to_none=True)
-    exec_defs = _execution_order(len(defined), order, st.owner_by_key, first_use)
+    exec_defs = _execution_order(len(defined), list(p2.order), st.owner_by_key, p2.first_use)
     to_exec = {d: e for e, d in enumerate(exec_defs)}
 
     def ex(i: int) -> int:
         return MAIN if i < 0 else to_exec[i]
 
-    inputs = _block_inputs(calls1, calls2, batch_size, ex)
-    block_flops = _block_flops(counts, root, [defined[d] for d in exec_defs], batch_size)
-    total = sum(counts.get("Global", {}).values()) / batch_size
-    out_slope = (out2 - out1) // (batch_size - 1) if batch_size > 1 else 0
+    inputs = _block_inputs(p1.calls, p2.calls, batch_size, ex)
+    block_flops = [p2.block_flops.get(d, 0.0) / batch_size for d in exec_defs]
+    out_slope = (p2.out_bytes - p1.out_bytes) // (batch_size - 1) if batch_size > 1 else 0
     return Layout(
         model=spec.name, precision=precision, root=root,
         blocks=tuple(defined[d] for d in exec_defs),
@@ -168,8 +150,8 @@ def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2) 
         num_param_storages=len(st.param_keys),
         persistent=tuple(n in st.persistent_names for n in st.names),
         tied=tuple(tuple(sorted(ex(i) for i in g)) for g in st.tied_def),
-        inputs=tuple(inputs), output_bytes_at_1=out1, output_bytes_per_sample=out_slope,
-        block_flops=tuple(block_flops), flops_per_sample=total,
+        inputs=tuple(inputs), output_bytes_at_1=p1.out_bytes, output_bytes_per_sample=out_slope,
+        block_flops=tuple(block_flops), flops_per_sample=p2.total_flops / batch_size,
         num_parameters=sum(t.numel() for t in st.tensors.values()),
         num_trainable=sum(t.numel() for t in st.tensors.values() if t.requires_grad),
         largest_leaf_params=st.largest_leaf, has_batchnorm=st.has_bn)
@@ -266,107 +248,6 @@ def _storages(model: torch.nn.Module, defined: list[str]) -> _Storages:
                      trainable, numel, block_numel, persistent_names, largest_leaf, has_bn)
 
 
-class _Tagger(TorchDispatchMode):
-    """Tags every fresh storage with the block running (or last run) when it was made."""
-
-    def __init__(self, owner_by_key: dict[int, int]) -> None:
-        from oomdoctor.sim.values import Shadows
-        super().__init__()
-        self.owner_by_key = owner_by_key
-        self.shadows = Shadows()                # the batch's real values (sim.device)
-        self.tags: dict[int, int] = {}
-        self.stack: list[int] = []
-        self.last = MAIN
-        self.cache: dict = {}
-        self.first_use: dict[int, int] = {}     # parameter storage -> block context
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        tag = self.stack[-1] if self.stack else self.last
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                k = a.untyped_storage()._cdata
-                if k in self.owner_by_key and k not in self.first_use:
-                    self.first_use[k] = tag
-        out = dispatch_with_values(self.shadows, func, args, kwargs or {})
-        fresh = _fresh(func, self.cache)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        for i, o in enumerate(outs):
-            if isinstance(o, torch.Tensor) and (fresh[i] if i < len(fresh) else True):
-                self.tags[o.untyped_storage()._cdata] = tag
-        return out
-
-
-def _run(spec: ModelSpec, model: torch.nn.Module, precision: str, defined: list[str],
-         owner_by_key: dict[int, int], b: int, backward: bool):
-    """One step at batch ``b`` (forward only under no_grad unless ``backward``): each block's
-    inputs (def block, producer, bytes, requires_grad), the blocks in call order, the model's
-    output bytes, FLOPs per module (with ``backward``) and each parameter's first use."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from oomdoctor.sim import emulate
-    from oomdoctor.models.training import compute_loss, make_configured_batch
-
-    amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
-    tagger = _Tagger(owner_by_key)
-    calls: list[tuple[int, int, int, bool]] = []      # (def block, producer, bytes, rg)
-    order: list[int] = []
-    out_bytes = [0]
-    handles = _hooks(model, defined, owner_by_key, tagger, calls, order, out_bytes)
-    flops = FlopCounterMode(display=False) if backward else contextlib.nullcontext()
-    try:
-        with flops, tagger:
-            batch = mirrored_batch(lambda: make_configured_batch(spec, b, precision),
-                                   tagger.shadows)
-            with contextlib.ExitStack() as stack:
-                if amp is not None:
-                    stack.enter_context(emulate.CudaAutocast(amp))
-                if not backward:
-                    stack.enter_context(torch.no_grad())
-                loss = compute_loss(spec, model, batch)
-            if backward:
-                loss.backward()
-    finally:
-        for h in handles:
-            h.remove()
-    counts = flops.get_flop_counts() if backward else {}
-    return calls, order, out_bytes[0], counts, tagger.first_use
-
-
-def _hooks(model: torch.nn.Module, defined: list[str], owner_by_key: dict[int, int],
-           tagger: _Tagger, calls: list, order: list[int], out_bytes: list[int]) -> list:
-    """Hooks that record each block's inputs and call order into ``calls`` and ``order``, keep
-    ``tagger``'s block stack, and put the model's output bytes in ``out_bytes``."""
-    handles = []
-
-    def pre(i):
-        def hook(_m, args, kwargs):
-            if i not in order:
-                order.append(i)
-            for t in _leaves(list(args) + list(kwargs.values())):
-                k = t.untyped_storage()._cdata
-                prod = owner_by_key[k] if k in owner_by_key else tagger.tags.get(k, MAIN)
-                calls.append((i, prod, t.numel() * t.element_size(), t.requires_grad))
-            tagger.stack.append(i)
-        return hook
-
-    def post(i):
-        def hook(_m, _a, _o):
-            if tagger.stack:
-                tagger.stack.pop()
-            tagger.last = i
-        return hook
-
-    for i, name in enumerate(defined):
-        mod = model.get_submodule(name)
-        handles.append(mod.register_forward_pre_hook(pre(i), with_kwargs=True))
-        handles.append(mod.register_forward_hook(post(i), always_call=True))
-
-    def root_out(_m, _a, out):
-        out_bytes[0] = sum(t.numel() * t.element_size() for t in _leaves(out))
-    handles.append(model.register_forward_hook(root_out))
-    return handles
-
-
 def _execution_order(num_defined: int, order: list[int], owner_by_key: dict[int, int],
                      first_use: dict[int, int]) -> list[int]:
     """Definition indices in execution order."""
@@ -398,12 +279,3 @@ def _block_inputs(calls1: list, calls2: list, batch_size: int,
         inputs = [BlockInput(ex(c), ex(p), n // batch_size, n // batch_size, rg)
                   for c, p, n, rg in calls2]
     return inputs
-
-
-def _block_flops(counts: dict, root: str, blocks: list[str], batch_size: int) -> list[float]:
-    """Forward + backward FLOPs per sample of each block (``blocks``: module paths)."""
-    block_flops = []
-    for block in blocks:
-        name = f"{root}.{block}" if block else root
-        block_flops.append(sum(counts.get(name, {}).values()) / batch_size)
-    return block_flops
