@@ -40,6 +40,8 @@ Known limitations:
 The package, in dependency order:
 
 - :mod:`~oomdoctor.plans.parallel.strategy`: strategy names, aliases, :class:`Strategy`;
+- :mod:`~oomdoctor.plans.parallel.passes`: the layout's fake passes with hooks on the blocks;
+- :mod:`~oomdoctor.plans.parallel.stack`: a deep stack's passes from the stack cut to 3 and 4;
 - :mod:`~oomdoctor.plans.parallel.layout`: the model's blocks, ownership, block inputs, FLOPs;
 - :mod:`~oomdoctor.plans.parallel.timeline`: storage sizes at any batch, each block's place in time;
 - :mod:`~oomdoctor.plans.parallel.results`: breakdown keys and the records an estimate returns;
