@@ -217,12 +217,35 @@ class _Fit:
                             self.rules[key, cls] = r
                     break
             else:
-                raise UnrollError(f"no one relation at {key}")
+                self._solve_spill(key, obs)
+
+    def _solve_spill(self, key: tuple, obs: list[tuple]) -> None:
+        """Where no relation of :data:`_GROUPS` fits: each class's own, or a :class:`_Spill`
+        (for a static run after the copies, counted from the end: its copy index is k)."""
+        static = [o for o in obs if o[0] == "s"]
+        copies = [o for o in obs if o[0] != "s"]
+        rules = {}
+        if static:
+            rules["s"] = _rule(static) or _spill([(cls, base, k, k, target)
+                                                  for cls, base, _, k, target in static])
+        if copies:
+            for groups in _GROUPS[1:]:
+                found = {g: _rule([o for o in copies if o[0] in g]) for g in groups[1:]}
+                if all(r is not None for g, r in found.items() if any(o[0] in g for o in copies)):
+                    rules.update({cls: r for g, r in found.items() if r for cls in g})
+                    break
+            else:
+                rules.update(dict.fromkeys("fml", _spill(copies)))
+        if any(r is None for r in rules.values()):
+            raise UnrollError(f"no one relation at {key}")
+        self.rules.update({(key, cls): r for cls, r in rules.items()})
 
     def target(self, key: tuple, cls: str, c: int, k: int) -> tuple[object, int | None]:
         rule = self.rules.get((key, cls))
         if rule is None:
             raise UnrollError(f"nothing seen at {key} ({cls})")
+        if isinstance(rule, _Spill):
+            return rule.at(k if cls == "s" else c)
         base, forms = rule
         if forms is None:
             return base, None
@@ -251,6 +274,43 @@ def _rule(obs: list[tuple]) -> tuple | None:
         here = _forms(c, k, target)
         forms = here if forms is None else forms & here
     return (obs[0][1], forms) if forms else None
+
+
+@dataclass(frozen=True)
+class _Spill:
+    """A free of the storage made ``back`` copies earlier, where the copies before the first
+    are the static run's blocks: in pure bf16 a Llama layer frees, as it starts, a tensor
+    made two layers before, and the first layer's run differs (it is static, with the
+    embedding), so the first two copies reach into the static run at ``before``'s places."""
+
+    unit: tuple                      # (phase, part, offset) of the allocation in the copies
+    back: int                        # < 0
+    before: tuple[tuple[int, tuple], ...]   # (copy index < 0, its place in the static run)
+
+    def at(self, c: int) -> tuple[object, int | None]:
+        j = c + self.back
+        if j >= 0:
+            return self.unit, j
+        found = dict(self.before).get(j)
+        if found is None:
+            raise UnrollError("a free reaches before the static run's blocks")
+        return found, None
+
+
+def _spill(obs: list[tuple]) -> _Spill | None:
+    """The one :class:`_Spill` every observation fits (``target - c`` alike where the target
+    is a copy, and one static place per copy index before the first), or None."""
+    reached = [o for o in obs if o[4] is not None]
+    backs = {target - c for _, _, c, _, target in reached}
+    units = {base for _, base, _, _, _ in reached}
+    if len(backs) != 1 or len(units) != 1 or next(iter(backs)) >= 0:
+        return None
+    back = backs.pop()
+    before: dict[int, tuple] = {}
+    for _, base, c, _, target in obs:
+        if target is None and (c + back >= 0 or before.setdefault(c + back, base) != base):
+            return None
+    return _Spill(units.pop(), back, tuple(sorted(before.items())))
 
 
 # -- the whole stream --------------------------------------------------------------------------
