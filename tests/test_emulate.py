@@ -359,6 +359,41 @@ def test_fused_attention_saves_out_and_logsumexp(dtype, cc, kernel, T):
     assert all(T * T > math.prod(shape) / (Bq * Hq) for shape, _, _ in saved)  # no T x T
 
 
+@pytest.mark.parametrize("dtype, kernel", [(torch.bfloat16, "flash"), (torch.float32, "math")])
+def test_grouped_query_attention(dtype, kernel):
+    """enable_gqa with 2 key/value heads for 8 query heads. Flash (16-bit, torch 2.5+) takes the
+    small k and v as they are and saves them; its backward writes dK and dV for every query head,
+    (B, Tk, H, D) each, before summing them per group (flash_api.cpp, mha_bwd). The memory-
+    efficient kernel does not take GQA, so fp32 falls back to the math path, which expands k and
+    v and keeps the (B, H, T, T) probabilities. On the meta device, as the trace runs (the CPU
+    has a GQA flash kernel of its own)."""
+    B, H, Hkv, T, D = 2, 8, 2, 128, 64
+    elt = torch.finfo(dtype).bits // 8
+    with torch.device("meta"):
+        q = torch.randn(B, H, T, D, dtype=dtype, requires_grad=True)
+        k, v = [torch.randn(B, Hkv, T, D, dtype=dtype, requires_grad=True) for _ in range(2)]
+        with emulate.CudaKernels((9, 0)):
+            def attend(q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            saved = saved_for_backward(attend, q, k, v)
+            out = attend(q, k, v)
+            rec = _Allocations()
+            with rec:
+                out.sum().backward()
+    probabilities = [s for s in saved if s[0][-2:] == (T, T)]
+    if kernel == "math":
+        assert probabilities
+        return
+    assert not probabilities
+    assert sorted(nbytes for _, _, nbytes in saved) == sorted([B * H * T * D * elt, B * H * T * 4])
+    made = sorted(nbytes for _, _, nbytes in rec.made)
+    expanded = [n for n in made if n == B * T * H * D * elt]
+    # dq and the two expanded gradients are (B, T, H, D)-sized; dk and dv the small ones
+    assert len(expanded) == 3
+    assert made.count(B * Hkv * T * D * elt) == 2
+    assert k.grad.shape == k.shape and q.grad.shape == q.shape
+
+
 def test_sdpa_kernel_choice():
     with FakeTensorMode():
         bf = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)

@@ -355,6 +355,12 @@ class _FusedAttention(torch.autograd.Function):
                        q.new_empty(q.shape[:-2] + (t128,), dtype=torch.float32)]
         else:
             scratch = [q.new_empty(q.shape[:-2] + (t,), dtype=torch.float32)]
+        if ctx.kernel == "flash" and k.shape[-3:-2] != q.shape[-3:-2]:
+            # grouped-query: the kernel writes dK and dV for every query head, (B, Tk, H, D)
+            # each, and sums them over the group into dk and dv (flash_api.cpp, mha_bwd:
+            # dk_expanded / dv_expanded)
+            b, h, _, d = q.shape
+            scratch += [q.new_empty((b, k.shape[-2], h, d)) for _ in range(2)]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del scratch
         return dq, dk, dv, None, None, None
@@ -408,7 +414,12 @@ class CudaKernels(_OurMode):
         else:
             self.notes.append(f"scaled_dot_product_attention: CUDA would use the {kernel} kernel "
                               f"(sm{self.cc[0]}{self.cc[1]}, {dtype})")
-        if kernel == "math" or k.shape[-3:-2] != q.shape[-3:-2]:
+        # Grouped-query attention (fewer key/value heads, enable_gqa=True): CUDA's flash kernel
+        # takes it as it is (check_batch_size_and_num_heads_dense<true /*supports GQA*/> in
+        # sdp_utils.cpp, torch 2.5+); the memory-efficient one does not, so CUDA falls back to
+        # the math path, which expands k and v - what the op does on the meta device too.
+        grouped = k.shape[-3:-2] != q.shape[-3:-2]
+        if kernel == "math" or (grouped and (kernel != "flash" or self.arch)):
             return func(*args, **kwargs)
         return _FusedAttention.apply(q, k, v, mask, kernel, bool(self.arch))
 
