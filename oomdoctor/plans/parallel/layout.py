@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -120,7 +121,26 @@ def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2, 
     each block input).
 
     A stack of ``min_blocks`` or more identical blocks (None: never) runs cut to a few blocks and
-    is extended to all of them (:mod:`oomdoctor.plans.parallel.stack`): the same layout, to the byte and FLOP."""
+    is extended to all of them (:mod:`oomdoctor.plans.parallel.stack`): the same layout, to the
+    byte and FLOP. A Layout is immutable and depends on nothing else, so each spec keeps its
+    own while it lives: `recommend` asks for the same one for each checkpointing setting and
+    each candidate it checks."""
+    key = (precision, batch_size, min_blocks)
+    kept = _KEPT.get(id(spec))
+    if kept is None or kept[0]() is not spec:
+        kept = (weakref.ref(spec, lambda _, i=id(spec): _KEPT.pop(i, None)), {})
+        _KEPT[id(spec)] = kept
+    if key not in kept[1]:
+        kept[1][key] = _layout(spec, precision, batch_size, min_blocks)
+    return kept[1][key]
+
+
+# id(spec) -> (a weak reference to it, its layouts by (precision, batch size, min_blocks))
+_KEPT: dict[int, tuple[weakref.ref, dict[tuple, "Layout"]]] = {}
+
+
+def _layout(spec: ModelSpec, precision: str, batch_size: int, min_blocks: int | None
+            ) -> Layout:
     with _rebuilt_model(spec, precision) as model:
         root = type(model).__name__
         defined = execution_blocks(model)
