@@ -97,3 +97,16 @@ def test_shallow_models_run_in_full(tmp_path, extended):
     spec = _spec(tmp_path, "gpt2")
     model_layout(spec, "fp32")               # 8 < MIN_BLOCKS
     assert extended == []
+
+
+def test_whisper_runs_in_full(tmp_path, extended):
+    """Whisper's decoder layers do not count the same FLOPs: torch's FlopCounterMode puts the
+    backward of the encoder output's gradient, summed over the layers, on a layer that grows
+    with its index. The cuts disagree, so the layout runs in full - the same layout."""
+    transformers = pytest.importorskip("transformers")
+    from test_sources import WHISPER
+    cfg = transformers.WhisperConfig(**dict(WHISPER, encoder_layers=8, decoder_layers=8))
+    cfg.architectures = ["WhisperForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path / "whisper")
+    _same(load_model(str(tmp_path / "whisper")), "fp32")
+    assert extended == [False]

@@ -129,3 +129,16 @@ def test_other_architectures_unroll_to_the_byte(tmp_path, unrolled, name, config
     marks: so every strategy's per-GPU lists, built from them, are the full trace's too)."""
     _same(_hf(tmp_path, name, config, **kw), cfg)
     assert unrolled == [True]
+
+
+def test_whisper_traces_in_full(tmp_path, unrolled):
+    """An encoder-decoder's two stacks (the decoder's layers all read the encoder's output) do
+    not read as one repeated unit per block: the trace is the full one."""
+    transformers = pytest.importorskip("transformers")
+    from test_sources import WHISPER
+    cfg = transformers.WhisperConfig(**dict(WHISPER, encoder_layers=8, decoder_layers=8))
+    cfg.architectures = ["WhisperForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path / "whisper")
+    _same(load_model(str(tmp_path / "whisper")), TraceConfig(2, precision="bf16",
+                                                              checkpointing=True))
+    assert unrolled == [False]
