@@ -127,15 +127,39 @@ def test_zero_grad_default_before_and_after_2_0():
 
 # fused SDPA kernels (2.0)
 
-@pytest.mark.parametrize("fused, kernel", [(False, "math"), (True, "flash")])
-def test_fused_sdpa_before_and_after_2_0(fused, kernel):
+@pytest.mark.parametrize("release, kernel", [("1.13", "math"), ("2.0", "flash")])
+def test_fused_sdpa_before_and_after_2_0(release, kernel):
     q = torch.randn(2, 4, 64, 32, dtype=torch.bfloat16, requires_grad=True)
     notes: list[str] = []
-    with emulate.CudaKernels((8, 0), notes, "", fused):
+    with emulate.CudaKernels((8, 0), notes, "", _v(release)):
         F.scaled_dot_product_attention(q, q, q)
     assert notes == [f"scaled_dot_product_attention: CUDA would use the {kernel} kernel "
                      "(sm80, bfloat16)"]
     assert has(_v("2.0"), versions.FUSED_SDPA) and not has(_v("1.13"), versions.FUSED_SDPA)
+
+
+# grouped-query SDPA (2.5): before it, k and v repeated to every query head
+
+@pytest.mark.parametrize("release, expanded", [("2.4.1", True), ("2.5.0", False)])
+def test_grouped_query_attention_before_and_after_2_5(release, expanded):
+    """8 query heads, 2 key/value heads, bf16 on sm90. From 2.5 flash saves the small k and v
+    (the inputs: nothing new); before it the model repeats them (transformers' repeat_kv) and
+    attention keeps the two (B, H, T, D) copies."""
+    B, H, Hkv, T, D = 2, 8, 2, 64, 32
+    with torch.device("meta"):
+        q = torch.randn(B, H, T, D, dtype=torch.bfloat16, requires_grad=True)
+        k, v = [torch.randn(B, Hkv, T, D, dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2)]
+        packed: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                      lambda t: t), \
+                emulate.CudaKernels((9, 0), [], "", _v(release)):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    shapes = sorted(tuple(t.shape) for t in packed)
+    assert out.shape == q.shape
+    assert shapes.count((B, H, T, D)) == (4 if expanded else 2)     # + q and out
+    assert shapes.count((B, Hkv, T, D)) == (0 if expanded else 2)
+    assert not [s for s in shapes if s[-2:] == (T, T)]               # flash either way
 
 
 # foreach Adam/AdamW: a second parameter-sized intermediate until 2.1

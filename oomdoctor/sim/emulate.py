@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from oomdoctor.models import adapters
-from oomdoctor.sim import recompute, rnn, rocm
+from oomdoctor.sim import recompute, rnn, rocm, versions
 
 # CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
 # torch.nn.functional.*). Source: the KERNEL_CUDA(..., lower_precision_fp / fp32 /
@@ -370,11 +370,13 @@ class CudaKernels(_OurMode):
     """Pick CUDA's kernels where their memory differs from the CPU's: fused SDPA, fused dropout."""
 
     def __init__(self, compute_capability: tuple[int, int], notes: list[str] | None = None,
-                 arch: str = "", fused_sdpa: bool = True):
+                 arch: str = "", torch_version: "versions.TorchVersion | None" = None):
         super().__init__()
         self.cc = compute_capability
         self.arch = arch            # an AMD target: ROCm's kernels (oomdoctor.sim.rocm)
-        self.fused_sdpa = fused_sdpa  # False: a torch before 2.0 (oomdoctor.sim.versions)
+        # the release's attention (oomdoctor.sim.versions; None: the installed torch's)
+        self.fused_sdpa = versions.has(torch_version, versions.FUSED_SDPA)
+        self.native_gqa = versions.has(torch_version, versions.GQA_SDPA)
         self.notes = notes if notes is not None else []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -405,6 +407,13 @@ class CudaKernels(_OurMode):
         bound = dict(zip(names, args), **kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
+        if not self.native_gqa and k.shape[-3:-2] != q.shape[-3:-2] and bound.get("enable_gqa"):
+            # before 2.5 the model repeats k and v itself (transformers' repeat_kv: a copy per
+            # query head, each kept for backward), then attends as multi-head
+            groups = q.shape[-3] // k.shape[-3]
+            k, v = (x.repeat_interleave(groups, dim=-3) for x in (k, v))
+            args, kwargs = (q, k, v), {n: x for n, x in bound.items()
+                                       if n not in ("query", "key", "value", "enable_gqa")}
         kernel = (sdpa_kernel(q, mask, bound.get("dropout_p", 0.0), self.cc, self.arch, k)
                   if self.fused_sdpa else "math")
         dtype = str(q.dtype).removeprefix("torch.")

@@ -339,7 +339,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
             fakecuda.fake_cuda(device), ddp.rank_zero(script.processes), \
             _loaders(batch_size, run), \
             (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
-                                 versions.has(cfg.torch, versions.FUSED_SDPA))
+                                 cfg.torch)
              if cfg.emulate_cuda else contextlib.nullcontext()), \
             values.active(device.shadows), rec, \
             every_step(lambda opt: label_state(rec, True, opt)) as stepped, _hooks(phases):

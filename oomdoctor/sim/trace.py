@@ -395,7 +395,7 @@ def _run_steps(loop: _Loop, notes: list[str]) -> list[torch.optim.Optimizer]:
         # the model's own output is the loop's `outputs` (a loss_fn's locals die with it)
         hooks.append(loop.model.register_forward_hook(lambda _m, _a, o: loop.outputs.append(o)))
     loop.kernels = (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
-                                        versions.has(cfg.torch, versions.FUSED_SDPA))
+                                        cfg.torch)
                     if cfg.emulate_cuda else None)
     try:
         with rec, values.active(rec.shadows), \

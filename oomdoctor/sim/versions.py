@@ -62,6 +62,7 @@ OLDEST = TorchVersion(1, 13)
 FOREACH_DEFAULT = "foreach_default"
 ZERO_GRAD_SET_TO_NONE = "zero_grad_set_to_none"
 FUSED_SDPA = "fused_sdpa"
+GQA_SDPA = "gqa_sdpa"
 FOREACH_ADAM_ONE_INTERMEDIATE = "foreach_adam_one_intermediate"
 HIPBLASLT_DEFAULT = "rocm_hipblaslt_default"
 HIPBLAS_WORKSPACE_IN_ALLOCATOR = "rocm_hipblas_workspace_in_allocator"
@@ -89,6 +90,13 @@ FACTS: tuple[Fact, ...] = (
          "one intermediate: eps is added in place",
          "github.com/pytorch/pytorch/pull/104898 (merged 2023-07-10); issue /issues/97712",
          nightly=20230711),
+    Fact(GQA_SDPA, (2, 5),
+         "no grouped-query SDPA: models repeat k and v to every query head before attention "
+         "(transformers' repeat_kv), one copy each per layer, kept for backward",
+         "F.scaled_dot_product_attention(enable_gqa=True) takes fewer key/value heads; flash "
+         "runs them as they are",
+         "github.com/pytorch/pytorch/pull/132689 (enable_gqa); sdp_utils.cpp "
+         "check_batch_size_and_num_heads_dense<true /*supports GQA*/> for flash"),
     Fact(HIPBLASLT_DEFAULT, (2, 5),
          "ROCm GEMMs run hipBLAS (rocBLAS), whose workspace rocBLAS allocates itself, outside "
          "the caching allocator",
