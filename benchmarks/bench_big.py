@@ -8,7 +8,7 @@ beside the full one; and the three commands issue #23 set targets for.
 
 Each path runs in its own process (RSS is per process). Not a test: the figures depend on the
 machine; on the 2-core CI machine the 70B estimate went from 35.7 s / 1.49 GB to 9.8 s / 0.58 GB,
-the 8-GPU FSDP probe from 107 s to about 20 s, recommend on 8 x H100 from 141 s to about 40 s.
+the 8-GPU FSDP probe from 107 s to 15-21 s, recommend on 8 x H100 from 141 s to 30-39 s.
 """
 from __future__ import annotations
 
