@@ -110,3 +110,25 @@ def test_whisper_runs_in_full(tmp_path, extended):
     cfg.save_pretrained(tmp_path / "whisper")
     _same(load_model(str(tmp_path / "whisper")), "fp32")
     assert extended == [False]
+
+
+@pytest.mark.parametrize("precision, checkpointing, adapters", [
+    ("bf16", False, None), ("fp32", True, None), ("bf16", True, Adapters(4, quantize="nf4"))])
+def test_every_strategy_is_the_full_ones(tmp_path, precision, checkpointing, adapters):
+    """What users see: every strategy's per-GPU peaks from the unrolled trace and the cut
+    layout equal those from the full trace and the full layout, to the byte."""
+    from oomdoctor.plans.estimate import Budget
+    from oomdoctor.plans.parallel import STRATEGIES, Strategy, estimate_strategy
+    from oomdoctor.sim.gpus import PROFILES
+    from oomdoctor.sim.trace import TraceConfig, trace_training
+    spec = _spec(tmp_path, "llama", adapters)
+    cfg = TraceConfig(2, precision=precision, checkpointing=checkpointing)
+    budget = Budget(PROFILES["rtx3090"])
+    fast = (trace_training(spec, cfg, min_blocks=5), model_layout(spec, precision, min_blocks=5))
+    full = (trace_training(spec, cfg, min_blocks=None),
+            model_layout(spec, precision, min_blocks=None))
+    for name in STRATEGIES:
+        st = Strategy(name, 1 if name == "single" else 2)
+        a, b = (estimate_strategy(*pair, st, budget) for pair in (fast, full))
+        assert [(g.device_peak_bytes, g.peak_allocated_bytes) for g in a.gpus] == \
+            [(g.device_peak_bytes, g.peak_allocated_bytes) for g in b.gpus], name
