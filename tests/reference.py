@@ -39,17 +39,21 @@ def real_cpu_peak(path: str, batch_size: int, steps: int = 2, opaque: tuple[str,
 
 
 def _profiled_peak(model, run, opaque: tuple[str, ...] = ()) -> int:
-    """Parameters/buffers already allocated plus the peak of the allocator events of `run()`
-    (the raw allocator records, name "[memory]" with signed nbytes, not per-op aggregates).
+    """Parameters/buffers already allocated plus :func:`allocator_peak` of ``run()``."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in list(model.parameters()) + list(model.buffers())}
+    return sum(storages.values()) + allocator_peak(run, opaque)
+
+
+def allocator_peak(run, opaque: tuple[str, ...] = ()) -> int:
+    """Peak of the bytes the CPU allocator held during ``run()``, counted from its start: the
+    raw allocator records (name "[memory]", signed nbytes), not per-op aggregates.
 
     ``opaque``: ops (e.g. "aten::convolution_backward") whose private scratch is not counted:
     inside each call the live bytes are capped at the larger of the values before and after
     it, which is all of the call a dispatcher-level view (oomdoctor's trace) can see: its
     inputs and its outputs. The CPU convolution backward allocates a per-thread weight-gradient
     buffer there that the CUDA kernels do not have."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in list(model.parameters()) + list(model.buffers())}
-    base = sum(storages.values())
     gc.collect()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
@@ -71,7 +75,7 @@ def _profiled_peak(model, run, opaque: tuple[str, ...] = ()) -> int:
             live += events[i].nbytes()
             i += 1
         peak = max(peak, before, live)
-    return base + peak
+    return peak
 
 
 def _checkpointed(fn):
@@ -149,22 +153,15 @@ def real_cpu_script_peak(path: str, args: list[str], steps: int = 2) -> int:
     if benchmarks not in sys.path:
         sys.path.insert(0, benchmarks)
     from measure_scripts import StopRun, stopped_after
+    def run() -> None:
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except StopRun:
+            pass
     saved = sys.argv
     sys.argv = [path, *args]
-    gc.collect()
     try:
-        with stopped_after(steps), \
-                profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            try:
-                runpy.run_path(path, run_name="__main__")
-            except StopRun:
-                pass
+        with stopped_after(steps):
+            return allocator_peak(run)
     finally:
         sys.argv = saved
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak

@@ -1,7 +1,6 @@
 """Per-GPU memory of each strategy, checked against independent numbers: real CPU runs of the same
 sharding over gloo (measured by torch.profiler), DeepSpeed's published estimator output, PyTorch's
 own bucket assignment, and formulas from the model's parameters."""
-import gc
 import importlib.util
 import json
 import multiprocessing
@@ -11,7 +10,6 @@ import tempfile
 import pytest
 import torch
 from click.testing import CliRunner
-from torch.profiler import ProfilerActivity, profile
 
 from oomdoctor.plans import parallel as par
 from oomdoctor.cli import EXIT_OK, EXIT_PROBLEM, LINK_CHOICES, STRATEGY_CHOICES, cli
@@ -19,6 +17,7 @@ from oomdoctor.plans.estimate import Budget, estimate_trace
 from oomdoctor.sim.gpus import get_profile
 from oomdoctor.models.loader import load_model_file
 from oomdoctor.sim.trace import TraceConfig, trace_training
+from reference import allocator_peak
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 MLP_PATH = os.path.join(ROOT, "sample_models", "tiny_mlp.py")
@@ -94,19 +93,6 @@ def _load(path):
     return mod
 
 
-def _profiled_peak(run) -> int:
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 # Each job is measured this many times and the smallest peak kept. The profiler records memory
 # events only on threads it follows, and gloo's worker thread is not one: when that thread happens
 # to drop the last reference to a tensor (the first DDP bucket, whose allreduce work it still holds
@@ -155,7 +141,7 @@ def _real_rank(rank, world, init, results, jobs):
                 del loss, batch
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        out[name] = min(out.get(name, float("inf")), base + _profiled_peak(run))
+        out[name] = min(out.get(name, float("inf")), base + allocator_peak(run))
     results.put((rank, out))
     dist.destroy_process_group()
 
