@@ -122,11 +122,12 @@ class ScriptRecorder(Recorder):
 class _Phases:
     """Reads the script's phases from what it calls, and stops it after its steps."""
 
-    def __init__(self, rec: ScriptRecorder, run: ScriptRun, steps: int, limits: ScriptLimits,
-                 progress: Callable[[str], None] | None) -> None:
-        self.rec, self.run, self.steps, self.limits = rec, run, steps, limits
-        self.torch = None        # whose CUDA facts (sim.versions): set by trace_script
-        self.emulate_cuda = True
+    def __init__(self, rec: ScriptRecorder, run: ScriptRun, cfg: TraceConfig,
+                 limits: ScriptLimits, progress: Callable[[str], None] | None) -> None:
+        self.rec, self.run, self.limits = rec, run, limits
+        self.steps = cfg.steps
+        self.torch = cfg.torch              # whose CUDA facts (sim.versions)
+        self.emulate_cuda = cfg.emulate_cuda
         self.progress = progress
         self.marks: list[PhaseMark] = []
         self.micro = self.depth = self.forwards = 0
@@ -332,8 +333,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
     rec = ScriptRecorder(device)
     gpu.usage = rec.usage
     run = ScriptRun()
-    phases = _Phases(rec, run, cfg.steps, limits, progress)
-    phases.torch, phases.emulate_cuda = cfg.torch, cfg.emulate_cuda
+    phases = _Phases(rec, run, cfg, limits, progress)
     notes: list[str] = []
     with eager.fake_trace([], rec.fused), emulate.fused_optimizers_on_meta(), \
             fakecuda.fake_cuda(device), ddp.rank_zero(script.processes), \
