@@ -136,9 +136,8 @@ def test_whisper_traces_in_full(tmp_path, unrolled):
     not read as one repeated unit per block: the trace is the full one."""
     transformers = pytest.importorskip("transformers")
     from test_sources import WHISPER
-    cfg = transformers.WhisperConfig(**dict(WHISPER, encoder_layers=8, decoder_layers=8))
+    cfg = transformers.WhisperConfig(**dict(WHISPER, encoder_layers=6, decoder_layers=6))
     cfg.architectures = ["WhisperForConditionalGeneration"]
     cfg.save_pretrained(tmp_path / "whisper")
-    _same(load_model(str(tmp_path / "whisper")), TraceConfig(2, precision="bf16",
-                                                              checkpointing=True))
+    _same(load_model(str(tmp_path / "whisper")), TraceConfig(1, precision="bf16"))
     assert unrolled == [False]
