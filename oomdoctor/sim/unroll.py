@@ -209,36 +209,10 @@ class _Fit:
 
     def solve(self) -> None:
         for key, obs in self.seen.items():
-            for groups in _GROUPS:
-                rules = {g: _rule([o for o in obs if o[0] in g]) for g in groups}
-                if all(r is not None for g, r in rules.items() if any(o[0] in g for o in obs)):
-                    for g, r in rules.items():
-                        for cls in g:
-                            self.rules[key, cls] = r
-                    break
-            else:
-                self._solve_spill(key, obs)
-
-    def _solve_spill(self, key: tuple, obs: list[tuple]) -> None:
-        """Where no relation of :data:`_GROUPS` fits: each class's own, or a :class:`_Spill`
-        (for a static run after the copies, counted from the end: its copy index is k)."""
-        static = [o for o in obs if o[0] == "s"]
-        copies = [o for o in obs if o[0] != "s"]
-        rules = {}
-        if static:
-            rules["s"] = _rule(static) or _spill([(cls, base, k, k, target)
-                                                  for cls, base, _, k, target in static])
-        if copies:
-            for groups in _GROUPS[1:]:
-                found = {g: _rule([o for o in copies if o[0] in g]) for g in groups[1:]}
-                if all(r is not None for g, r in found.items() if any(o[0] in g for o in copies)):
-                    rules.update({cls: r for g, r in found.items() if r for cls in g})
-                    break
-            else:
-                rules.update(dict.fromkeys("fml", _spill(copies)))
-        if any(r is None for r in rules.values()):
-            raise UnrollError(f"no one relation at {key}")
-        self.rules.update({(key, cls): r for cls, r in rules.items()})
+            rules = _grouped(obs, _GROUPS)
+            if rules is None:
+                rules = _spilled(key, obs)
+            self.rules.update({(key, cls): r for cls, r in rules.items()})
 
     def target(self, key: tuple, cls: str, c: int, k: int) -> tuple[object, int | None]:
         rule = self.rules.get((key, cls))
@@ -259,6 +233,34 @@ class _Fit:
 # outside the stack, its output leaves it), or each class on its own.
 _GROUPS = ((("s", "f", "m", "l"),), (("s",), ("f",), ("m", "l")), (("s",), ("f", "m"), ("l",)),
            (("s",), ("f",), ("m",), ("l",)))
+
+
+def _grouped(obs: list[tuple], choices) -> dict[str, tuple] | None:
+    """Each class's relation by the first grouping of ``choices`` whose every group with
+    observations has one; None where none does."""
+    for groups in choices:
+        rules = {g: _rule([o for o in obs if o[0] in g]) for g in groups}
+        if all(r is not None for g, r in rules.items() if any(o[0] in g for o in obs)):
+            return {cls: r for g, r in rules.items() if r is not None for cls in g}
+    return None
+
+
+def _spilled(key: tuple, obs: list[tuple]) -> dict[str, object]:
+    """Where no grouping of :data:`_GROUPS` fits: the static run's relation and the copies'
+    each on their own, either of them a :class:`_Spill` (for a static run after the copies,
+    counted from the end: its copy index is k)."""
+    static = [o for o in obs if o[0] == "s"]
+    copies = [o for o in obs if o[0] != "s"]
+    rules: dict[str, object] = {}
+    if static:
+        rules["s"] = _rule(static) or _spill([(cls, base, k, k, target)
+                                              for cls, base, _, k, target in static])
+    if copies:
+        rules.update(_grouped(copies, [groups[1:] for groups in _GROUPS[1:]])
+                     or dict.fromkeys("fml", _spill(copies)))
+    if any(r is None for r in rules.values()):
+        raise UnrollError(f"no one relation at {key}")
+    return rules
 
 
 def _rule(obs: list[tuple]) -> tuple | None:
