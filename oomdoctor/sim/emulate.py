@@ -407,13 +407,19 @@ class CudaKernels(_OurMode):
         bound = dict(zip(names, args), **kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
         mask = bound.get("attn_mask")
-        if not self.native_gqa and k.shape[-3:-2] != q.shape[-3:-2] and bound.get("enable_gqa"):
+        # Grouped-query attention (fewer key/value heads, enable_gqa=True): CUDA's flash kernel
+        # takes it as it is (check_batch_size_and_num_heads_dense<true /*supports GQA*/> in
+        # sdp_utils.cpp, torch 2.5+); the memory-efficient one does not, so CUDA falls back to
+        # the math path, which expands k and v - what the op does on the meta device too.
+        grouped = k.shape[-3:-2] != q.shape[-3:-2]
+        if grouped and not self.native_gqa and bound.get("enable_gqa"):
             # before 2.5 the model repeats k and v itself (transformers' repeat_kv: a copy per
             # query head, each kept for backward), then attends as multi-head
             groups = q.shape[-3] // k.shape[-3]
             k, v = (x.repeat_interleave(groups, dim=-3) for x in (k, v))
             args, kwargs = (q, k, v), {n: x for n, x in bound.items()
                                        if n not in ("query", "key", "value", "enable_gqa")}
+            grouped = False
         kernel = (sdpa_kernel(q, mask, bound.get("dropout_p", 0.0), self.cc, self.arch, k)
                   if self.fused_sdpa else "math")
         dtype = str(q.dtype).removeprefix("torch.")
@@ -423,11 +429,6 @@ class CudaKernels(_OurMode):
         else:
             self.notes.append(f"scaled_dot_product_attention: CUDA would use the {kernel} kernel "
                               f"(sm{self.cc[0]}{self.cc[1]}, {dtype})")
-        # Grouped-query attention (fewer key/value heads, enable_gqa=True): CUDA's flash kernel
-        # takes it as it is (check_batch_size_and_num_heads_dense<true /*supports GQA*/> in
-        # sdp_utils.cpp, torch 2.5+); the memory-efficient one does not, so CUDA falls back to
-        # the math path, which expands k and v - what the op does on the meta device too.
-        grouped = k.shape[-3:-2] != q.shape[-3:-2]
         if kernel == "math" or (grouped and (kernel != "flash" or self.arch)):
             return func(*args, **kwargs)
         return _FusedAttention.apply(q, k, v, mask, kernel, bool(self.arch))
