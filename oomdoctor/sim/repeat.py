@@ -71,32 +71,47 @@ def signature(block: torch.nn.Module) -> tuple:
     return tuple(out)
 
 
+# The containers a stack of blocks is kept in. Each keeps its children in ``_modules``, and a
+# ModuleList's len and indexing, a Sequential's forward and a ModuleDict's items all read it: so
+# the stack is cut by changing what ``_modules`` holds, in place (names and module objects
+# kept), whatever the container's constructor takes.
+CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+
+
+def children(container: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The container's (name, block) pairs in order, repeats included (``named_children``
+    drops a module held twice)."""
+    return list(container._modules.items())
+
+
 def repeated_stack(model: torch.nn.Module, min_blocks: int = MIN_BLOCKS
-                   ) -> tuple[str, int] | None:
-    """(path, block count) of the ModuleList/Sequential of identical blocks holding the most
-    parameters, if it has at least ``min_blocks``; None otherwise."""
-    best: tuple[int, str, int] | None = None
+                   ) -> tuple[str, tuple[str, ...]] | None:
+    """(path, block names) of the container (ModuleList, Sequential, ModuleDict) of identical
+    blocks holding the most parameters, if it has at least ``min_blocks``; None otherwise."""
+    best: tuple[int, str, tuple[str, ...]] | None = None
     for path, mod in model.named_modules():
-        if not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) or not path:
+        if not isinstance(mod, CONTAINERS) or not path:
             continue
-        kids = list(mod.named_children())
-        if len(kids) < min_blocks or [n for n, _ in kids] != [str(i) for i in range(len(kids))]:
+        kids = children(mod)
+        if len(kids) < min_blocks or any(b is None for _, b in kids) \
+                or len({id(b) for _, b in kids}) != len(kids):
             continue
         first = signature(kids[0][1])
         if any(signature(b) != first for _, b in kids[1:]):
             continue
         size = sum(p.numel() for p in mod.parameters())
         if size and (best is None or size > best[0]):
-            best = (size, path, len(kids))
+            best = (size, path, tuple(n for n, _ in kids))
     return None if best is None else best[1:]
 
 
-def cut(model: torch.nn.Module, path: str, blocks: list[torch.nn.Module], k: int) -> None:
-    """Put the first ``k`` of ``blocks`` (the stack's, in order) at ``path`` in ``model``: the
-    same module objects, so their parameters keep their storages."""
-    parent, _, attr = path.rpartition(".")
-    owner = model.get_submodule(parent) if parent else model
-    setattr(owner, attr, type(getattr(owner, attr))(blocks[:k]))
+def cut(container: torch.nn.Module, blocks: list[tuple[str, torch.nn.Module]], k: int) -> None:
+    """Leave the first ``k`` of ``blocks`` (the container's (name, block) pairs, in order) in
+    ``container``: the same names and module objects, so their parameters keep their storages;
+    ``k = len(blocks)`` restores it."""
+    held = container._modules
+    held.clear()
+    held.update(blocks[:k])
 
 
 class Stack:
@@ -108,7 +123,7 @@ class Stack:
         self.built: tuple = ()
         self.notes: list[str] = []
         self.path: str | None = None
-        self.blocks: list[torch.nn.Module] = []
+        self.blocks: list[tuple[str, torch.nn.Module]] = []     # (name, block) in order
 
     def cut(self, k: int) -> Callable:
         """A builder for trace.trace_training: ``builder(build, notes)``."""
@@ -120,8 +135,8 @@ class Stack:
                 found = repeated_stack(self.model, self.min_blocks)
                 if found is None:
                     return self.built          # nothing to cut: this is the full trace
-                self.path, n = found
-                self.blocks = list(self.model.get_submodule(self.path))
+                self.path = found[0]
+                self.blocks = children(self.model.get_submodule(self.path))
             else:
                 notes += self.notes
             if self.path is not None:
@@ -132,14 +147,14 @@ class Stack:
     def _cut(self, k: int) -> None:
         for p in self.model.parameters():
             p.grad = None                     # a previous cut's gradients
-        cut(self.model, self.path, self.blocks, k)
+        cut(self.model.get_submodule(self.path), self.blocks, k)
 
     def full(self, traces: list) -> Any:
         """The trace of the whole stack from the traces cut to 2, 3 and 4 blocks (trace.Trace
         objects; raises UnrollError where they do not extend exactly)."""
         n = len(self.blocks)
         shorts = [Short(k, t.raw_events, t.storages, t.marks) for k, t in zip(CUTS, traces)]
-        got: Unrolled = unroll(shorts, n, self.path)
+        got: Unrolled = unroll(shorts, n, self.path, tuple(name for name, _ in self.blocks))
         sums = {f: affine([getattr(t, f) for t in traces], n) for f in SUMS}
         for f in ("checkpointed", "libraries", "config"):
             if len({getattr(t, f) for t in traces}) != 1:

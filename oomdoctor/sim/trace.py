@@ -210,24 +210,39 @@ def trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool = True,
     """
     if min_blocks is not None and fake and backend == "auto" and cfg.emulate_cuda:
         stack = repeat.Stack(min_blocks)
-        traces = []
-        for k in repeat.CUTS:
-            try:    # the first may be the full trace (no deep stack): the probe's splice too
-                traces.append(_trace_values(spec, cfg, fake, None if traces else optimizer_from,
-                                            backend, progress, stack.cut(k)))
-            except SpliceMismatch:
-                if stack.path is None:
-                    raise
-                # a cut stack's optimizer phase is not the full model's: run its own
-                traces.append(_trace_values(spec, cfg, fake, None, backend, progress,
-                                            stack.cut(k)))
-            if stack.path is None:
-                return traces[0]          # no deep stack: that was the full trace
         try:
-            return replace(traces[-1], **stack.full(traces))
+            traces = _cut_traces(spec, cfg, fake, optimizer_from, backend, progress, stack)
+            return traces if isinstance(traces, Trace) else replace(traces[-1],
+                                                                    **stack.full(traces))
         except UnrollError:
             pass
+        except Exception:
+            if stack.path is None:
+                raise             # the full trace itself failed
+            # The model does not run with its stack cut (it indexes its blocks up to a count
+            # from its config, or checks their number): trace it whole.
     return _trace_values(spec, cfg, fake, optimizer_from, backend, progress, None)
+
+
+def _cut_traces(spec: ModelSpec, cfg: TraceConfig, fake: bool, optimizer_from: Trace | None,
+                backend: str, progress: Callable[[str], None] | None, stack: repeat.Stack
+                ) -> "Trace | list[Trace]":
+    """The traces with the stack cut to 2, 3 and 4 blocks; the full trace (the first one) when
+    the model has no deep stack."""
+    traces: list[Trace] = []
+    for k in repeat.CUTS:
+        try:    # the first may be the full trace (no deep stack): the probe's splice too
+            traces.append(_trace_values(spec, cfg, fake, None if traces else optimizer_from,
+                                        backend, progress, stack.cut(k)))
+        except SpliceMismatch:
+            if stack.path is None:
+                raise
+            # a cut stack's optimizer phase is not the full model's: run its own
+            traces.append(_trace_values(spec, cfg, fake, None, backend, progress,
+                                        stack.cut(k)))
+        if stack.path is None:
+            return traces[0]          # no deep stack: that was the full trace
+    return traces
 
 
 def _trace_values(spec: ModelSpec, cfg: TraceConfig, fake: bool, optimizer_from: Trace | None,

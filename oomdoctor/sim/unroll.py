@@ -49,21 +49,39 @@ class _Tokens:
     """Each event as a small int (equal events of different blocks alike), and the block index
     each allocation's module and name carry."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, names: tuple[str, ...] = ()) -> None:
         self.ids: dict[tuple, int] = {}
-        self.pattern = re.compile(re.escape(path) + r"\.(\d+)(?=\.|$|\s)") if path else None
+        self.names = names
+        self.index = {name: j for j, name in enumerate(names)}
+        # "path.NAME" as a whole module path (not inside a longer one): a ModuleList's or
+        # Sequential's blocks are named 0, 1, ...; a ModuleDict's or an OrderedDict
+        # Sequential's by their keys
+        alts = "|".join(re.escape(x) for x in sorted(names, key=len, reverse=True)) or r"\d+"
+        self.pattern = re.compile(r"(?<![\w.])" + re.escape(path) + r"\.(" + alts
+                                  + r")(?=\.|$|\s)") if path else None
+
+    def _block(self, name: str) -> int:
+        return self.index[name] if self.names else int(name)
+
+    def _name(self, j: int) -> str:
+        return self.names[j] if self.names else str(j)
 
     def strip(self, text: str) -> tuple[str, int | None]:
         """``text`` with its block index replaced by '#', and the index (None: none)."""
         if self.pattern is None:
             return text, None
-        found = {int(m) for m in self.pattern.findall(text)}
+        found = {self._block(m) for m in self.pattern.findall(text)}
         if len(found) > 1:
             raise UnrollError(f"two block indices in {text!r}")
         if not found:
             return text, None
-        return self.pattern.sub(lambda m: m.group(0)[:m.start(1) - m.start(0)] + "#", text), \
-            found.pop()
+        return self.rename(text, "#"), found.pop()
+
+    def rename(self, text: str, to: "str | int") -> str:
+        """``text`` with its block name replaced: by ``to`` itself (a str), or by the name of
+        block ``to`` (an int)."""
+        new = to if isinstance(to, str) else self._name(to)
+        return self.pattern.sub(lambda m: m.group(0)[:m.start(1) - m.start(0)] + new, text)
 
     def of(self, short: Short) -> tuple[list[int], dict[int, tuple]]:
         """Token per event; for each allocation's event index, (module index, name index)."""
@@ -316,14 +334,17 @@ def _spill(obs: list[tuple]) -> _Spill | None:
 
 
 # -- the whole stream --------------------------------------------------------------------------
-def unroll(shorts: list[Short], n: int, path: str) -> Unrolled:
-    """The event stream of ``n`` blocks from traces cut to 2, 3 and 4 (``shorts``, in order)."""
+def unroll(shorts: list[Short], n: int, path: str, names: tuple[str, ...] = ()) -> Unrolled:
+    """The event stream of ``n`` blocks from traces cut to 2, 3 and 4 (``shorts``, in order);
+    ``names``: the blocks' names in their container, in order (default: 0, 1, ...)."""
+    if names and len(names) != n:
+        raise UnrollError("a name for each block is needed")
     if [s.k for s in shorts] != [2, 3, 4] or n < 5:
         raise UnrollError("needs traces at 2, 3 and 4 blocks and a deeper stack")
     keys = [tuple((m.phase, m.iteration, m.micro) for m in s.marks) for s in shorts]
     if len(set(keys)) != 1:
         raise UnrollError("the phases differ between the short traces")
-    tokens = _Tokens(path)
+    tokens = _Tokens(path, names)
     toks, idx = zip(*(tokens.of(s) for s in shorts))
     per_phase = [_split(t, s) for t, s in zip(toks, shorts)]
     templates = []
@@ -408,7 +429,6 @@ def _renamed(s: Storage, names: _Fit, key: tuple, cls: str, c: int, n: int,
         if j is not None:
             if j < 0 or j >= n:
                 raise UnrollError("a block index outside the stack")
-            text = tokens.pattern.sub(lambda m: m.group(0)[:m.start(1) - m.start(0)] + str(j),
-                                      text)
+            text = tokens.rename(text, j)
         fields[attr] = text
     return replace(s, **fields)

@@ -238,10 +238,11 @@ def _storages(model: torch.nn.Module, defined: list[str]) -> _Storages:
             tensors[k] = p
             param_keys.append(k)
     buffer_names: dict[int, str] = {}
-    persistent_names = set(model.state_dict().keys())
     # bitsandbytes' quantization statistics, registered by the trace as buffers (same order)
     from oomdoctor.models.adapters import named_quant_states
-    for n, b in (*model.named_buffers(), *named_quant_states(model)):
+    quant_states = named_quant_states(model)
+    persistent_names = _saved_names(model) | {n for n, _ in quant_states}
+    for n, b in (*model.named_buffers(), *quant_states):
         k = b.untyped_storage()._cdata
         if k not in tensors and k not in buffer_names:
             buffer_names[k] = n
@@ -266,6 +267,19 @@ def _storages(model: torch.nn.Module, defined: list[str]) -> _Storages:
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
     return _Storages(param_keys, keys, tensors, names, owners_def, owner_by_key, tied_def,
                      trainable, numel, block_numel, persistent_names, largest_leaf, has_bn)
+
+
+def _saved_names(model: torch.nn.Module) -> set[str]:
+    """The parameters and buffers ``model.state_dict()`` saves, read from the modules rather
+    than by calling it: state_dict runs library hooks that read values (bitsandbytes'
+    ``QuantState.as_dict`` calls ``.item()`` on a double-quantized weight's offset, which a
+    meta tensor has none of). A buffer registered ``persistent=False`` is not saved."""
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        skip = m._non_persistent_buffers_set
+        names.update(f"{prefix}.{n}" if prefix else n for n, b in m._buffers.items()
+                     if b is not None and n not in skip)
+    return names
 
 
 def _execution_order(num_defined: int, order: list[int], owner_by_key: dict[int, int],

@@ -34,7 +34,7 @@ class Span:
     path: str
     base: int
     n: int
-    blocks: tuple[torch.nn.Module, ...]
+    blocks: tuple[tuple[str, torch.nn.Module], ...]     # (name in the container, block)
     keys: tuple[tuple[int, ...], ...]      # each block's parameter and buffer storages, in order
     outside: tuple[int, ...]               # the other storages
 
@@ -52,8 +52,9 @@ def span_of(model: torch.nn.Module, defined: list[str], storages, min_blocks: in
     found = repeat.repeated_stack(model, min_blocks)
     if found is None:
         return None
-    path, n = found
-    names = [f"{path}.{j}" for j in range(n)]
+    path, kids = found
+    n = len(kids)
+    names = [f"{path}.{name}" for name in kids]
     if names[0] not in defined:
         return None
     base = defined.index(names[0])
@@ -66,7 +67,7 @@ def span_of(model: torch.nn.Module, defined: list[str], storages, min_blocks: in
         (keys[j] if 0 <= j < n else outside).append(key)
     if len({len(k) for k in keys}) != 1:
         return None
-    return Span(path, base, n, tuple(model.get_submodule(path)),
+    return Span(path, base, n, tuple(repeat.children(model.get_submodule(path))),
                 tuple(tuple(k) for k in keys), tuple(outside))
 
 
@@ -75,12 +76,15 @@ def cut_passes(model: torch.nn.Module, span: Span, run: Callable[[int, bool], Pa
     """The passes at ``batch_size`` (with backward) and at batch 1 (forward) of the whole model,
     from the stack cut to 3 and 4 blocks; None where the cuts do not extend."""
     cuts = {}
+    container = model.get_submodule(span.path)
     try:
         for k in CUTS:
-            repeat.cut(model, span.path, list(span.blocks), k)
+            repeat.cut(container, list(span.blocks), k)
             cuts[k] = (run(batch_size, True), run(1, False))
+    except Exception:       # the model cannot run cut (it indexes its blocks by a count)
+        return None
     finally:
-        repeat.cut(model, span.path, list(span.blocks), span.n)
+        repeat.cut(container, list(span.blocks), span.n)
         for p in model.parameters():
             p.grad = None
     try:
