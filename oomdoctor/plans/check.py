@@ -38,6 +38,7 @@ import configparser
 import json
 import multiprocessing
 import os
+import shlex
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
@@ -92,6 +93,13 @@ class Case:
         the LoRA keys only where set: baselines recorded before they existed stay valid.)"""
         d = asdict(self)
         del d["name"], d["tolerance"]
+        if self.command:
+            # the script decides its loop: the baseline records what it did (Measured.run)
+            for key in ("model", "precision", "checkpointing", "grad_accum", "optimizer",
+                        "strategy"):
+                del d[key]
+            if not self.batch_size:
+                del d["batch_size"]
         for key in ("task", "seq_len", "lora", "lora_targets", "quantize", "image_size",
                     "num_classes", "command", "torch"):
             if d[key] is None:
@@ -124,12 +132,23 @@ class Measured:
     fits_budget: bool | None = None
     budget_bytes: int | None = None
     error: str | None = None
+    run: dict[str, Any] | None = None    # a script's: what its step did (script_run)
+
+
+def script_run(e) -> dict[str, Any]:
+    """What a training script's step did, as its estimate read it from the run: micro-batch,
+    accumulation, processes, effective batch, precision, autocast and weight dtypes."""
+    return {"batch_size": e.batch_size, "grad_accum": e.grad_accum, "processes": e.processes,
+            "effective_batch_size": e.effective_batch_size, "precision": e.precision,
+            "autocast_dtype": e.autocast_dtype or None,
+            "weight_dtypes": {"trainable": list(e.weight_dtypes[0]),
+                              "frozen": list(e.weight_dtypes[1])}}
 
 
 @dataclass(frozen=True)
 class Row:
     case: str
-    model: str
+    model: str                      # the model, or the script's command line
     status: str                     # ok | regression | improvement | budget | error | new | stale
     baseline_reserved: int | None
     now_reserved: int | None
@@ -138,6 +157,7 @@ class Row:
     change: float | None            # relative change of reserved (allocated if larger)
     tolerance: float
     message: str
+    file: str = ""                  # the file annotations point at: model file or script
 
     @property
     def failed(self) -> bool:
@@ -337,7 +357,7 @@ def measure_case(case: Case, root: str) -> Measured:
             budget = Budget(card, case.margin, gpu.context_bytes)
             fits = e.peak_reserved_bytes <= budget.limit_bytes
         return Measured(case.name, e.peak_allocated_bytes, e.peak_reserved_bytes, fits,
-                        case.budget_bytes)
+                        case.budget_bytes, run=script_run(e) if case.command else None)
     except (ModelFileError, ValueError) as e:
         return Measured(case.name, error=str(e))
     except Exception as e:  # fail closed on anything else too, with the reason
@@ -373,6 +393,8 @@ def baseline_document(cfg: CheckConfig, measured: list[Measured]) -> dict[str, A
         cases[case.name] = {"config": case.config(),
                             "peak_allocated_bytes": m.peak_allocated_bytes,
                             "peak_reserved_bytes": m.peak_reserved_bytes}
+        if m.run is not None:
+            cases[case.name]["run"] = m.run
     return {"schema": SCHEMA, "oomdoctor_version": __version__,
             "torch_version": torch.__version__, "cases": cases}
 
@@ -414,7 +436,7 @@ def compare(cfg: CheckConfig, measured: list[Measured], baseline: dict[str, Any]
     for case, m in zip(cfg.cases, measured):
         b = base_cases.get(case.name)
         common = dict(case=case.name, model=case.command or case.model,
-                      tolerance=case.tolerance,
+                      file=_case_file(case, cfg.root), tolerance=case.tolerance,
                       now_reserved=m.peak_reserved_bytes, now_allocated=m.peak_allocated_bytes,
                       baseline_reserved=b and b.get("peak_reserved_bytes"),
                       baseline_allocated=b and b.get("peak_allocated_bytes"))
@@ -458,6 +480,15 @@ def compare(cfg: CheckConfig, measured: list[Measured], baseline: dict[str, Any]
     return CheckResult(tuple(rows), torch.__version__, base_torch, tuple(notes))
 
 
+def _case_file(case: Case, root: str) -> str:
+    """The file a case's annotation points at, as the config names it: the model file, or
+    the script its command runs; "" for a Hugging Face id or a library model name."""
+    if case.command:
+        from oomdoctor.models.script import script_word
+        return script_word(shlex.split(case.command)) or ""
+    return case.model if os.path.isfile(os.path.join(root, case.model)) else ""
+
+
 # -- rendering ------------------------------------------------------------------------------
 
 def render_table(r: CheckResult) -> str:
@@ -485,7 +516,8 @@ def render_github(r: CheckResult) -> str:
     for x in r.rows:
         level = "error" if x.failed else ("notice" if x.status == "improvement" else None)
         if level:
-            lines.append(f"::{level} file={clean(x.model)},title=oomdoctor {x.case}: "
+            where = f"file={clean(x.file)}," if x.file else ""
+            lines.append(f"::{level} {where}title=oomdoctor {x.case}: "
                          f"{x.status}::{clean(x.message)}")
     for n in r.notes:
         lines.append(f"::warning title=oomdoctor::{clean(n)}")
@@ -498,8 +530,9 @@ def junit_xml(r: CheckResult) -> str:
              f'<testsuite name="oomdoctor check" tests="{len(r.rows)}" '
              f'failures="{failures}" errors="0">']
     for x in r.rows:
-        parts.append(f'  <testcase classname="oomdoctor.plans.check" name={quoteattr(x.case)} '
-                     f'file={quoteattr(x.model)}>')
+        where = f" file={quoteattr(x.file)}" if x.file else ""
+        parts.append(f'  <testcase classname="oomdoctor.plans.check" name={quoteattr(x.case)}'
+                     f'{where}>')
         if x.failed:
             parts.append(f'    <failure message={quoteattr(x.status + ": " + x.message)}>'
                          f'{escape(x.message)}</failure>')

@@ -91,6 +91,10 @@ class Estimate:
     # --torch when it names another release than the installed one (sim.versions), else ""
     # (JSON: the key only then)
     modelled_torch: str = ""
+    processes: int = 1                  # data-parallel processes (a launched script's)
+    autocast_dtype: str = ""            # "bfloat16", "float16"; "" without autocast
+    # the weights' dtypes, trainable and frozen (JSON: {"trainable": [...], "frozen": [...]})
+    weight_dtypes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
     @property
     def device_peak_bytes(self) -> int:
@@ -102,6 +106,8 @@ class Estimate:
         d["top_activations"] = [{"module": m, "bytes": b} for m, b in self.top_activations]
         d["notes"] = list(self.notes)
         d["traced_with"] = dict(self.traced_with)
+        d["weight_dtypes"] = {"trainable": list(self.weight_dtypes[0]),
+                              "frozen": list(self.weight_dtypes[1])}
         if not self.modelled_torch:
             del d["modelled_torch"]
         return d
@@ -207,7 +213,8 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
     return Estimate(
         model=model, batch_size=cfg.batch_size, precision=cfg.precision,
         checkpointing=cfg.checkpointing, grad_accum=cfg.grad_accum,
-        effective_batch_size=cfg.batch_size * cfg.grad_accum, gpu=budget.gpu.name,
+        effective_batch_size=cfg.batch_size * cfg.grad_accum * trace.processes,
+        gpu=budget.gpu.name,
         device_total_bytes=budget.gpu.total_bytes, budget_bytes=budget.limit_bytes,
         peak_allocated_bytes=result.peak_allocated_bytes,
         peak_reserved_bytes=result.peak_reserved_bytes, fits=fits, breakdown=breakdown,
@@ -219,7 +226,8 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
         allocator=allocator_conf_string(alloc), num_alloc_retries=result.num_alloc_retries,
         top_activations=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])[:5]),
         notes=tuple(notes), other_bytes=budget.other_bytes, traced_with=trace.libraries,
-        modelled_torch=str(cfg.torch) if modelled else "")
+        modelled_torch=str(cfg.torch) if modelled else "", processes=trace.processes,
+        autocast_dtype=trace.autocast, weight_dtypes=trace.weight_dtypes)
 
 
 def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
@@ -285,8 +293,11 @@ def render_text(e: Estimate) -> str:
 
     from oomdoctor.sim.allocator import format_size
 
-    accum = f", {e.grad_accum} micro-batches per step" if e.grad_accum > 1 else ""
-    head = (f"{e.model}: batch {e.batch_size}{accum} (effective {e.effective_batch_size}), "
+    batch = f"batch {e.batch_size}"
+    if e.grad_accum > 1 or e.processes > 1:
+        batch = (f"micro-batch {e.batch_size} x {e.grad_accum} accumulation"
+                 + (f" x {e.processes} processes" if e.processes > 1 else ""))
+    head = (f"{e.model}: {batch} (effective {e.effective_batch_size}), "
             f"{e.precision}{', checkpointing' if e.checkpointing else ''} on {e.gpu} "
             f"({format_size(e.device_total_bytes)})")
     verdict = (f"FITS: peak {format_size(e.peak_reserved_bytes)} reserved" if e.fits else
@@ -307,6 +318,7 @@ def render_text(e: Estimate) -> str:
                  f"weights {format_size(e.parameter_bytes)}, gradients "
                  f"{format_size(e.gradient_bytes)}, optimizer state "
                  f"{format_size(e.optimizer_state_bytes)}")
+    lines.append(dtypes_text(e))
     if e.top_activations:
         lines.append("largest activations at the peak: " + ", ".join(
             f"{m or '(top level)'} {format_size(b)}" for m, b in e.top_activations))
@@ -314,6 +326,15 @@ def render_text(e: Estimate) -> str:
     if e.traced_with:
         lines.append(traced_with_text(e.traced_with))
     return "\n".join(lines)
+
+
+def dtypes_text(e: Estimate) -> str:
+    """'weights float32 (trainable); autocast to bfloat16': what the step computed in."""
+    trainable, frozen = e.weight_dtypes
+    kinds = [f"{', '.join(d)} ({what})" for d, what in ((trainable, "trainable"),
+                                                      (frozen, "frozen")) if d]
+    return (f"weights {' and '.join(kinds) or 'none'}; "
+            + (f"autocast to {e.autocast_dtype}" if e.autocast_dtype else "no autocast"))
 
 
 def traced_with_text(versions: tuple[tuple[str, str], ...]) -> str:

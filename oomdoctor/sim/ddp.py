@@ -167,14 +167,13 @@ def _distributed_answers(world: int, state: dict) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def rank_zero(world: int) -> Iterator[None]:
-    """The script runs as rank 0 of ``world`` processes: torchrun's environment, a process
-    group whose collectives move nothing, DDP as :class:`ScriptDDP`, FSDP refused."""
+def rank_zero(world: int, env: dict[str, str]) -> Iterator[None]:
+    """The script runs as rank 0 of ``world`` processes: ``env`` (the variables its launcher
+    sets; none under plain python), a process group whose collectives move nothing, DDP as
+    :class:`ScriptDDP`, FSDP refused."""
     import torch.distributed as dist
     import torch.nn.parallel as parallel
     import torch.nn.parallel.distributed as distributed
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world),
-           "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     saved_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     state = {"initialized": False}

@@ -42,7 +42,7 @@ from oomdoctor.sim.labels import allocator_events, label_activations, label_stat
 from oomdoctor.sim.libraries import traced_versions
 from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
 from oomdoctor.sim.stepping import every_step, host_state, in_step, state_bytes, unique_storages
-from oomdoctor.sim.trace import Trace, TraceConfig
+from oomdoctor.sim.trace import Trace, TraceConfig, weight_dtypes
 
 
 class ScriptError(ModelFileError):
@@ -69,6 +69,7 @@ class ScriptRun:
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     loader_batches: list[int] = field(default_factory=list)   # DataLoader batch sizes
     steps_done: int = 0
+    micro_batches: list[int] = field(default_factory=list)   # backward passes per step
     ended: str = ""              # how the run ended: "steps", "script end"
     gradient_bytes: int = 0
 
@@ -208,6 +209,7 @@ class _Phases:
     def step_post(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if self.backwarded:
             self.run.steps_done += 1
+            self.run.micro_batches.append(self.micro)
             self.backwarded, self.micro, self.forwards = False, 0, 0
         self.mark(Phase.ZERO_GRAD)
 
@@ -336,7 +338,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
     phases = _Phases(rec, run, cfg, limits, progress)
     notes: list[str] = []
     with eager.fake_trace([], rec.fused), emulate.fused_optimizers_on_meta(), \
-            fakecuda.fake_cuda(device), ddp.rank_zero(script.processes), \
+            fakecuda.fake_cuda(device), ddp.rank_zero(script.world, script.environment()), \
             _loaders(batch_size, run), \
             (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
                                  cfg.torch)
@@ -401,7 +403,8 @@ def _result(script: ScriptSpec, batch_size: int | None, cfg: TraceConfig, run: S
     buf = unique_storages(b for b in buffers if rec.handle_of(b) is not None
                           and b.untyped_storage()._cdata not in weights)
     return Trace(
-        config=replace(cfg, batch_size=_batch_size(run), precision=_precision(device, on_gpu)),
+        config=replace(cfg, batch_size=_batch_size(run), precision=_precision(device, on_gpu),
+                       grad_accum=run.micro_batches[0] if run.micro_batches else 1),
         events=allocator_events(rec), storages=rec.storages, marks=tuple(marks),
         parameter_bytes=sum(t.untyped_storage().nbytes() for t in weights.values()),
         trainable_parameter_bytes=sum(t.untyped_storage().nbytes() for t in trainable.values()),
@@ -413,7 +416,10 @@ def _result(script: ScriptSpec, batch_size: int | None, cfg: TraceConfig, run: S
         batch_from=("placeholder" if "batch" in script.placeholders else
                     "dataloader" if batch_size is not None and run.loader_batches else "script"),
         libraries=traced_versions(next(iter(run.roots.values()), None),
-                                  run.optimizers[0] if run.optimizers else None))
+                                  run.optimizers[0] if run.optimizers else None),
+        processes=script.world, weight_dtypes=weight_dtypes(on_gpu),
+        autocast=("bfloat16" if torch.bfloat16 in device.autocast else "float16"
+                  if device.autocast else ""))
 
 
 def _batch_size(run: ScriptRun) -> int:

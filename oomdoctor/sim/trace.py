@@ -108,6 +108,11 @@ class Trace:
     # (oomdoctor set every DataLoader's), "placeholder" ({batch}), "script" (its own)
     batch_from: str = ""
     foreach_notes: tuple[str, ...] = ()  # the notes foreach_measured measures (sim.repeat)
+    # What the step ran, as the report states it: processes it is one of (a launched script's
+    # rank 0), autocast's dtype ("" without autocast), the weights' dtypes (trainable, frozen)
+    processes: int = 1
+    autocast: str = ""
+    weight_dtypes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
     def phase_at(self, index: int) -> PhaseMark:
         """The phase an event index falls in."""
@@ -535,6 +540,15 @@ def _loop_notes(loop: _Loop, notes: list[str], defaults: list[str],
     return notes
 
 
+def weight_dtypes(params) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The dtypes of the trainable and of the frozen weights (bitsandbytes' packed 4-bit
+    storage reads as its container dtype, uint8 by default)."""
+    seen: tuple[dict, dict] = ({}, {})
+    for p in params:
+        seen[0 if p.requires_grad else 1][str(p.dtype).removeprefix("torch.")] = None
+    return tuple(seen[0]), tuple(seen[1])
+
+
 def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
             checkpointed: tuple[str, ...], state: int, notes: list[str], defaults: list[str]
             ) -> Trace:
@@ -560,4 +574,6 @@ def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
         gradient_bytes=loop.gradient_bytes, optimizer_state_bytes=state,
         checkpointed=checkpointed, notes=tuple(dict.fromkeys(notes)),
         raw_events=tuple(rec.raw), libraries=traced_versions(model, loop.optimizer),
-        foreach_notes=tuple(defaults))
+        foreach_notes=tuple(defaults),
+        autocast={"fp16": "float16", "bf16": "bfloat16"}.get(loop.cfg.precision, ""),
+        weight_dtypes=weight_dtypes(model.parameters()))
