@@ -17,6 +17,7 @@ from oomdoctor.models.spec import ModelFileError
 from oomdoctor.plans.estimate import Budget, Estimate, estimate_trace, script_trace
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.sim.recorder import Category
+from oomdoctor.sim.script import DataExhausted
 from oomdoctor.sim.trace import TraceConfig
 
 
@@ -36,6 +37,9 @@ class ScriptProbe:
     # A batch this large already held all the data a batch gets (a larger one ran the same
     # step): the script's dataset, not the GPU, bounds the batch. 0: not seen.
     data_bound: int = 0
+    # The dataset's size when a larger batch got no batch at all from the script's DataLoader
+    # (drop_last): the data, not the GPU, ends the search there. 0: not seen.
+    data_samples: int = 0
 
     @property
     def at_max(self) -> Estimate | None:
@@ -44,6 +48,7 @@ class ScriptProbe:
     def to_json(self) -> dict[str, Any]:
         return {"model": self.script, "max_batch_size": self.max_batch_size,
                 "capped": self.capped, "data_bound": self.data_bound or None,
+                "data_samples": self.data_samples or None,
                 "budget_bytes": self.budget_bytes,
                 "trials": [{"batch_size": b, "fits": e.fits,
                             "peak_allocated_bytes": e.peak_allocated_bytes,
@@ -74,10 +79,20 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
                             if s.category is Category.INPUTS)
         return e.fits
 
+    def trains(batch: int) -> bool:
+        """Whether ``batch`` fits; False too where the data runs out before a step."""
+        try:
+            return fits(batch)
+        except DataExhausted as e:
+            if batch == 1:
+                raise
+            result.data_samples = e.samples or result.data_samples or 1
+            return False
+
     inputs: dict[int, int] = {}      # bytes the script copied to the GPU as its batches
     lo, hi, batch = 0, None, 1
     while batch <= max_batch:
-        if not fits(batch):
+        if not trains(batch):
             hi = batch
             break
         if lo and inputs[lo] == inputs[batch]:
@@ -88,15 +103,24 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
         result.max_batch_size = lo
         return result
     if hi is None and lo < max_batch:        # doubling passed the cap: try the cap itself
-        if fits(max_batch):
+        if trains(max_batch):
             lo = max_batch
         else:
             hi = max_batch
+    size = result.data_samples
+    if hi is not None and size and lo < hi:
+        # no batch above the dataset's size: try the whole dataset as one batch first
+        if size <= lo:
+            hi = lo + 1
+        elif size < hi:
+            lo, hi = (size, size + 1) if trains(size) else (lo, size)
     while hi is not None and hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if trains(mid) else (lo, mid)
     result.max_batch_size = lo
     result.capped = lo == max_batch
+    if result.data_samples and result.trials.get(lo + 1) is not None:
+        result.data_samples = 0          # memory, not the data, stopped it
     return result
 
 
@@ -119,6 +143,9 @@ def render_text(p: ScriptProbe) -> str:
                    + (" (and any larger: from here on the script's data holds no more "
                       "samples per batch, so the step does not grow)" if p.data_bound
                       else "")
+                   + (f" (the script's dataset, {p.data_samples:,} samples, not the GPU, "
+                      "limits the batch: a larger one gets no batch from its DataLoader)"
+                      if p.data_samples else "")
                    + f", peak {format_size(e.peak_reserved_bytes)} reserved of the "
                    f"{format_size(p.budget_bytes)} budget, {e.precision}")
     notes = p.at_max.notes if p.at_max else next(iter(p.trials.values())).notes

@@ -49,6 +49,15 @@ class ScriptError(ModelFileError):
     """The script failed, or did something the fake GPU cannot follow."""
 
 
+class DataExhausted(ScriptError):
+    """The script's DataLoader yields no batch at this batch size: its dataset holds fewer
+    samples than one batch, and ``drop_last`` drops the partial one."""
+
+    def __init__(self, message: str, samples: int | None) -> None:
+        super().__init__(message)
+        self.samples = samples
+
+
 class _Stop(BaseException):
     """The run has its steps (BaseException: a script's ``except Exception`` lets it through)."""
 
@@ -68,6 +77,7 @@ class ScriptRun:
     roots: dict[int, torch.nn.Module] = field(default_factory=dict)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     loader_batches: list[int] = field(default_factory=list)   # DataLoader batch sizes
+    loaders: list[Any] = field(default_factory=list)          # the DataLoaders it made
     steps_done: int = 0
     micro_batches: list[int] = field(default_factory=list)   # backward passes per step
     ended: str = ""              # how the run ended: "steps", "script end"
@@ -281,6 +291,7 @@ def _loaders(batch_size: int | None, run: ScriptRun) -> Iterator[None]:
             bound.arguments["batch_size"] = batch_size
         run.loader_batches.append(bound.arguments.get("batch_size", 1))
         real(*bound.args, **bound.kwargs)
+        run.loaders.append(self)
     loader.__init__ = init
     try:
         yield
@@ -351,10 +362,27 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
         state = sum(state_bytes(o, lambda k, v, o=o: not host_state(True, o, k, v))
                     for o in held)
     if run.steps_done == 0:
+        _raise_if_exhausted(script, run)
         raise ScriptError(f"{script.name} ended without an optimizer step; oomdoctor measures "
                           "training steps: check the script trains with these arguments")
     return _result(script, batch_size, cfg, run, rec, device, phases.marks, state, notes + _run_notes(
         script, argv, cfg, run, device, batch_size))
+
+
+def _raise_if_exhausted(script: ScriptSpec, run: ScriptRun) -> None:
+    """DataExhausted when a DataLoader the script made has no batch to give."""
+    for loader in run.loaders:
+        try:
+            if len(loader) > 0:
+                continue
+            samples = len(loader.dataset)
+        except TypeError:              # an iterable dataset: its length is unknown
+            continue
+        raise DataExhausted(
+            f"{script.name}: its DataLoader yields no batch of {loader.batch_size}: the dataset "
+            f"holds {samples:,} samples" + (" and drop_last=True drops the partial batch"
+                                             if loader.drop_last else "")
+            + f"; train with a batch of at most {samples:,}", samples)
 
 
 def _run_notes(script: ScriptSpec, argv: list[str], cfg: TraceConfig, run: ScriptRun,
