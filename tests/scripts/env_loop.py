@@ -33,7 +33,7 @@ def main():
         device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
         torch.cuda.set_device(device)
     else:
-        device = "cuda"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     w = args.width
     model = nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, 4 * w), nn.GELU(),
                           nn.Linear(4 * w, 10)).to(device)
