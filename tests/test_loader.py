@@ -23,7 +23,8 @@ CASES = [
     ("nonzero_call.py", r"loss_fn uses a value computed from tensor data"),
     ("vector_loss.py", r"has shape \(2, 2\), expected a scalar loss"),
     ("frozen.py", r"no trainable parameters"),
-    ("cuda_call.py", r"build_model moves tensors to the GPU .*remove \.cuda\(\)"),
+    ("cuda_call.py", r"build_model moves tensors to the GPU at cuda_call\.py:8 .*"
+                     r"remove \.cuda\(\)"),
     # inside the step: named where it is, and the fix for code in forward (issue #24)
     ("cuda_in_forward.py", r"loss_fn moves tensors to the GPU at cuda_in_forward\.py:11 "
                            r"\(scale = torch\.ones\(8\)\.cuda\(\)\).*device=x\.device"),
@@ -98,3 +99,27 @@ def test_the_protocol_the_errors_point_to_is_in_help():
         for needle in ("build_model() -> nn.Module", "make_batch(batch_size)",
                        "loss_fn(model, batch)", "make_optimizer(params)", "config.json"):
             assert needle in res.stdout, (command, needle)
+
+
+def test_build_model_may_move_its_model_to_the_gpu(tmp_path):
+    """``model.cuda()`` / ``.to("cuda", dtype)`` in build_model, as a file written for a GPU
+    machine does: oomdoctor places the model itself, so the move is dropped and the dtype kept
+    - the same trace as the file without it."""
+    from oomdoctor.models.loader import load_model_file
+    from oomdoctor.sim.trace import TraceConfig, trace_training
+    body = ("import torch\n"
+            "def build_model():\n    return torch.nn.Sequential(torch.nn.Linear(8, 64), "
+            "torch.nn.ReLU(), torch.nn.Linear(64, 1)){move}\n"
+            "def make_batch(b):\n    return torch.randn(b, 8)\n"
+            "def loss_fn(m, x):\n    return m(x.to(next(m.parameters()).dtype)).float().sum()\n")
+    traces = {}
+    for name, move in [("plain", ".to(torch.bfloat16)"), ("cuda", ".cuda().bfloat16()"),
+                       ("to", ".to('cuda', torch.bfloat16)"),
+                       ("device", ".to(device=torch.device('cuda'), dtype=torch.bfloat16)")]:
+        path = tmp_path / f"{name}.py"
+        path.write_text(body.format(move=move))
+        traces[name] = trace_training(load_model_file(str(path)), TraceConfig(4))
+    first = traces["plain"]
+    assert first.weight_dtypes == (("bfloat16",), ())
+    for t in traces.values():
+        assert (t.events, t.parameter_bytes) == (first.events, first.parameter_bytes)

@@ -7,9 +7,10 @@ protocol's loss and the optimizer. A failure inside the user's functions becomes
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -21,7 +22,8 @@ from oomdoctor.models.spec import (DataDependentError, ModelFileError, ModelSpec
 
 def build_checked_model(spec: ModelSpec) -> torch.nn.Module:
     """Call ``build_model()`` and check what it returns."""
-    model = _call(spec, "build_model", spec.build_model)
+    with placement_left_to_oomdoctor():
+        model = _call(spec, "build_model", spec.build_model)
     if not isinstance(model, torch.nn.Module):
         raise ModelFileError(f"{spec.path}: build_model() returned {type(model).__name__}, "
                              "expected a torch.nn.Module; return the model instance")
@@ -30,6 +32,29 @@ def build_checked_model(spec: ModelSpec) -> torch.nn.Module:
                              "parameters; there is nothing to train (set requires_grad=True on "
                              "the parameters to fine-tune)")
     return model
+
+
+@contextlib.contextmanager
+def placement_left_to_oomdoctor() -> Iterator[None]:
+    """A model file written for a GPU machine moves its model there in ``build_model``
+    (``model.cuda()``, ``.to("cuda")``, ``.to("cuda", torch.bfloat16)``). oomdoctor places the
+    model itself - fake tensors in a trace, the chosen device in a measured run - so those
+    calls keep their dtype and drop the CUDA device. A tensor moved by hand still fails, named
+    where it is (_moves_to_gpu_error)."""
+    module = torch.nn.Module
+    real_to, real_cuda = module.to, module.cuda
+
+    def to(self, *args, **kwargs):
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is None or device.type != "cuda":
+            return real_to(self, *args, **kwargs)
+        return self if dtype is None else real_to(self, dtype, non_blocking=non_blocking)
+    module.to = to
+    module.cuda = lambda self, device=None: self
+    try:
+        yield
+    finally:
+        module.to, module.cuda = real_to, real_cuda
 
 
 def make_checked_batch(spec: ModelSpec, batch_size: int) -> Any:

@@ -366,6 +366,25 @@ class _FusedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def _is_int8_op(func: Any, name: str) -> bool:
+    """Whether ``func`` is one of bitsandbytes' LLM.int8 ops."""
+    return name.removesuffix(".default") in adapters.INT8_OPS and "bitsandbytes" in (
+        getattr(func, "namespace", None), getattr(func, "_qualified_op_name", "")[:12])
+
+
+class Int8Kernels(_OurMode):
+    """bitsandbytes' LLM.int8 ops as its CUDA backend allocates them, and nothing else: their
+    meta kernels ask for a data-dependent outlier count that a meta tensor cannot give, so a
+    pass that runs the model without :class:`CudaKernels` (the multi-GPU layout) needs them."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if _is_int8_op(func, name):
+            return adapters.int8_as_cuda(name, args, kwargs)
+        return func(*args, **kwargs)
+
+
 class CudaKernels(_OurMode):
     """Pick CUDA's kernels where their memory differs from the CPU's: fused SDPA, fused dropout."""
 
@@ -388,8 +407,7 @@ class CudaKernels(_OurMode):
             return self._dropout(func, args, kwargs)
         if name == "gemm_4bit.default":              # bitsandbytes' 4-bit matmul
             return adapters.gemm_4bit_as_cuda(func, args, kwargs)
-        if name.removesuffix(".default") in adapters.INT8_OPS and "bitsandbytes" in (
-                getattr(func, "namespace", None), getattr(func, "_qualified_op_name", "")[:12]):
+        if _is_int8_op(func, name):
             return adapters.int8_as_cuda(name, args, kwargs)
         if name in rnn.FUNCTIONS:        # nn.LSTM/GRU/RNN: cuDNN's one fused call
             # Under CUDA autocast, _cudnn_rnn runs in fp16 whatever the autocast dtype, with a

@@ -1,9 +1,12 @@
-"""A model file written for a GPU machine: it moves the model to CUDA itself."""
+"""A model file written for a GPU machine that makes a tensor on the GPU by hand: the module's
+own .cuda() is left to oomdoctor, a tensor's is not."""
 import torch
 
 
 def build_model():
-    return torch.nn.Linear(8, 1).cuda()
+    model = torch.nn.Linear(8, 1).cuda()
+    model.register_buffer("scale", torch.ones(8).cuda())
+    return model
 
 
 def make_batch(batch_size):
@@ -11,4 +14,4 @@ def make_batch(batch_size):
 
 
 def loss_fn(model, x):
-    return model(x).sum()
+    return (model(x * model.scale)).sum()

@@ -102,6 +102,7 @@ def run_pass(spec: ModelSpec, model: torch.nn.Module, precision: str, defined: l
             batch = mirrored_batch(lambda: make_configured_batch(spec, b, precision),
                                    tagger.shadows)
             with contextlib.ExitStack() as stack:
+                stack.enter_context(emulate.Int8Kernels())
                 if amp is not None:
                     stack.enter_context(emulate.CudaAutocast(amp))
                 if not backward:
