@@ -387,7 +387,8 @@ def _raise_if_exhausted(script: ScriptSpec, run: ScriptRun) -> None:
 
 def _run_notes(script: ScriptSpec, argv: list[str], cfg: TraceConfig, run: ScriptRun,
                device: fakecuda.Device, batch_size: int | None) -> list[str]:
-    notes = [f"ran {shlex.join(['python', *argv])} on a fake {device.gpu.name} until "
+    launcher = {"accelerate": "accelerate launch"}.get(script.launcher, script.launcher)
+    notes = [f"ran {launcher} {shlex.join(argv)} on a fake {device.gpu.name} until "
              + (f"its step {cfg.steps}" if run.ended == "steps" else
                 f"it ended, after {run.steps_done} optimizer step(s)")]
     if script.processes > 1:
