@@ -3,14 +3,21 @@ the typical logs in tests/logs.
 
     python benchmarks/bench_explain.py            # 100 MiB
     python benchmarks/bench_explain.py --mib 500  # any size
+    python benchmarks/bench_explain.py --public   # score the real logs of tests/logs/public instead
 
 The big log is written to a temporary file and explained by the real CLI in a child process, so
 the peak RSS reported is the CLI's own (interpreter + imports + parser), read from
 getrusage(RUSAGE_CHILDREN). Prints figures only; it asserts nothing.
+
+--public scores explain on the real logs in tests/logs/public against what their sources.json says
+each one holds (written by hand from the log): the share of expected kinds found among the log's
+findings, the share of stated numbers found among any finding's numbers or derived values (the
+value in bytes or as a count, whatever key explain gives it), and the logs left with no finding.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -18,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from decimal import Decimal
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,10 +130,49 @@ def bench_typical(repeat: int = 20) -> None:
     print(f"  slowest             {slowest[0] * 1e3:.2f} ms  ({slowest[1]}, {slowest[2]:,} bytes)")
 
 
+_UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def _expected_value(text: str) -> int:
+    """'11500204 KiB' -> 11776208896, '480' -> 480: computed here, not by oomdoctor's parser."""
+    number, _, unit = text.partition(" ")
+    return int(Decimal(number) * _UNITS.get(unit, 1))
+
+
+def score_public() -> None:
+    folder = ROOT / "tests" / "logs" / "public"
+    sources = json.loads((folder / "sources.json").read_text())
+    kinds_hit = kinds_all = numbers_hit = numbers_all = empty = 0
+    for name, want in sorted((k, v) for k, v in sources.items() if not k.startswith("_")):
+        with open(folder / name, "rb") as f:
+            result = ex.explain_file(f)
+        found = {f.kind.value for f in result.findings}
+        values = {v for f in result.findings for v in (*f.numbers.values(), *f.derived.values())}
+        missing_kinds = [k for k in want["kinds"] if k not in found]
+        missing_numbers = [k for k, v in want["numbers"].items() if _expected_value(v) not in values]
+        kinds_all += len(want["kinds"])
+        kinds_hit += len(want["kinds"]) - len(missing_kinds)
+        numbers_all += len(want["numbers"])
+        numbers_hit += len(want["numbers"]) - len(missing_numbers)
+        empty += not result.findings
+        mark = "ok  " if not missing_kinds and not missing_numbers else "MISS"
+        print(f"{mark} {name:52} found {sorted(found) or ['(no known error)']}"
+              + (f" missing kinds {missing_kinds}" if missing_kinds else "")
+              + (f" missing numbers {missing_numbers}" if missing_numbers else ""))
+    print(f"kinds recognised      {kinds_hit}/{kinds_all} ({100 * kinds_hit / kinds_all:.1f}%)")
+    print(f"numbers read          {numbers_hit}/{numbers_all} ({100 * numbers_hit / numbers_all:.1f}%)")
+    print(f"no known error        {empty} of {len(sources) - 1} logs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=100, help="size of the generated log in MiB (default 100)")
+    parser.add_argument("--public", action="store_true",
+                        help="score the real logs of tests/logs/public against their sources.json instead")
     args = parser.parse_args()
+    if args.public:
+        score_public()
+        return
     print(f"python {sys.version.split()[0]} on {os.cpu_count()} CPUs, load average "
           + " ".join(f"{x:.1f}" for x in os.getloadavg()))
     bench_typical()
