@@ -124,11 +124,6 @@ EXPECTED = {
         numbers=dict(requested=sz("31.75 GiB"), capacity=sz("79.25 GiB"), free=sz("22.44 GiB"),
                      this_process=sz("56.80 GiB"), allocated=sz("31.75 GiB"),
                      reserved_unallocated=sz("24.37 GiB"))),
-    "torchrun_two_ranks_interleaved.log": dict(
-        kind=Kind.CUDA_OOM, ranks=(0, 1), gpus=(0, 1), occurrences=2, phase=Phase.FORWARD,
-        numbers=dict(requested=sz("2.00 GiB"), capacity=sz("23.69 GiB"), free=sz("1.06 GiB"),
-                     this_process=sz("22.62 GiB"), allocated=sz("21.87 GiB"),
-                     reserved_unallocated=sz("402.15 MiB"))),
     "torchrun_midline_interleave.log": dict(
         kind=Kind.CUDA_OOM, ranks=(0, 1), gpus=(0, 1), occurrences=2,
         numbers=dict(requested=sz("4.00 GiB"), capacity=sz("39.39 GiB"), free=sz("3.11 GiB"),
@@ -399,9 +394,6 @@ EXPECTED = {
     "nccl_warn_cuda_failure_oom.log": dict(kind=Kind.NCCL_CUDA_OOM, cause="nccl_buffers_oom",
                                            first_fix="free_memory_for_nccl"),
     # NCCL's generic codes (issue 22, item 1): tests/test_explain_generalizes.py checks the ladders.
-    "nccl_error1_terminate_rtx4090.log": dict(
-        kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=1), first_fix="nccl_debug_info",
-        details=dict(status="ncclUnhandledCudaError", gpu_model="NVIDIA GeForce RTX 4090")),
     "nccl_unhandled_last_error_driver.log": dict(
         kind=Kind.NCCL_ERROR, ranks=(0,), numbers=dict(nccl_result=1), first_fix="match_driver",
         details=dict(nccl_version="2.21.5")),
@@ -454,6 +446,21 @@ EXPECTED = {
 }
 
 MULTI = {
+    # torchrun's OMP_NUM_THREADS warning before the error: its own note, after the error (issue 33).
+    "torchrun_two_ranks_interleaved.log": [
+        dict(kind=Kind.CUDA_OOM, ranks=(0, 1), gpus=(0, 1), occurrences=2, phase=Phase.FORWARD,
+             numbers=dict(requested=sz("2.00 GiB"), capacity=sz("23.69 GiB"), free=sz("1.06 GiB"),
+                          this_process=sz("22.62 GiB"), allocated=sz("21.87 GiB"),
+                          reserved_unallocated=sz("402.15 MiB"))),
+        dict(kind=Kind.OMP_THREADS, cause="omp_threads_set_to_1", first_fix="set_omp_num_threads",
+             numbers=dict(nproc_per_node=2)),       # the two ranks seen
+    ],
+    "nccl_error1_terminate_rtx4090.log": [
+        dict(kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=1), first_fix="nccl_debug_info",
+             details=dict(status="ncclUnhandledCudaError", gpu_model="NVIDIA GeForce RTX 4090")),
+        dict(kind=Kind.OMP_THREADS, cause="omp_threads_set_to_1", first_fix="set_omp_num_threads",
+             numbers=dict(nproc_per_node=2)),       # --nproc_per_node 2
+    ],
     # An H200 OOM under a 3 GiB memory fraction, then torch.cuda.memory_summary() printed right
     # after it (tests/snapshots/gpt2_small_b8_oom_summary.txt): two findings, the message's own
     # explanation unchanged, and the table's rows as printed ("66560 KiB", "2973 MiB").

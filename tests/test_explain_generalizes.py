@@ -67,7 +67,8 @@ def test_every_nccl_spelling_names_its_code(text, code, name):
 
 
 def test_unhandled_cuda_error_on_rtx4090_puts_p2p_first():
-    f = only("nccl_error1_terminate_rtx4090.log")
+    f, omp = findings("nccl_error1_terminate_rtx4090.log")      # the OMP_NUM_THREADS note comes after it
+    assert omp.kind is Kind.OMP_THREADS
     assert causes(f)[:5] == ["nccl_relays_error", "nccl_p2p", "nccl_gpu_memory", "nccl_driver_mismatch",
                              "nccl_shared_memory"]
     text = f.diagnosis[1].text

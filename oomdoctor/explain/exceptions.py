@@ -41,9 +41,25 @@ def _exception_draft(m: re.Match) -> _Draft:
     return d
 
 
+def _cut_traceback_draft() -> _Draft:
+    """A Python traceback whose exception line is not in the log (the excerpt stops inside it)."""
+    d = _Draft(Kind.EXCEPTION)
+    d.details["exception"] = "a Python traceback cut before its exception line"
+    d.details["memory_related"] = "unknown"
+    d.sig = ("cut traceback",)
+    return d
+
+
 def _diag_exception(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
     exc, words = d.details.get("exception", "the exception"), d.details.get("memory_words")
     where = f" The innermost frame is {d.frames[-1].func}() in {d.frames[-1].file}." if d.frames else ""
+    if d.details.get("memory_related") == "unknown":
+        out.diag("traceback_cut", "The log has a Python traceback, but the excerpt stops before its last line - "
+                 "the exception's type and message, which say what failed." + where)
+        out.fix("paste_exception_line", "Get the lines after the last frame (the full log, or the rank's own "
+                "output) and run explain on them: the exception line decides whether this is a memory error",
+                None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0, primary=True)
+        return
     if words:
         out.diag("unrecognised_possibly_memory", f"The log ends in {exc}, which is not one of the out-of-memory "
                  f"messages explain knows, but its text says '{words}': it may be a memory error in a wording "

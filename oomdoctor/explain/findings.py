@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from .diagnosis import _Ctx, _Out
 from .draft import _Draft
+from .evidence import _dataparallel_diag
 from .formats import _DIAGNOSE, _EXPLAINED_BY
 from .frames import _phase_of
-from .results import _KIND_INFO, Category, ExplainResult, Finding, Kind
+from .results import _KIND_INFO, REPORT_KINDS, Category, ExplainResult, Finding, Kind
 from .scanner import _Scanner
 
 
@@ -22,6 +23,10 @@ def _title(d: _Draft) -> str:
         base = "TensorFlow allocator warning: ran out of memory for an optional workspace (not a failure)"
     elif d.kind is Kind.CUDA_ERROR_OOM and d.details.get("source", "").startswith("driver: pinned host"):
         base = "CUDA error: out of memory pinning host RAM (not GPU memory)"
+    elif d.kind is Kind.JAX_OOM and d.details.get("device") == "TPU":
+        base = "XLA out of TPU memory (HBM, RESOURCE_EXHAUSTED)"
+    elif d.kind is Kind.NCCL_TIMEOUT and d.details.get("heartbeat") and not d.collectives:
+        base = "NCCL watchdog stuck: the heartbeat monitor aborted the process"
     fmt = d.details.get("format")
     if fmt and not fmt.startswith("unknown"):
         base += f" ({fmt} message)"
@@ -32,10 +37,31 @@ def _title(d: _Draft) -> str:
     return base
 
 
+def _launcher_reports(drafts: list[_Draft]) -> list[_Draft]:
+    """A launcher's stop without an exit code ("Killing subprocess", a bare ChildFailedError) says less than
+    a report with one: it is left out when the log has one, and the ranks it names go to it."""
+    coded = [d for d in drafts if d.kind is Kind.RANK_FAILED and (d.numbers or d.details.get("signal"))]
+    if not coded:
+        return drafts
+    return [d for d in drafts if d.kind is not Kind.RANK_FAILED or d in coded]
+
+
+def _adopt_failed_ranks(drafts: list[_Draft], dropped: list[_Draft]) -> None:
+    """The only error of a log that names no rank takes the ranks the launcher's failure report names (the
+    report itself is left out: the error explains it)."""
+    errors = [d for d in drafts if d.kind not in REPORT_KINDS]
+    ranks = sorted({r for d in dropped if d.kind is Kind.RANK_FAILED for r in d.ranks})
+    if len(errors) == 1 and not errors[0].ranks and ranks:
+        errors[0].ranks = ranks
+
+
 def _finalise(scanner: _Scanner) -> ExplainResult:
-    drafts = sorted((d for ds in scanner.by_kind.values() for d in ds), key=lambda d: d.line)
+    drafts = _launcher_reports(sorted((d for ds in scanner.by_kind.values() for d in ds), key=lambda d: d.line))
     kinds = {d.kind for d in drafts}
-    drafts = [d for d in drafts if not kinds & _EXPLAINED_BY.get(d.kind, frozenset())]
+    kept = [d for d in drafts if not kinds & _EXPLAINED_BY.get(d.kind, frozenset())]
+    _adopt_failed_ranks(kept, [d for d in drafts if d not in kept])
+    # Reports (a memory summary, torchrun's OMP warning) after the errors.
+    drafts = sorted(kept, key=lambda d: (d.kind in REPORT_KINDS, d.line))
     kinds = {d.kind for d in drafts}
     # A TensorFlow/XLA driver warning is explained by the framework error that follows it.
     if kinds & {Kind.TF_OOM, Kind.JAX_OOM}:
@@ -53,6 +79,7 @@ def _finalise(scanner: _Scanner) -> ExplainResult:
         phase, no_grad = _phase_of(d.frames) if d.frames and memory else (None, False)
         out = _Out()
         _DIAGNOSE[d.kind](d, ctx, phase, no_grad, out)
+        _dataparallel_diag(d, ctx, out)
         held = [v for k in ("this_process", "reserved", "allocated", "in_use")
                 if (v := d.numbers.get(k, out.derived.get(k))) is not None]
         out.held = max(held) if held else None

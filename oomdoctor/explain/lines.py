@@ -88,13 +88,18 @@ _KEYWORDS = (
     "error:", "exception:",
     # mp.spawn's "process 0 terminated with exit code 1" / "... with signal SIGSEGV" (formats/kills.py)
     "terminated with",
+    # issue 33: launchers stopping their workers, signals caught in native code (formats/signals.py), NCCL's
+    # heartbeat monitor, torchrun's OMP_NUM_THREADS warning, NCCL's P2P lines, the TPU runtime's
+    # "Attempting to reserve/allocate", a consumer card named as people write it ("4x RTX 4090")
+    "killing subprocess", "caught signal", "backtrace (tid", "fatal python error", "segmentation fault",
+    "heartbeat monitor", "omp_num_threads", "enable p2p", "attempting to", "rtx ",
 )
 _TRACEBACK_HINTS = ("Traceback (most recent", 'File "', "File ~", "Cell In[", ".py:")
 
 # Keywords that share a substring rare in healthy logs are searched only when the text has it: one
 # find() instead of several for most of a log (the search is the largest part of explain's time on a
 # big log).
-_GATES = {"kill": ("killed", "sigkill"), "error": ("bus error", "nccl error", "error:", "keyerror"),
+_GATES = {"kill": ("killed", "sigkill", "killing subprocess"), "error": ("bus error", "nccl error", "error:", "keyerror"),
           "not s": ("not set", "not supported"), "param": ("params", "parameters =", "parameters:"),
           "world": ("world_size", "world size"), "unable to ": ("unable to write", "unable to find"),
           "device": ("device_count", "device-side")}

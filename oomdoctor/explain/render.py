@@ -5,7 +5,7 @@ import textwrap
 
 from tabulate import tabulate
 
-from .results import BYTE_KEYS, Category, ExplainResult, Finding
+from .results import BYTE_KEYS, REPORT_KINDS, Category, ExplainResult, Finding
 from .sizes import format_bytes
 
 _LABELS = {
@@ -30,6 +30,10 @@ _LABELS = {
     "segments_peak": "reserved segments at the peak",
     "reserved_over_allocated_peak": "reserved peak above allocated peak",
     "releasable_cache": "cached in whole free segments", "fragmentation": "unusable reserve near the peak",
+    "host_used": "host RAM in use (last report)", "host_total": "host RAM total",
+    "heartbeat_timeout_s": "watchdog stalled for", "nproc_per_node": "processes per node",
+    "signal": "signal number", "hbm_capacity": "HBM capacity (TPU core)", "hbm_free": "HBM free",
+    "hbm_allocated": "HBM held by live buffers", "hbm_reserved": "HBM reserved (top of memory)",
 }
 
 
@@ -41,6 +45,8 @@ def _fmt_number(key: str, value: int) -> str:
         return format_bytes(value)
     if key.endswith("_ms"):
         return f"{value:,} ms"
+    if key.endswith("_s"):
+        return f"{value:,} s"
     return str(value)
 
 
@@ -57,7 +63,10 @@ def render_text(result: ExplainResult, headline: str | None = None,
     (fix id -> what the simulator says it buys) stands in where the log cannot tell."""
     if not result.findings:
         return f"No known error found in {result.lines_read:,} lines.\n"
-    out = [f"Found {len(result.findings)} error(s) in {result.lines_read:,} lines."]
+    notes = sum(f.kind in REPORT_KINDS for f in result.findings)
+    out = [f"Found {len(result.findings) - notes} error(s)" + (f" and {notes} note(s) that are not errors"
+                                                               if notes else "")
+           + f" in {result.lines_read:,} lines."]
     if headline:
         out.extend(_wrap(headline, ""))
     for i, f in enumerate(result.findings, 1):

@@ -37,6 +37,8 @@ class Kind(str, Enum):
     RANK_FAILED = "rank_failed"
     EXCEPTION = "unrecognised_exception"
     MEMORY_SUMMARY = "cuda_memory_summary"
+    NATIVE_CRASH = "native_crash"
+    OMP_THREADS = "omp_num_threads"
 
 
 class Category(str, Enum):
@@ -86,7 +88,15 @@ _KIND_INFO: dict[Kind, tuple[Category, str]] = {
     Kind.RANK_FAILED: (Category.LAUNCH, "A rank failed - the launcher's report, not the error itself"),
     Kind.EXCEPTION: (Category.NOT_OOM, "The log's last error, not a known out-of-memory message"),
     Kind.MEMORY_SUMMARY: (Category.GPU_MEMORY, "PyTorch CUDA memory summary (torch.cuda.memory_summary())"),
+    Kind.NATIVE_CRASH: (Category.NOT_OOM, "A crash in native code (a signal, not a Python error)"),
+    Kind.OMP_THREADS: (Category.LAUNCH, "torchrun set OMP_NUM_THREADS=1 in each process (a performance warning, "
+                                        "not an error)"),
 }
+
+# Kinds that report something without being an error: they never stand in for the error of a log
+# (the last exception and a rank's failed exit are still reported beside them), and they come after
+# the errors in a result.
+REPORT_KINDS = frozenset({Kind.MEMORY_SUMMARY, Kind.OMP_THREADS})
 
 # Keys of Finding.numbers and Finding.derived that hold bytes; every other key is a plain count
 # whose unit is in its name (timeout_ms, port, ...).
@@ -98,6 +108,7 @@ BYTE_KEYS = frozenset({
     "anon_rss", "total_vm", "file_rss", "shmem_rss", "cgroup_usage", "cgroup_limit",
     "allocated_peak", "reserved_peak", "non_releasable", "non_releasable_peak",
     "reserved_over_allocated_peak", "releasable_cache", "fragmentation",
+    "host_used", "host_total", "hbm_capacity", "hbm_free", "hbm_allocated", "hbm_reserved",
 })
 
 

@@ -9,13 +9,16 @@ from dataclasses import replace
 from .draft import _compatible, _Draft, _merge
 from .formats import _ABSORBED_BY, _ANCHORS, _EXTRACT
 from .formats.frameworks import _F_TF_INUSE, _F_TF_LIMIT, _F_TF_MAXINUSE
-from .exceptions import _exception_draft, _exception_line
+from .evidence import _collect_evidence
+from .exceptions import _cut_traceback_draft, _exception_draft, _exception_line
 from .formats.host import _BUS_ERROR_LINE
 from .formats.kills import _KILLED_LINE, _add_kill_evidence
 from .formats.launch import _BARE_ENV_LINE, _DP_HANG, _dp_hang_frames, _p2p_table
 from .formats.lookalikes import _ASSERT_TEXT
-from .formats.nccl import _GPU_MODEL, _add_nccl_evidence
+from .formats.nccl import _CONSUMER, _GPU_MODEL, _add_nccl_evidence
+from .formats.nccl_debug import NCCL_DEBUG_LINE, _hang_draft
 from .formats.patterns import _AnchorSpec
+from .formats.signals import _SEGFAULT_LINE, _add_backtrace_evidence
 from .formats.torch_async_mps import _CUT_AT_DEVICE, _CUT_ASYNC_LINE
 from .frames import _CODE_MARKER, _EXC_LINE, _FRAME_RES, _TB_HEADER, _Frame
 from .limits import (_ANCHOR_SPAN, _EXCERPT, _FRAMES_KEEP, _FRAMES_PER_FINDING, _LOOKBACK, _MAX_FINDINGS,
@@ -23,7 +26,7 @@ from .limits import (_ANCHOR_SPAN, _EXCERPT, _FRAMES_KEEP, _FRAMES_PER_FINDING, 
                      _REGION_MAX_CHARS, _REGION_MAX_LINES, _REGION_TAIL, _REGION_TAIL_CHARS, _SUB_BATCH, _TB_REACH)
 from .lines import (_ANSI, _RANK_SPLIT, _WS, _contains, _has_keyword, _has_traceback, _hit_lines, _keyword_offsets,
                     _line_starts, _strip_prefixes)
-from .results import Kind
+from .results import REPORT_KINDS, Kind
 from .sizes import _parse_count
 
 # A line that starts something of its own, never the wrapped rest of the line before.
@@ -33,6 +36,9 @@ _STARTS_ANEW = re.compile(r"Traceback \(|File \"|During handling|The above excep
 _DIGITS = re.compile(r"\d+")
 # Markdown emphasis around a whole line ("**Killed**").
 _EMPHASIS = "*_`"
+# The last character of a rank's line that a terminal hard-wrapped: a line that stops on one of these
+# goes on in the next (unprefixed) line - mid-word, mid-number, after "ProcessGroupNCCL'", "TORCH_NCCL_".
+_WRAPS_AFTER = ",;('\"_-/="
 
 
 # --- facts the log states outside the error messages (used to size the fixes) ---------------
@@ -57,6 +63,7 @@ _FACTS: tuple[tuple[str, str, re.Pattern], ...] = (
         r"\s*(\d+)", re.I)),
     ("world|nproc", "world_size",
      re.compile(r"(?:\bworld[_ ]size\s*[=:]|nproc[_-]per[_-]node[= ]|\bWORLD_SIZE=)\s*(\d+)", re.I)),
+    ("nproc", "nproc_per_node", re.compile(r"nproc[_-]per[_-]node[= ]\s*(\d+)", re.I)),
 )
 # The same, triggers split once (every region tests them).
 _FACT_TESTS = tuple((tuple(triggers.split("|")), name, rx) for triggers, name, rx in _FACTS)
@@ -138,6 +145,9 @@ class _Scanner:
         self.tf_stats: tuple[int, dict[str, int]] | None = None
         self.gpu_model: str | None = None    # the first GPU model the log names (nvidia-smi, NCCL)
         self.last_exception: tuple[int, int | None, str] | None = None   # (line, rank stream, text)
+        self.last_traceback: tuple[int, int | None, str] | None = None   # a "Traceback (most recent ..." header
+        self.last_body = ""          # the log's last non-blank line: NCCL's debug output when a run hung in it
+        self.last_body_key: tuple[int, int | None] = (0, None)
         # A rank-prefixed line that stops mid-sentence, hard-wrapped by a terminal: the next line
         # arrives without the prefix but belongs to the same rank ("... Of the allocated memory 4"
         # / "0.30 GiB is allocated by PyTorch, ...").
@@ -258,7 +268,7 @@ class _Scanner:
                 and self._continues_lead(_lead(text, len(body))) and not _STARTS_ANEW.match(body):
             rank = self.wrap_rank
         tail = body.rstrip()[-1:]
-        self.wrap_rank = rank if rank is not None and (tail.isalnum() or tail in ",;(") else None
+        self.wrap_rank = rank if rank is not None and (tail.isalnum() or tail in _WRAPS_AFTER) else None
         self.wrap_line = lineno
         if self.wrap_rank is not None:
             self.wrap_text, self.wrap_body_len = text, len(body)
@@ -272,7 +282,13 @@ class _Scanner:
         # Most lines are neither in a traceback nor part of one: no call for them. (The words are
         # those _track_frames looks for, less what follows them.)
         if st.tb_headers or "File " in body or ".py" in body or "Cell In" in body or _TB_HEADER in body:
+            if _TB_HEADER in body:
+                self.last_traceback = (lineno, rank, body)
             self._track_frames(st, body, lineno)
+        if tail:
+            self.last_body, self.last_body_key = body, (lineno, rank)
+            if self.last_traceback is not None and _EXC_LINE.match(body.lstrip()):
+                self.last_traceback = None       # closed by its exception line (KeyboardInterrupt too)
         if "rror" in body or "ption" in body or "ailure" in body:
             if _exception_line(body):
                 self.last_exception = (lineno, rank, body)
@@ -385,11 +401,21 @@ class _Scanner:
         for _, _, key, st in sorted(open_regions):
             self._close(st, key)
         # Only for a log with no other error: what else is found explains the failure better.
-        if self.last_exception is not None and not any(k is not Kind.RANK_FAILED for k in self.by_kind):
+        errors = [k for k in self.by_kind if k not in REPORT_KINDS]
+        if self.last_exception is not None and not any(k is not Kind.RANK_FAILED for k in errors):
             lineno, key, body = self.last_exception
             match = _exception_line(body)
             if match:
                 self._place(_exception_draft(match), self._state(key), key, lineno, body)
+        elif self.last_traceback is not None and not errors:
+            # A traceback cut before its exception line is still a failure (never "no known error").
+            lineno, key, body = self.last_traceback
+            self._place(_cut_traceback_draft(), self._state(key), key, lineno, body)
+        elif not errors and self.gpu_model and _CONSUMER.search(self.gpu_model) \
+                and NCCL_DEBUG_LINE.search(self.last_body):
+            # The run stopped inside NCCL's initialisation on consumer cards: a P2P hang.
+            lineno, key = self.last_body_key
+            self._place(_hang_draft(self.gpu_model), self._state(key), key, lineno, self.last_body)
 
     def _process(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]], stop_line: int | None) -> None:
         try:
@@ -443,13 +469,15 @@ class _Scanner:
             end = kept[i + 1][0] if i + 1 < len(kept) else len(sq)
             span = sq[start:min(end, start + _ANCHOR_SPAN)]
             pre = sq[max(0, start - _PRE_SPAN):start]
-            draft = _EXTRACT[spec.kind](span, pre, m)
+            draft = (spec.extract or _EXTRACT[spec.kind])(span, pre, m)
             if draft.kind is Kind.DEVICE_ASSERT:
                 _add_assertion(draft, lines)
             elif draft.kind is Kind.NCCL_ERROR:
                 _add_nccl_evidence(draft, lines)
             elif draft.kind is Kind.OOM_KILLER:
                 _add_kill_evidence(draft, lines)
+            if "caught" in draft.details:
+                _add_backtrace_evidence(draft, lines)
             self._place(draft, st, key, lineno, body)
 
     def _place_p2p_table(self, st: _KeyState, key: int | None, lines: list[tuple[int, str]], stop_line: int | None,
@@ -465,7 +493,8 @@ class _Scanner:
         # The cut message and the bare variable only when no anchor of their kind is here.
         cut_async = "allocationondevice" in low and Kind.CUDA_ASYNC_OOM not in kinds
         bare_env = Kind.MISSING_LAUNCH_ENV not in kinds and "os.environ[" in low
-        if "killed" not in low and "buserror" not in low and not cut_async and not bare_env:
+        if "killed" not in low and "buserror" not in low and "segmentationfault" not in low and not cut_async \
+                and not bare_env:
             return
         for lineno, body in lines:
             if stop_line is not None and lineno >= stop_line:
@@ -486,6 +515,8 @@ class _Scanner:
                             st, key, lineno, body)
             elif _BUS_ERROR_LINE.match(b):
                 self._place(_line_draft(Kind.SHARED_MEMORY, (), "signal", "Bus error"), st, key, lineno, body)
+            elif _SEGFAULT_LINE.match(b) and Kind.NATIVE_CRASH not in kinds:
+                self._place(_line_draft(Kind.NATIVE_CRASH, ("SIGSEGV",), "signal", "SIGSEGV"), st, key, lineno, body)
 
     @staticmethod
     def _absorbed(item: tuple[int, _AnchorSpec, re.Match], kept: list) -> bool:
@@ -540,7 +571,8 @@ class _Scanner:
                     value = _parse_count(m.group(1))
                     if value is not None and (name.endswith("params") or value < 1_000_000):
                         self.facts[name] = value
-        if self.gpu_model is None and ("geforce" in low or "nvidia" in low or "tesla" in low):
+        _collect_evidence(lines, low, self.facts)
+        if self.gpu_model is None and ("geforce" in low or "nvidia" in low or "tesla" in low or "rtx" in low):
             found = _GPU_MODEL.search(" ".join(body for _, body in lines))
             self.gpu_model = found.group(1) if found else None
         if "Limit:" in sq and "InUse:" in sq:

@@ -14,6 +14,9 @@ _UNIT_BYTES = {
     # the result "KB/MB/GB" (aten/src/ATen/mps/MPSAllocator.mm format_size; TH/THGeneral.cpp),
     # so these labels are binary too.
     "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30, "tb": 1 << 40, "pb": 1 << 50,
+    # XLA/TPU and TensorFlow's stream executor print a bare letter, binary as well
+    # (tsl HumanReadableNumBytes; "529.00M (554,696,704 bytes)" in a TPU HBM report: 529 x 2**20).
+    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGTP]i?B|bytes?|B)\s*$", re.I)
 # 2**64 bytes printed as "17179869184.00 GiB" is PyTorch's "no limit" sentinel (the default
@@ -32,8 +35,9 @@ def parse_size(text: str) -> int:
 
 def _to_bytes(number: str, unit: str) -> int:
     # Decimal, not float: "111.88 MiB" must give exactly int(111.88 * 2**20) for every input.
+    # Thousands separators ("554,696,704 bytes", the kernel's "26,184,840kB") are dropped.
     try:
-        return int(Decimal(number) * _UNIT_BYTES[unit.lower()])
+        return int(Decimal(number.replace(",", "")) * _UNIT_BYTES[unit.lower()])
     except (InvalidOperation, KeyError) as exc:
         raise ValueError(f"not a size: {number!r} {unit!r}") from exc
 

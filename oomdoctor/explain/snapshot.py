@@ -256,3 +256,50 @@ def oom_request(data: dict[str, Any]) -> tuple[int, int] | None:
         if e["action"] == "oom":
             return int(e.get("size", 0)), int(e.get("device_free", 0))
     return None
+
+
+# ATen ops that only a forward pass runs: allocated again in the backward phase, they were recomputed there
+# (activation checkpointing). Generic ops (add, mm, mul, new_empty, _to_copy) run in both passes anyway.
+_FORWARD_ONLY_OPS = frozenset({
+    "aten::native_layer_norm", "aten::native_batch_norm", "aten::native_group_norm", "aten::gelu", "aten::silu",
+    "aten::relu", "aten::native_dropout", "aten::convolution", "aten::addmm", "aten::_softmax",
+    "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_cudnn_attention"})
+
+
+def _all_frames(data: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    stacks = [e.get("frames") or [] for e in _entries(data) if e.get("action") == "alloc"]
+    return stacks + [b.get("frames") or [] for b in _active_blocks(data)]
+
+
+def already_done(data: dict[str, Any]) -> frozenset[str]:
+    """What the recorded step already does, read from the snapshot, so that no fix suggests it again:
+    "autocast" (mixed precision), "checkpointing", "expandable_segments", "8bit_optimizer".
+
+    autocast: a frame of torch.amp or of ATen's autocast (C++ stacks), or - in oomdoctor's simulated
+    snapshots - the forward's casts of a module's own weights (aten::_to_copy in a module that holds a
+    parameter). checkpointing: torch/utils/checkpoint.py on the stack, or forward-only ops allocating in
+    the backward phase. expandable_segments: the allocator settings or an expandable segment."""
+    done = set()
+    settings = data.get("allocator_settings") or {}
+    if settings.get("expandable_segments") or any(seg.get("is_expandable") for seg in data["segments"]):
+        done.add("expandable_segments")
+    stacks = _all_frames(data)
+    owners = {str(f[0].get("filename", "")).rsplit(".", 1)[0] for f in stacks
+              if f and len(f) > 1 and str(f[-1].get("name")) == "parameters"}
+    for frames in stacks:
+        text = " ".join(f"{f.get('filename', '')} {f.get('name', '')}" for f in frames)
+        if "autocast" in text or "/torch/amp/" in text:
+            done.add("autocast")
+        if "utils/checkpoint.py" in text:
+            done.add("checkpointing")
+        if "bitsandbytes" in text or "8bit" in text.lower():
+            done.add("8bit_optimizer")
+        if not frames or not str(frames[-1].get("filename", "")).startswith("oomdoctor:"):
+            continue
+        phase, op = str(frames[-1]["filename"]).split(":")[-1], str(frames[0].get("name", ""))
+        if phase == "forward" and op == "aten::_to_copy" and frames[0].get("filename") in owners:
+            done.add("autocast")
+        elif phase == "backward" and op in _FORWARD_ONLY_OPS:
+            done.add("checkpointing")
+    return frozenset(done)

@@ -9,7 +9,7 @@ from tabulate import tabulate
 
 from .results import Fix
 from .sizes import format_bytes as _F
-from .snapshot import (OPTIMIZER_STATE, Fragmentation, Live, NotASnapshot, fragmentation,
+from .snapshot import (OPTIMIZER_STATE, Fragmentation, Live, NotASnapshot, already_done, fragmentation,
                        live_at_moment, load_snapshot, oom_request)
 
 _LABELS = {
@@ -18,6 +18,11 @@ _LABELS = {
     "backward": "backward (gradients and their temporaries)", "other": "other",
 }
 _TOP = 8
+# What the step already does (snapshot.already_done), in words, and the fixes that would only repeat it.
+_ALREADY = {"autocast": "mixed precision (autocast)", "checkpointing": "activation checkpointing",
+            "expandable_segments": "expandable segments", "8bit_optimizer": "an 8-bit optimizer"}
+_REPEATS = {"autocast": "mixed_precision", "checkpointing": "activation_checkpointing",
+            "expandable_segments": "expandable_segments", "8bit_optimizer": "lighter_optimizer"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class SnapshotReport:
     expandable_helps: bool | None         # None: nothing to decide (no OOM, no free memory)
     expandable_text: str
     fixes: tuple[Fix, ...]
+    already: tuple[str, ...] = ()         # what the step already does: keys of _ALREADY
 
 
 def explain_snapshot(stream: BinaryIO, path: str = "-") -> SnapshotReport:
@@ -58,7 +64,10 @@ def explain_snapshot(stream: BinaryIO, path: str = "-") -> SnapshotReport:
             mods[where.module] += size
         sites[where.site][0] += size
         sites[where.site][1] += 1
+    done = already_done(data)
     helps, text = _expandable(frag, live, oom)
+    if "expandable_segments" in done:
+        helps, text = None, "already on: the allocator ran with expandable segments"
     entries = [t for t in data.get("device_traces") or [] if t]
     return SnapshotReport(
         path=path, simulated=_simulated(data), events=len(entries[0]) if entries else 0,
@@ -68,7 +77,9 @@ def explain_snapshot(stream: BinaryIO, path: str = "-") -> SnapshotReport:
                            key=lambda x: (-x[1], x[0])))[:_TOP],
         oom_requested=oom[0] if oom else None, oom_device_free=oom[1] if oom else None,
         fragmentation=frag, expandable_helps=helps, expandable_text=text,
-        fixes=_fixes(dict(cats), frag, helps, live, oom))
+        fixes=tuple(f for f in _fixes(dict(cats), frag, helps, live, oom)
+                    if f.id not in {_REPEATS[k] for k in done}),
+        already=tuple(sorted(done)))
 
 
 def _simulated(data: dict[str, Any]) -> bool:
@@ -184,8 +195,11 @@ def render_snapshot_text(r: SnapshotReport) -> str:
         out.append(f"  segment 0x{s.address:x} ({s.pool}, {_F(s.total_bytes)}): "
                    f"{_F(s.free_bytes)} free in {s.free_blocks} blocks, largest "
                    f"{_F(s.largest_free_bytes)}")
-    out += [f"Would expandable_segments have helped? {r.expandable_text}.", "",
-            "Fixes, ranked by what they buy (bytes from this snapshot)"]
+    out += [f"Would expandable_segments have helped? {r.expandable_text}."]
+    if r.already:
+        out.append("The step already uses " + ", ".join(_ALREADY[k] for k in r.already)
+                   + ": no fix below repeats it.")
+    out += ["", "Fixes, ranked by what they buy (bytes from this snapshot)"]
     for i, fix in enumerate(r.fixes, 1):
         out.append(f"  {i}. {fix.title}")
         out.append(f"     frees: {fix.effect_bound} {_F(fix.effect_bytes or 0)} | speed: "
@@ -213,6 +227,7 @@ def snapshot_to_json(r: SnapshotReport) -> dict[str, Any]:
             "largest_free_large_pool_bytes": f.largest_free_large_pool_bytes,
             "segments_with_free": [vars(s) for s in f.segments]},
         "expandable_segments": {"helps": r.expandable_helps, "why": r.expandable_text},
+        "already_uses": list(r.already),
         "fixes": [{"id": x.id, "title": x.title, "effect_bytes": x.effect_bytes,
                    "effect_bound": x.effect_bound, "speed": x.speed, "quality": x.quality,
                    "detail": x.detail} for x in r.fixes],

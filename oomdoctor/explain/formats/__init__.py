@@ -1,7 +1,7 @@
 """The families of error messages, one module each, and the tables that join them: anchors, extractors, diagnoses."""
 from __future__ import annotations
 
-from ..results import Kind
+from ..results import REPORT_KINDS, Kind
 from .cuda import _ANCHORS as _CUDA_ANCHORS
 from .cuda import _diag_cublas, _diag_cuda_error, _diag_cudnn, _x_cublas, _x_cuda_error, _x_cudnn
 from .frameworks import _ANCHORS as _FRAMEWORK_ANCHORS
@@ -21,7 +21,12 @@ from .memory_summary import _ANCHORS as _SUMMARY_ANCHORS
 from .memory_summary import _diag_summary, _x_summary
 from .nccl import _ANCHORS as _NCCL_ANCHORS
 from .nccl import _diag_nccl_error, _x_nccl_error
+from .nccl_debug import _ANCHORS as _NCCL_DEBUG_ANCHORS
+from .omp import _ANCHORS as _OMP_ANCHORS
+from .omp import _diag_omp, _x_omp
 from .patterns import _AnchorSpec, _x_simple
+from .signals import _ANCHORS as _SIGNAL_ANCHORS
+from .signals import _diag_native_crash, _x_signal
 from .torch_async_mps import _ANCHORS as _ASYNC_MPS_ANCHORS
 from .torch_async_mps import _diag_async, _diag_mps, _x_async, _x_mps
 from .torch_caching import _ANCHORS as _CACHING_ANCHORS
@@ -32,7 +37,8 @@ from .torch_caching import _diag_torch, _x_torch
 # order of the single table they were written as.
 _ANCHORS: tuple[_AnchorSpec, ...] = (
     _CACHING_ANCHORS + _ASYNC_MPS_ANCHORS + _CUDA_ANCHORS + _FRAMEWORK_ANCHORS + _HOST_ANCHORS + _LAUNCH_ANCHORS
-    + _LOOKALIKE_ANCHORS + _NCCL_ANCHORS + _KILL_ANCHORS + _SUMMARY_ANCHORS
+    + _LOOKALIKE_ANCHORS + _NCCL_ANCHORS + _KILL_ANCHORS + _SUMMARY_ANCHORS + _SIGNAL_ANCHORS + _OMP_ANCHORS
+    + _NCCL_DEBUG_ANCHORS
 )
 
 # An anchor of kind K is dropped when it starts within N squashed characters after a kept anchor
@@ -72,6 +78,8 @@ _EXTRACT = {
     Kind.NCCL_ERROR: _x_nccl_error,
     Kind.RANK_FAILED: _x_rank_failed,
     Kind.MEMORY_SUMMARY: _x_summary,
+    Kind.NATIVE_CRASH: _x_signal,
+    Kind.OMP_THREADS: _x_omp,
 }
 
 
@@ -104,6 +112,8 @@ _DIAGNOSE = {
     Kind.RANK_FAILED: _diag_rank_failed,
     Kind.EXCEPTION: _diag_exception,
     Kind.MEMORY_SUMMARY: _diag_summary,
+    Kind.NATIVE_CRASH: _diag_native_crash,
+    Kind.OMP_THREADS: _diag_omp,
 }
 
 # A finding of kind K is left out when the log has a finding of one of these kinds: the more specific
@@ -114,7 +124,7 @@ _EXPLAINED_BY: dict[Kind, frozenset[Kind]] = {
                                 Kind.INVALID_DEVICE_ORDINAL}),
     # A rank's failed exit and the log's last exception are what is left when nothing known explains the
     # failure; either one goes with every known error (that rank's error is the known one). A memory
-    # summary is a report, not an error: it explains no failure.
-    Kind.RANK_FAILED: frozenset(Kind) - {Kind.RANK_FAILED, Kind.EXCEPTION, Kind.MEMORY_SUMMARY},
-    Kind.EXCEPTION: frozenset(Kind) - {Kind.RANK_FAILED, Kind.EXCEPTION, Kind.MEMORY_SUMMARY},
+    # summary or torchrun's OMP_NUM_THREADS warning is a report, not an error: it explains no failure.
+    Kind.RANK_FAILED: frozenset(Kind) - {Kind.RANK_FAILED, Kind.EXCEPTION} - REPORT_KINDS,
+    Kind.EXCEPTION: frozenset(Kind) - {Kind.RANK_FAILED, Kind.EXCEPTION} - REPORT_KINDS,
 }

@@ -21,7 +21,11 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
         r"|cudaSuccess\(2vs\.0\)outofmemory"
         # TensorFlow's ROCm driver (rocm_driver.cc): "failed to allocate 890.06M (933298432
         # bytes) from device: HIP_ERROR_OutOfMemory", older builds print the raw hipError_t 1002.
-        r"|HIP_ERROR_OutOfMemory|fromdevice:hipError_t\(1002\)", _I)),
+        r"|HIP_ERROR_OutOfMemory|fromdevice:hipError_t\(1002\)"
+        # thrust's system_error (PyTorch's sort, unique, index ops; CUDA extensions): "after cudaLaunch in
+        # triple_chevron_launcher::launch(): out of memory", "parallel_for failed: out of memory"
+        r"|aftercudaLaunchin[\w:]{0,80}\(\):outofmemory|parallel_forfailed:outofmemory"
+        r"|failedtosynchronize:outofmemory", _I)),
     _AnchorSpec(Kind.CUBLAS_ALLOC, ("cublas_status",),
                 re.compile(r"CUBLAS_STATUS_(?:ALLOC_FAILED|NOT_INITIALIZED)", _I)),
     _AnchorSpec(Kind.CUDNN_FAILURE, ("cudnn_status", "cudnnalgorithm", "unabletofindanengine",
@@ -57,6 +61,8 @@ def _x_cuda_error(span: str, pre: str, m: re.Match) -> _Draft:
         d.details["source"] = "CUDA driver API" + (" (context creation)" if "cuctxcreate" in context else "")
     elif "ERROR=2" in text or "RUNTIMEERROR(2)" in text:
         d.details["source"] = "old PyTorch THC (cuda runtime error 2)"
+    elif text.startswith(("AFTERCUDALAUNCH", "PARALLEL_FOR", "FAILEDTOSYNCHRONIZE")):
+        d.details["source"] = "thrust (a CUDA library's kernel launch or allocation)"
     else:
         d.details["source"] = "CUDA runtime/driver"
     if text.startswith("HIP") or "HIPERROR" in text:

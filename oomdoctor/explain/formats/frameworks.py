@@ -7,7 +7,7 @@ from ..diagnosis import _F, _QUALITY_NONE, _SPEED_NONE, _Ctx, _Out
 from ..draft import _Draft
 from ..results import Kind, Phase
 from ..sizes import _to_bytes
-from .patterns import _I, _SZ, _AnchorSpec, _rx, _size
+from .patterns import _I, _SZ, _SZX, _AnchorSpec, _rx, _size, _size_x
 
 # --- message anchors (squashed text) ---------------------------------------------------------
 
@@ -15,10 +15,16 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
     _AnchorSpec(Kind.TF_OOM, ("oomwhenallocating", "ranoutofmemory", "failedtoallocatememory"), re.compile(
         r"OOMwhenallocatingtensor|Allocator\(\w+\)ranoutofmemorytryingtoallocate"
         r"|ResourceExhaustedError:failedtoallocatememory", _I)),
-    _AnchorSpec(Kind.JAX_OOM, ("resource_exhausted", "resourceexhausted", "memoryspace", "xlaruntimeerror"), re.compile(
+    _AnchorSpec(Kind.JAX_OOM, ("resource_exhausted", "resourceexhausted", "memoryspace", "xlaruntimeerror",
+                               "attemptingto"), re.compile(
         r"RESOURCE_?EXHAUSTED:(?:Outofmemory|XLA:TPUcompile|Failedtoallocate)|Ranoutofmemoryinmemoryspace"
         # the same shortage under another status: "INTERNAL: Failed to allocate N bytes for new constant"
-        r"|XlaRuntimeError:INTERNAL:Failedtoallocate(?=\d+bytes)", _I)),
+        r"|XlaRuntimeError:INTERNAL:Failedtoallocate(?=\d+bytes)"
+        # the TPU runtime (PyTorch/XLA, JAX, TF on TPU): "Attempting to reserve 10.51G at the bottom of
+        # memory. That was not possible. There are 8.97G free, ...", and for a device buffer "Attempting
+        # to allocate 129.50M. That was not possible. There are 78.17M free."
+        r"|Attemptingto(?:reserve|allocate)[\d.]+[KMGTP]?(?:i?B)?(?:atthebottomofmemory)?\.?Thatwasnotpossible",
+        _I)),
 )
 
 
@@ -35,9 +41,22 @@ _F_TF_INUSE = re.compile(r"(?<![A-Za-z])InUse:(\d+)")
 _F_TF_MAXINUSE = re.compile(r"MaxInUse:(\d+)")
 
 # XLA's two wordings: "Out of memory while trying to allocate N bytes" and the PJRT client's
-# "Failed to allocate request for 2.99GiB (3206250496B) on device ordinal 0".
-_F_JAX_REQ = _rx(r"(?:Outofmemory(?:whiletryingto)?allocat(?:e|ing)|Failedtoallocaterequestfor|Failedtoallocate)"
-                 + _SZ + r"(?:\((\d+)B?\))?")
+# "Failed to allocate request for 2.99GiB (3206250496B) on device ordinal 0"; the TPU runtime's
+# "Attempting to reserve 10.51G" and its HBM report's "Program requirement: 3.95G (4,237,689,856 bytes)"
+# (the exact figure, read first).
+_F_JAX_REQ = _rx(r"(?:Outofmemory(?:whiletryingto)?allocat(?:e|ing)|Failedtoallocaterequestfor|Failedtoallocate"
+                 r"|Attemptingto(?:reserve|allocate))" + _SZX)
+_F_XLA_PROGRAM = _rx(r"Programrequirement:" + _SZX)
+# The TPU runtime's figures: "Used 9.08G of 7.48G hbm. Exceeded hbm capacity by 1.60G.", "There are
+# 8.97G free", "HBM capacity 8.00G:", "Currently allocated: 6.08G (6,532,939,776 bytes)", "Top-of-Memory
+# reserved: 529.00M (554,696,704 bytes)".
+_F_XLA_USED = _rx(r"Used" + _SZX + r"of" + _SZX + r"(?:hbm|vmem|smem)")
+_F_XLA_EXCEEDED = _rx(r"Exceeded(?:hbm|vmem|smem)?capacityby" + _SZX)
+_F_XLA_FREE = _rx(r"Thereare" + _SZX + r"free")
+_F_XLA_CAPACITY = _rx(r"HBMcapacity" + _SZX)
+_F_XLA_ALLOCATED = _rx(r"Currentlyallocated:" + _SZX)
+_F_XLA_RESERVED = _rx(r"Top-of-Memoryreserved:" + _SZX)
+_TPU = re.compile(r"hbm|tpu|bottomofmemory", re.I)
 _F_JAX_TOTAL = _rx(r"totalallocation:" + _SZ)
 _F_JAX_TEMP = _rx(r"preallocatedtempallocation:" + _SZ)
 _F_JAX_PARAM = _rx(r"parameterallocation:" + _SZ)
@@ -87,16 +106,30 @@ def _x_tf(span: str, pre: str, m: re.Match) -> _Draft:
 
 def _x_jax(span: str, pre: str, m: re.Match) -> _Draft:
     d = _Draft(Kind.JAX_OOM)
-    req = _F_JAX_REQ.search(span)
+    head = span[:3000]
+    req = _size_x(_F_XLA_PROGRAM, head)
+    req = req if req is not None else _size_x(_F_JAX_REQ, head)
     if req is not None:
-        d.numbers["requested"] = int(req.group(3)) if req.group(3) else _to_bytes(req.group(1), req.group(2))
+        d.numbers["requested"] = req
     for name, rx in (("total_allocation", _F_JAX_TOTAL), ("temp_allocation", _F_JAX_TEMP),
                      ("parameter_allocation", _F_JAX_PARAM)):
         value = _size(rx, span)
         if value is not None:
             d.numbers[name] = value
+    used = _F_XLA_USED.search(head)
+    if used is not None:
+        d.numbers["total_allocation"] = _size_x(_F_XLA_USED, head)
+        d.numbers["hbm_capacity"] = _size_x(_F_XLA_USED, head, 4)
+    for name, rx in (("shortfall", _F_XLA_EXCEEDED), ("hbm_free", _F_XLA_FREE), ("hbm_capacity", _F_XLA_CAPACITY),
+                     ("hbm_allocated", _F_XLA_ALLOCATED), ("hbm_reserved", _F_XLA_RESERVED)):
+        value = _size_x(rx, head)
+        if value is not None:
+            d.numbers.setdefault(name, value)
     if "TPU" in m.group(0).upper() or "memoryspace" in m.group(0).lower():
         d.details["where"] = "XLA compilation (TPU memory space)"
+    if _TPU.search(pre[-80:] + head[:1500]):
+        d.details["device"] = "TPU"
+        d.details["request"] = "a device buffer" if "devicebuffer" in head[:300].lower() else "the program"
     d.sig = (d.numbers.get("requested"),)
     return d
 
@@ -142,6 +175,9 @@ def _diag_tf(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out
 
 
 def _diag_jax(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    if d.details.get("device") == "TPU":
+        _diag_tpu(d, out)
+        return
     n = d.numbers
     req, total = n.get("requested"), n.get("total_allocation")
     if d.details.get("where"):
@@ -159,3 +195,38 @@ def _diag_jax(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Ou
     out.fix("xla_mem_fraction", "XLA_PYTHON_CLIENT_MEM_FRACTION=.95 (more of the GPU) or "
             "XLA_PYTHON_CLIENT_PREALLOCATE=false (when sharing the GPU)", None, None,
             "preallocate=false: slightly slower allocation", _QUALITY_NONE, "", cost=0)
+
+
+def _diag_tpu(d: _Draft, out: _Out) -> None:
+    """XLA on a TPU core: its HBM is fixed per core and nothing else shares it, so the program's
+    need against the core's capacity is the whole story."""
+    n = d.numbers
+    need, cap, req, free = n.get("total_allocation"), n.get("hbm_capacity"), n.get("requested"), n.get("hbm_free")
+    if need is not None and cap is not None:
+        over = n.get("shortfall", need - cap)
+        out.shortfall = over
+        text = (f"The compiled program needs {_F(need)} of HBM and a core of this TPU has {_F(cap)}: "
+                f"{_F(over)} over.")
+    elif req is not None and free is not None:
+        out.shortfall = req - free
+        held = n.get("hbm_allocated")
+        text = (f"XLA could not get {_F(req)} of HBM for {d.details.get('request', 'the program')}: {_F(free)} was free"
+                + (f" of the core's {_F(cap)}" if cap is not None else "")
+                + (f", {_F(held)} being held by live buffers (weights, optimizer state, data)" if held else "")
+                + f", {_F(req - free)} short.")
+    else:
+        text = "XLA ran out of the TPU core's HBM" + (f" allocating {_F(req)}" if req is not None else "") + "."
+    out.diag("tpu_hbm_exhausted", text + " A TPU core's HBM is fixed (8 GiB a v2 core, 16 GiB v3, 16 GiB v5e) "
+             "and holds the weights, optimizer state and the step's activations of that core's shard; the "
+             "program must shrink or be split over more cores.")
+    out.fix("halve_micro_batch", "Halve the per-core batch (keep the effective batch with gradient accumulation)",
+            None, None, "slightly slower per sample", "none with gradient accumulation",
+            "The step's activations scale with the per-core batch.", cost=1, primary=True)
+    out.fix("remat", "Rematerialise activations: jax.checkpoint (jax.remat), or gradient checkpointing in "
+            "PyTorch/XLA (torch_xla.utils.checkpoint)", None, None, "about 20-30% slower", _QUALITY_NONE, "",
+            cost=1)
+    out.fix("shard_over_cores", "Shard weights and optimizer state over the cores: FSDP (torch_xla "
+            "XlaFullyShardedDataParallel / SPMD) or jax.sharding", None, None, "slower: collectives every step",
+            _QUALITY_NONE, "", cost=2)
+    out.fix("bf16_on_tpu", "Keep weights and activations in bfloat16 (XLA_USE_BF16=1 in PyTorch/XLA, "
+            "jnp.bfloat16 params in JAX)", None, None, "faster on TPU", "practically none", "", cost=1)

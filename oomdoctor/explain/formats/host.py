@@ -5,6 +5,7 @@ import re
 
 from ..diagnosis import _F, _QUALITY_NONE, _SPEED_NONE, _Ctx, _Out
 from ..draft import _Draft
+from ..evidence import _host_memory_diag
 from ..results import Kind, Phase
 from ..sizes import GiB, _to_bytes
 from .patterns import _I, _SZ, _AnchorSpec, _rx
@@ -52,8 +53,10 @@ _F_DL_SIGNAL = _rx(r"iskilledbysignal:(Killed|Buserror|Segmentationfault|Aborted
 # The kernel's own report (mm/oom_kill.c, __oom_kill_process): "Out of memory: Killed process <pid>
 # (<comm>) total-vm:<n>kB, anon-rss:<n>kB, file-rss:<n>kB, shmem-rss:<n>kB, ..." (older kernels:
 # "Kill process <pid> (<comm>) score <n> or sacrifice child" then "Killed process ...").
-_F_DMESG_KILL = _rx(r"Killedprocess(\d+)\(([^)]{0,64})\)total-vm:(\d+)kB,anon-rss:(\d+)kB"
-                    r"(?:,file-rss:(\d+)kB)?(?:,shmem-rss:(\d+)kB)?")
+# RHEL/CentOS 6 print "Killed process <pid>, UID <uid>, (<comm>) total-vm:..."; kB figures can arrive
+# grouped by commas ("total-vm:26,184,840kB").
+_F_DMESG_KILL = _rx(r"Killedprocess(\d+),?(?:UID:?\d+,?)?\(([^)]{0,64})\),?(?:UID:?\d+,?)?total-vm:([\d,]+)kB,"
+                    r"anon-rss:([\d,]+)kB(?:,file-rss:([\d,]+)kB)?(?:,shmem-rss:([\d,]+)kB)?")
 _F_RANK_TORCHRUN = _rx(r"(?:^|\W)rank:(\d+)\(local_rank|local_rank:(\d+)")
 
 
@@ -108,7 +111,7 @@ def _x_oom_killer(span: str, pre: str, m: re.Match) -> _Draft:
         d.details["process"] = kill.group(2)
         for key, group in (("total_vm", 3), ("anon_rss", 4), ("file_rss", 5), ("shmem_rss", 6)):
             if kill.group(group) is not None:
-                d.numbers[key] = int(kill.group(group)) * 1024
+                d.numbers[key] = int(kill.group(group).replace(",", "")) * 1024
     _add_torchrun_rank(d, span)
     d.sig = ()
     return d
@@ -201,6 +204,8 @@ def _diag_oom_killer(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, o
              "without an error message almost always means the Linux OOM killer or the job scheduler's memory "
              "limit: host RAM, not GPU memory, ran out. Confirm with `dmesg -T | grep -i oom` or the scheduler's "
              "accounting (sacct MaxRSS).")
+    if rss is None:
+        _host_memory_diag(d, ctx, out)
     multi = len(d.ranks) > 1 or (ctx.world or 1) > 1
     out.fix("load_once", "Load the checkpoint once, memory-mapped (torch.load(mmap=True), "
             "from_pretrained(low_cpu_mem_usage=True)) or on the meta device" + (" - not a full copy per rank"
@@ -256,6 +261,9 @@ def _diag_shm(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Ou
         out.fix("grow_shm", "If /dev/shm is small (df -h /dev/shm): docker run --shm-size=16g (or --ipc=host)",
                 None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0)
         return
+    if d.details.get("caught"):
+        _diag_caught_sigbus(d, out)
+        return
     out.diag("shared_memory_exhausted", "Shared memory (/dev/shm) is full: DataLoader workers hand batches to "
              "the main process through it, and NCCL uses it between processes on one machine. Docker gives "
              "containers only 64 MB of /dev/shm by default. This is host memory, not the GPU.")
@@ -265,3 +273,29 @@ def _diag_shm(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Ou
     out.fix("fewer_workers", "Fewer workers / smaller batches, or "
             "torch.multiprocessing.set_sharing_strategy('file_system')", None, None,
             "slower if data loading is the bottleneck", _QUALITY_NONE, "", cost=1)
+
+
+def _diag_caught_sigbus(d: _Draft, out: _Out) -> None:
+    """Signal 7 caught in native code (formats/signals.py): a page of a memory-mapped file that cannot be
+    backed. Among NCCL's output that file is NCCL's shared-memory segment in /dev/shm."""
+    lib = d.details.get("library", "")
+    nccl = "NCCL" in lib or d.details.get("nccl_debug_output") == "yes"
+    host = d.details.get("container_host")
+    where = (f" inside NCCL ({lib.split(', in ', 1)[1]})" if ", in " in lib and "NCCL" in lib
+             else " inside NCCL" if nccl else f" inside {lib}" if lib else "")
+    out.diag("shared_memory_sigbus", f"Signal 7 (SIGBUS, bus error) was caught{where}. A bus error means a "
+             "process touched a page of a memory-mapped file that cannot be backed: "
+             + ("NCCL's processes on one machine exchange data through shared-memory segments in /dev/shm, and "
+                "when /dev/shm is smaller than what NCCL maps the first access past it raises SIGBUS"
+                if nccl else "a file in /dev/shm (DataLoader batches, NCCL's segments) on a full /dev/shm")
+             + ". In a container that is the container's /dev/shm size: Docker gives 64 MB unless told otherwise."
+             + (f" The host name {host} in the log's prefixes is a Docker container id: this ran in a container."
+                if host else ""))
+    out.fix("grow_shm", "Give the container more shared memory: docker run --shm-size=16g (or --ipc=host); on "
+            "Kubernetes mount an emptyDir with medium: Memory at /dev/shm; check the size with df -h /dev/shm",
+            None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0, primary=True)
+    if nccl:
+        out.fix("nccl_shm_disable", "To confirm, rerun with NCCL_SHM_DISABLE=1: NCCL then skips /dev/shm (and "
+                "the bus error goes away if it was the cause)", None, None,
+                "slower GPU-to-GPU transfers inside the machine (falls back to sockets/P2P)", _QUALITY_NONE, "",
+                cost=1)

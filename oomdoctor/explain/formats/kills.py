@@ -7,6 +7,7 @@ import re
 
 from ..diagnosis import _QUALITY_NONE, _SPEED_NONE, _Ctx, _Out
 from ..draft import _Draft
+from ..evidence import _host_memory_diag
 from ..results import Kind, Phase
 from .patterns import _I, _AnchorSpec
 
@@ -35,7 +36,8 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
         # the kernel (mm/oom_kill.c): 3.x-4.x "Out of memory: Kill process N (comm) score S or sacrifice
         # child" + "Killed process N (comm) total-vm:..."; 4.19+ "Out of memory: Killed process N ...";
         # the cgroup forms "Memory cgroup out of memory: Kill(ed) process ..."; a lone "Killed process" line
-        r"(?:Memorycgroup)?outofmemory:Kill(?:ed)?process|(?<![A-Za-z])Killedprocess\d+\("
+        # (no guard before a lone "Killed process": the line before it, squashed onto it, may end in a letter)
+        r"(?:Memorycgroup)?outofmemory:Kill(?:ed)?process|Killedprocess\d+,?(?:UID:?\d+,?)?\("
         # Python's subprocess (accelerate launch), fish, Slurm's task and job state, macOS shells
         r"|diedwith<Signals\.SIGKILL:9>|returnednon-zeroexitstatus-9(?!\d)|terminatedbysignalSIGKILL"
         r"|task\d+:OutOfMemory|(?<!ERROR_)(?<!STATUS_)OUT_OF_MEMORY|(?<![A-Za-z])Killed:9(?!\d)", _I), absorb=120),
@@ -48,6 +50,12 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
         rf"|returnednon-zeroexitstatus{_NOT_A_FAILURE}(?P<e>-?\d+)"
         r"|terminatedwithsignal(?P<s>SIG(?!KILL)[A-Z]+)|Signal(?P<n>\d+)\((?P<t>SIG(?!KILL|BUS)[A-Z]+)\)"
         r"receivedbyPID", _I), absorb=600),
+    # The launcher's report that a worker exited, when the line with its exit code is not in the log:
+    # DeepSpeed's and torch.distributed.launch's "Killing subprocess N" (their sigkill_handler stops the
+    # other workers), torchrun's ChildFailedError. Only where no exit code is in the same region.
+    _AnchorSpec(Kind.RANK_FAILED, ("killingsubprocess", "childfailederror"), re.compile(
+        r"Killingsubprocess(?=\d)|(?<![A-Za-z])ChildFailedError(?![A-Za-z])", _I), absorb=3000, fallback=True,
+        extract=lambda span, pre, m: _x_launcher_stop(span, pre, m)),
 )
 
 # --- evidence from the region's lines -------------------------------------------------------
@@ -55,8 +63,8 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
 _CGROUP = re.compile(r"memory: usage (\d+)\s?kB, limit (\d+)\s?kB", re.I)
 _OOM_TASK = re.compile(r"oom-kill:constraint=(\w+).*?task=([^,]{1,64}),pid=(\d+)", re.I)
 _SCORE = re.compile(r"Kill process (\d+) \(([^)]{1,64})\) score (\d+)", re.I)
-_RSS = re.compile(r"Killed process (\d+) \(([^)]{1,64})\),? (?:UID:? ?\d+,? )?total[-_]vm[:=]\s?(\d+)\s?kB,? "
-                  r"anon[-_]rss[:=]\s?(\d+)\s?kB", re.I)
+_RSS = re.compile(r"Killed process (\d+),? (?:UID:? ?\d+,? )?\(([^)]{1,64})\),? (?:UID:? ?\d+,? )?"
+                  r"total[-_]vm[:=]\s?([\d,]+)\s?kB,? anon[-_]rss[:=]\s?([\d,]+)\s?kB", re.I)
 
 
 def _add_kill_evidence(d: _Draft, lines: list[tuple[int, str]]) -> None:
@@ -75,7 +83,8 @@ def _add_kill_evidence(d: _Draft, lines: list[tuple[int, str]]) -> None:
         if (m := _RSS.search(body)) and "anon_rss" not in d.numbers:
             d.numbers.setdefault("pid", int(m.group(1)))
             d.details.setdefault("process", m.group(2))
-            d.numbers["total_vm"], d.numbers["anon_rss"] = int(m.group(3)) * 1024, int(m.group(4)) * 1024
+            d.numbers["total_vm"] = int(m.group(3).replace(",", "")) * 1024
+            d.numbers["anon_rss"] = int(m.group(4).replace(",", "")) * 1024
     if d.details.get("constraint", "").upper() == "CONSTRAINT_MEMCG" or "cgroup_limit" in d.numbers:
         d.details["source"] = "kernel OOM killer inside a cgroup (container/Slurm/Kubernetes memory limit)"
 
@@ -102,6 +111,10 @@ _MEANING = {
 _CODE = re.compile(r"-?\d+")
 
 
+# torchrun's failure table, one entry per failed rank: "rank : 2 (local_rank: 2) exitcode : 1 (pid: 3167)".
+_TABLE_ENTRY = re.compile(r"(?<![A-Za-z_])rank:(\d+)\(local_rank:\d+\)exitcode:(-?\d+)\(pid")
+
+
 def _x_rank_failed(span: str, pre: str, m: re.Match) -> _Draft:
     d = _Draft(Kind.RANK_FAILED)
     code = next((m.group(g) for g in "abcde" if m.group(g) is not None), None)
@@ -116,12 +129,32 @@ def _x_rank_failed(span: str, pre: str, m: re.Match) -> _Draft:
     rank = re.search(r"local_rank[:=](\d+)|rank:(\d+)\(local_rank|[Pp]rocess(\d+)terminated", pre[-80:] + span[:200])
     if rank:
         d.ranks.append(int(next(g for g in rank.groups() if g is not None)))
+    # The other entries of the same table, which this one absorbed: every rank that failed the same way.
+    for entry in _TABLE_ENTRY.finditer(span[:4000]):
+        if code is not None and int(entry.group(2)) == int(code) and int(entry.group(1)) not in d.ranks:
+            d.ranks.append(int(entry.group(1)))
     d.sig = (d.details.get("signal") or d.numbers.get("exit_code"),)
+    return d
+
+
+def _x_launcher_stop(span: str, pre: str, m: re.Match) -> _Draft:
+    """A launcher stopping its workers, the exit code not in the region (merged into a coded report, or
+    left out for one, by findings.py)."""
+    d = _Draft(Kind.RANK_FAILED)
+    if m.group(0).lower().startswith("killing"):
+        who = "DeepSpeed's launcher" if "sigkill_handler" in pre[-60:].lower() else "the launcher"
+        d.details["source"] = f"{who} killed the other workers ('Killing subprocess N')"
+    else:
+        d.details["source"] = "torchrun raised ChildFailedError (its failure table is not in the log)"
+    d.sig = (None,)
     return d
 
 
 def _diag_rank_failed(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
     code, signal = d.numbers.get("exit_code"), d.details.get("signal")
+    if code is None and signal is None:
+        _diag_launcher_stop(d, ctx, out)
+        return
     meaning = _MEANING.get(signal or "") or _MEANING.get(str(code), "the rank's process ended with an error")
     what = f"exit code {code}" if code is not None else signal
     ranks = ("Rank(s) " + ", ".join(map(str, d.ranks))) if d.ranks else "The failed rank"
@@ -140,3 +173,18 @@ def _diag_rank_failed(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, 
     if signal == "SIGSEGV":
         out.fix("faulthandler", "Rerun with python -X faulthandler (or PYTHONFAULTHANDLER=1) to print the Python "
                 "stack at the crash", None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0)
+
+
+def _diag_launcher_stop(d: _Draft, ctx: _Ctx, out: _Out) -> None:
+    out.diag("rank_failed_not_the_error", f"The run was stopped: {d.details.get('source', 'a worker failed')}. "
+             "That is the launcher's report that one worker exited, not the error; the line with its exit code is "
+             "not in this log (cut off, or not pasted). The worker printed its own error above, in its output; if "
+             "it printed none, it was killed - most often by the kernel's OOM killer when host RAM ran out.")
+    _host_memory_diag(d, ctx, out)
+    out.fix("find_rank_traceback", "Find the failed worker's own traceback or exit code: search the full log for "
+            "'Traceback' and 'exits with return code' / 'exitcode'; with torchrun --redirects 3 --log-dir logs "
+            "each rank's stderr is in logs/<run id>/attempt_0/<rank>/stderr.log", None, None, _SPEED_NONE,
+            _QUALITY_NONE, "", cost=0, primary=True)
+    out.fix("confirm_kill", "Check for a kill on that machine: dmesg -T | grep -i 'killed process' (or journalctl "
+            "-k); a return code of -9 means the worker was killed", None, None, _SPEED_NONE, _QUALITY_NONE, "",
+            cost=0, primary=True)

@@ -8,6 +8,7 @@ import re
 from ..diagnosis import _F, _QUALITY_NONE, _SPEED_NONE, _Ctx, _Out
 from ..draft import _Draft, _seq
 from ..results import Collective, Kind, Phase
+from .nccl_debug import HANG, NO_P2P, _diag_nccl_p2p
 from .patterns import _I, _AnchorSpec, _rx
 
 # --- message anchors (squashed text) ---------------------------------------------------------
@@ -21,6 +22,11 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
         r"|AttemptingtodeserializeobjectonCUDAdevice\d+buttorch\.cuda\.device_count\(\)is\d+", _I), absorb=200),
     _AnchorSpec(Kind.NCCL_TIMEOUT, ("watchdog",),
                 re.compile(r"Watchdogcaughtcollectiveoperationtimeout", _I), absorb=0),
+    # ProcessGroupNCCL's heartbeat monitor (torch >= 2.2): the watchdog thread itself stalled, "[PG 0 Rank 1]
+    # Heartbeat monitor timed out!" and "ProcessGroupNCCL's watchdog got stuck for 480 seconds without making
+    # progress in monitoring enqueued collectives ... (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)".
+    _AnchorSpec(Kind.NCCL_TIMEOUT, ("watchdoggotstuck", "heartbeatmonitortimedout"), re.compile(
+        r"watchdoggotstuckfor\d+seconds|Heartbeatmonitortimedout", _I), absorb=1500),
     _AnchorSpec(Kind.PORT_IN_USE, ("alreadyinuse", "eaddrinuse", "errno:98", "10048"), re.compile(
         r"(?:errno:98-?)?Addressalreadyinuse|EADDRINUSE|errno:98(?!\d)"
         # Windows: WSAEADDRINUSE is error 10048, its text localised ("Only one usage of each socket
@@ -99,10 +105,22 @@ def _x_ordinal(span: str, pre: str, m: re.Match) -> _Draft:
     return d
 
 
+_F_HEARTBEAT = _rx(r"watchdoggotstuckfor(\d+)seconds")
+
+
 def _x_nccl(span: str, pre: str, m: re.Match) -> _Draft:
     d = _Draft(Kind.NCCL_TIMEOUT)
     rank_m = list(_F_RANK_IN_TEXT.finditer(pre[-80:]))
     rank = int(rank_m[-1].group(1)) if rank_m else None
+    if not m.group(0).lower().startswith("watchdogcaught"):
+        d.details["heartbeat"] = "the watchdog thread stalled (heartbeat monitor)"
+        stuck = _F_HEARTBEAT.search(span[:2000])
+        if stuck:
+            d.numbers["heartbeat_timeout_s"] = int(stuck.group(1))
+        if rank is not None:
+            d.ranks.append(rank)
+        d.sig = ()
+        return d
     w = _F_NCCL.search(span)
     if w:
         c = Collective(rank, int(w.group(1)) if w.group(1) else None, w.group(2).upper(),
@@ -205,18 +223,65 @@ def _diag_ordinal(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out:
         out.fix("map_location", "torch.load(path, map_location='cpu') (or map_location=f'cuda:{local_rank}')",
                 None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0, primary=True)
         return
-    ranks = ", ".join(str(r) for r in sorted(d.ranks)) or "a rank"
-    out.diag("more_ranks_than_gpus", f"Rank(s) {ranks} asked for a GPU index this process cannot see: "
-             "--nproc_per_node is larger than the number of visible GPUs, or CUDA_VISIBLE_DEVICES was narrowed "
-             "(in the shell, or by the script itself, e.g. os.environ['CUDA_VISIBLE_DEVICES']='0'), so local_rank "
-             "1 finds only GPU 0.")
-    out.fix("match_nproc", "Make --nproc_per_node equal the number of visible GPUs: "
-            "CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node=2 train.py", None, None, _SPEED_NONE, _QUALITY_NONE,
-            "Remove any CUDA_VISIBLE_DEVICES assignment inside the script; select the GPU with "
-            "torch.cuda.set_device(local_rank).", cost=0, primary=True)
+    procs = ctx.facts.get("nproc_per_node")
+    if procs:
+        d.numbers["nproc_per_node"] = procs
+    visible = _visible_gpus(sorted(set(d.ranks)), procs)
+    out.diag("more_ranks_than_gpus", _ordinal_text(sorted(set(d.ranks)), procs, visible))
+    match = (f"--nproc_per_node={visible}" if visible else "--nproc_per_node=<visible GPUs>")
+    devices = ",".join(map(str, range(visible))) if visible else "0,1"
+    out.fix("match_nproc", f"Make the processes per node equal the GPUs this process sees: {match}"
+            + (f" (it was {procs})" if procs else "") + f", or show it more GPUs: CUDA_VISIBLE_DEVICES={devices}"
+            + ("" if visible else ",..."), None, None, _SPEED_NONE, _QUALITY_NONE,
+            "Check what it sees with nvidia-smi -L and python -c 'import torch; print(torch.cuda.device_count())' "
+            "in the same shell; remove any CUDA_VISIBLE_DEVICES assignment inside the script and select the GPU "
+            "with torch.cuda.set_device(local_rank).", cost=0, primary=True)
+
+
+def _visible_gpus(ranks: list[int], procs: int | None) -> int | None:
+    """How many GPUs the processes saw, when the failed local ranks say it: the ranks below the first
+    failed one got a GPU each (with every rank from it up to the last process failing)."""
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and (procs is None or ranks[-1] == procs - 1):
+        return ranks[0]
+    if procs == 2 and not ranks:
+        return 1          # of two processes only local rank 1 can miss its GPU, unless none is visible
+    return None
+
+
+def _ordinal_text(ranks: list[int], procs: int | None, visible: int | None) -> str:
+    launched = (f"The launcher started {procs} processes per node (--nproc_per_node={procs})" if procs else
+                f"The launcher started at least {ranks[-1] + 1} processes per node" if ranks else "")
+    failed = (f"local rank{'s' if len(ranks) > 1 else ''} {_and(ranks)} failed" if ranks else
+              "a rank failed")
+    if visible == 0:
+        return (f"{launched + ', and ' if launched else ''}{failed} asking for GPU 0: this process sees no GPU at "
+                "all - CUDA_VISIBLE_DEVICES is empty or names GPUs that do not exist.")
+    if visible is not None:
+        sees = "only GPU 0" if visible == 1 else f"only GPUs 0-{visible - 1}"
+        first = ranks[0] if ranks else visible
+        return (f"{launched + ', and ' if launched else ''}{failed} with 'invalid device ordinal': each rank "
+                f"selects the GPU with its local rank's index, and this process sees {visible} GPU"
+                f"{'s' if visible > 1 else ''}, so local rank {first}"
+                + (" and above find" if ranks and len(ranks) > 1 else " finds") + f" {sees}. --nproc_per_node is "
+                "larger than the number of visible GPUs, or CUDA_VISIBLE_DEVICES was narrowed (in the shell, or by "
+                "the script itself, e.g. os.environ['CUDA_VISIBLE_DEVICES']='0').")
+    return (f"{launched + ', and ' if launched else ''}{failed} with 'invalid device ordinal': a rank asked for "
+            "a GPU index this process cannot see. --nproc_per_node is larger than the number of visible GPUs, or "
+            "CUDA_VISIBLE_DEVICES was narrowed (in the shell, or by the script itself, e.g. "
+            "os.environ['CUDA_VISIBLE_DEVICES']='0').")
+
+
+def _and(items: list[int]) -> str:
+    words = [str(x) for x in items[:16]]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def _diag_nccl(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
+    if d.details.get("heartbeat"):
+        _diag_heartbeat(d, out)
+        if not d.collectives:
+            _diag_consequence(ctx, out)
+            return
     first: dict[int | None, Collective] = {}
     for c in d.collectives:
         if c.rank not in first or _seq(c) < _seq(first[c.rank]):
@@ -236,7 +301,8 @@ def _diag_nccl(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _O
     else:
         silent = []
         if ctx.world:
-            silent = sorted(set(range(ctx.world)) - {r for r in first if r is not None})
+            # (a rank that reported the heartbeat abort instead is not silent either)
+            silent = sorted(set(range(ctx.world)) - {r for r in first if r is not None} - set(d.ranks))
         text = "All reporting ranks wait in the same collective, so some rank never joined it: it died (look for " \
                "its own error above), hangs, or is much slower (e.g. rank 0 evaluating or saving a checkpoint " \
                "while the others wait)."
@@ -246,6 +312,28 @@ def _diag_nccl(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _O
         out.fix("longer_timeout", "For legitimately long rank-0-only work, raise the timeout: "
                 "init_process_group(timeout=timedelta(minutes=60)), or make the other ranks wait at a barrier "
                 "after it", None, None, _SPEED_NONE, _QUALITY_NONE, "", cost=0)
+    _diag_consequence(ctx, out)
+
+
+def _diag_heartbeat(d: _Draft, out: _Out) -> None:
+    secs = d.numbers.get("heartbeat_timeout_s")
+    out.diag("nccl_watchdog_stuck", "ProcessGroupNCCL's heartbeat monitor aborted the process: the watchdog "
+             "thread, which polls the enqueued collectives, made no progress for "
+             + (f"{secs} s" if secs else "its timeout") + " (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC). The watchdog "
+             "itself was blocked inside a NCCL or CUDA call (e.g. cudaEventDestroy): the GPU or NCCL was hung - "
+             "usually a collective that another rank never joined (it died, or its code took another path), or "
+             "another thread holding the GIL inside a CUDA call. A longer timeout only helps when the stall is "
+             "legitimate.")
+    out.fix("find_hung_rank", "Find the rank that did not arrive: py-spy dump --pid <pid> on each rank while it "
+            "hangs, or the flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE=2000 TORCH_NCCL_DUMP_ON_TIMEOUT=1) to "
+            "dump each rank's last collectives; NCCL_DEBUG=INFO", None, None, "slower while debugging",
+            _QUALITY_NONE, "", cost=0, primary=True)
+    out.fix("heartbeat_timeout", "Only for a legitimate long stall (a slow checkpoint save on one rank): "
+            "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=1800, or TORCH_NCCL_ENABLE_MONITORING=0", None, None, _SPEED_NONE,
+            _QUALITY_NONE, "", cost=1)
+
+
+def _diag_consequence(ctx: _Ctx, out: _Out) -> None:
     if ctx.memory_ranks or {Kind.CUDA_OOM, Kind.OOM_KILLER, Kind.DATALOADER_KILLED} & ctx.kinds:
         ranks = ", ".join(map(str, sorted(set(ctx.memory_ranks)))) or "one rank"
         out.diag("consequence_of_oom", f"This log also shows a memory error (rank(s) {ranks}): the timeout is "
@@ -279,6 +367,9 @@ def _diag_port(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _O
 
 def _diag_p2p(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
     source = d.details.get("source")
+    if source in (NO_P2P, HANG):
+        _diag_nccl_p2p(d, ctx, out)
+        return
     if source == _RTX4000:
         out.diag("accelerate_rtx4000_p2p", "accelerate refused to start: RTX 4000-series (Ada GeForce) cards "
                  "do not support GPU peer-to-peer transfers, and NCCL would try P2P (and InfiniBand) and hang or "

@@ -47,10 +47,12 @@ _CUDA_FAILURE = re.compile(r"Cuda failure (?:\d+ )?'([^']{1,120})'", re.I)
 _VERSION = re.compile(r"NCCL version (\d+\.\d+\.\d+)")
 _CALL = re.compile(r"\b(nccl[A-Z]\w{2,40}) failed")
 # A GPU model as nvidia-smi, torch.cuda.get_device_name() and NCCL's topology dump print it.
+# (also as people write it: "4x RTX 4090", "2xRTX3090")
 _GPU_MODEL = re.compile(r"((?:NVIDIA )?GeForce (?:RTX|GTX) ?\d{3,4}(?: ?Ti| SUPER)*|(?:NVIDIA )?RTX A\d{4}"
-                        r"|(?:NVIDIA )?RTX \d{4} Ada|(?:NVIDIA |Tesla )?(?:A100|H100|H200|A10G?|L40S?|V100|T4)\b)")
-_CONSUMER = re.compile(r"GeForce|TITAN", re.I)
-_NO_P2P_CARD = re.compile(r"GeForce RTX ?40\d\d|GeForce RTX ?50\d\d", re.I)
+                        r"|(?:NVIDIA )?RTX \d{4} Ada|(?:NVIDIA |Tesla )?(?:A100|H100|H200|A10G?|L40S?|V100|T4)\b"
+                        r"|(?:(?<=\d[xX])|(?<![A-Za-z]))RTX ?[2345]0[5-9]0(?: ?Ti| SUPER)*)")
+_CONSUMER = re.compile(r"GeForce|TITAN|RTX ?[2345]0[5-9]0", re.I)
+_NO_P2P_CARD = re.compile(r"(?:GeForce )?RTX ?[45]0[5-9]0", re.I)
 _DRIVER = re.compile(r"driver version is insufficient|unsupported display driver|cudaErrorInsufficientDriver"
                      r"|forward compatibility was attempted|CUDA driver version", re.I)
 _CONTAINER = re.compile(r"docker|kubepods|--shm-size|container", re.I)
