@@ -142,7 +142,7 @@ def _expected_value(text: str) -> int:
 def score_public() -> None:
     folder = ROOT / "tests" / "logs" / "public"
     sources = json.loads((folder / "sources.json").read_text())
-    kinds_hit = kinds_all = numbers_hit = numbers_all = empty = 0
+    totals: dict[str, list[int]] = {}     # set -> [kinds hit, kinds, numbers hit, numbers, logs, empty]
     for name, want in sorted((k, v) for k, v in sources.items() if not k.startswith("_")):
         with open(folder / name, "rb") as f:
             result = ex.explain_file(f)
@@ -150,18 +150,20 @@ def score_public() -> None:
         values = {v for f in result.findings for v in (*f.numbers.values(), *f.derived.values())}
         missing_kinds = [k for k in want["kinds"] if k not in found]
         missing_numbers = [k for k, v in want["numbers"].items() if _expected_value(v) not in values]
-        kinds_all += len(want["kinds"])
-        kinds_hit += len(want["kinds"]) - len(missing_kinds)
-        numbers_all += len(want["numbers"])
-        numbers_hit += len(want["numbers"]) - len(missing_numbers)
-        empty += not result.findings
+        t = totals.setdefault(want.get("set", "held-out"), [0] * 6)
+        t[0] += len(want["kinds"]) - len(missing_kinds)
+        t[1] += len(want["kinds"])
+        t[2] += len(want["numbers"]) - len(missing_numbers)
+        t[3] += len(want["numbers"])
+        t[4] += 1
+        t[5] += not result.findings
         mark = "ok  " if not missing_kinds and not missing_numbers else "MISS"
         print(f"{mark} {name:52} found {sorted(found) or ['(no known error)']}"
               + (f" missing kinds {missing_kinds}" if missing_kinds else "")
               + (f" missing numbers {missing_numbers}" if missing_numbers else ""))
-    print(f"kinds recognised      {kinds_hit}/{kinds_all} ({100 * kinds_hit / kinds_all:.1f}%)")
-    print(f"numbers read          {numbers_hit}/{numbers_all} ({100 * numbers_hit / numbers_all:.1f}%)")
-    print(f"no known error        {empty} of {len(sources) - 1} logs")
+    for label, (kh, k, nh, n, logs, empty) in sorted(totals.items(), key=lambda kv: kv[0] != "held-out"):
+        print(f"{label} set ({logs} logs): kinds recognised {kh}/{k} ({100 * kh / max(k, 1):.1f}%), numbers read "
+              f"{nh}/{n} ({100 * nh / max(n, 1):.1f}%), no known error in {empty}")
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ _REGION_MAX_LINES = 400      # ... or when it grows this long (then it is split,
 _REGION_MAX_CHARS = 1 << 16
 _REGION_CARRY = 12           # lines carried into the next region when one is split
 _LOOKBACK = 2                # lines before a hit added to its region (a wrapped keyword)
+_WRAP_LOOKBACK = 16          # ... and up to this many while they are one hard-wrapped line
 _MAX_KEYS = 64               # rank streams tracked at once (least recently used is dropped)
 _MAX_FINDINGS = 200          # distinct findings kept; more are counted in dropped_findings
 _MAX_RANKS = 4096

@@ -19,7 +19,7 @@ _PREFIXES = re.compile(
     r"""(?:
       [ \t\u00a0]+                                          # indentation
     | \[(?:rank|default)\s?(?P<r1>\d+)\]:?                  # [rank3]: / torchrun --tee [default0]:
-    | \[Rank\s?(?P<r2>\d+)\]:?                              # [Rank 0] (NCCL, DeepSpeed log_dist)
+    | \[(?:PG\ [^\]\[]{0,60}?)?Rank\s?(?P<r2>\d+)\]:?          # [Rank 0] (NCCL, DeepSpeed log_dist), [PG 0 Rank 1]
     | \[\d+,(?P<r3>\d+)\]<std(?:out|err)>:                  # OpenMPI --tag-output
     | \[(?P<r5>\d+)\]<std(?:out|err)>:                       # horovodrun: [1]<stderr>:
     | std(?:out|err):\ ?                                    # stderr: (Ray job logs, wrappers)
@@ -36,8 +36,9 @@ _PREFIXES = re.compile(
     | \d{4}-\d\d-\d\d[T\ ]\d\d:\d\d:\d\d(?:[.,]\d+)?Z?(?:\s?[+-]\d\d:?\d\d)?(?:\s?[-|:])?  # ISO time
     | \[\d{4}-\d\d-\d\d[T\ ][\d:.,]+\]                      # [2023-10-13 17:40:02,544]
     | \d\d:\d\d:\d\d(?:[.,]\d+)?(?=\s)                      # 23:34:07.661
-    | [IWEF]\d{4}\ [\d:.]+\s+\d+\s[^\]\s]+\]                # glog: E0325 20:57:27.620000 2606 api.py:869]
-    | \[[IWEF]\d{4}\ [\d:.]+\ [^\]]*\]                      # [E1206 18:44:12.715 ProcessGroupNCCL.cpp:607]
+    | [IWEF]\d{3,4}\ [\d:.]+\s+\d+\s[^\]\s]+\]              # glog: E0325 20:57:27.620000 2606 api.py:869]
+    | \[[IWEF]\d{3,4}\ [\d:.]+\ [^\]]*\]                    # [E1206 18:44:12.715 ProcessGroupNCCL.cpp:607],
+                                                            # c10's unpadded month: [E429 13:55:49.384 ...]
     | \[[IWEF]\ [\w.]+:\d+\]                                # [E ProcessGroupNCCL.cpp:737]
     | [IWEF]\ [\w/\\.:\-]+:\d+\]                            # I tensorflow/core/...cc:692]
     | \[(?:DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL)\]  # [ERROR]
@@ -92,14 +93,15 @@ _KEYWORDS = (
     # heartbeat monitor, torchrun's OMP_NUM_THREADS warning, NCCL's P2P lines, the TPU runtime's
     # "Attempting to reserve/allocate", a consumer card named as people write it ("4x RTX 4090")
     "killing subprocess", "caught signal", "backtrace (tid", "fatal python error", "segmentation fault",
-    "heartbeat monitor", "omp_num_threads", "enable p2p", "attempting to", "rtx ",
+    "heartbeat monitor", "omp_num_threads", "enable p2p", "attempting to", "rtx ", "*** sig", "received signal",
 )
 _TRACEBACK_HINTS = ("Traceback (most recent", 'File "', "File ~", "Cell In[", ".py:")
 
 # Keywords that share a substring rare in healthy logs are searched only when the text has it: one
 # find() instead of several for most of a log (the search is the largest part of explain's time on a
 # big log).
-_GATES = {"kill": ("killed", "sigkill", "killing subprocess"), "error": ("bus error", "nccl error", "error:", "keyerror"),
+_GATES = {"kill": ("killed", "sigkill", "killing subprocess"),
+          "error": ("bus error", "nccl error", "error:", "keyerror"),
           "not s": ("not set", "not supported"), "param": ("params", "parameters =", "parameters:"),
           "world": ("world_size", "world size"), "unable to ": ("unable to write", "unable to find"),
           "device": ("device_count", "device-side")}

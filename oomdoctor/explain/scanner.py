@@ -22,7 +22,7 @@ from .formats.signals import _SEGFAULT_LINE, _add_backtrace_evidence
 from .formats.torch_async_mps import _CUT_AT_DEVICE, _CUT_ASYNC_LINE
 from .frames import _CODE_MARKER, _EXC_LINE, _FRAME_RES, _TB_HEADER, _Frame
 from .limits import (_ANCHOR_SPAN, _EXCERPT, _FRAMES_KEEP, _FRAMES_PER_FINDING, _LOOKBACK, _MAX_FINDINGS,
-                     _MAX_KEYS, _MAX_LOGICAL, _MAX_RANKS, _PRE_SPAN, _REGION_CARRY, _REGION_GLOBAL_QUIET,
+                     _WRAP_LOOKBACK, _MAX_KEYS, _MAX_LOGICAL, _MAX_RANKS, _PRE_SPAN, _REGION_CARRY, _REGION_GLOBAL_QUIET,
                      _REGION_MAX_CHARS, _REGION_MAX_LINES, _REGION_TAIL, _REGION_TAIL_CHARS, _SUB_BATCH, _TB_REACH)
 from .lines import (_ANSI, _RANK_SPLIT, _WS, _contains, _has_keyword, _has_traceback, _hit_lines, _keyword_offsets,
                     _line_starts, _strip_prefixes)
@@ -115,7 +115,8 @@ class _KeyState:
                  "tb_id", "tb_headers", "tb_closed_at", "code_wanted")
 
     def __init__(self) -> None:
-        self.recent: deque[tuple[int, str]] = deque(maxlen=_LOOKBACK)
+        # (line, body, whether it is the wrapped rest of the line before)
+        self.recent: deque[tuple[int, str, bool]] = deque(maxlen=_WRAP_LOOKBACK)
         self.region: list[tuple[int, str]] | None = None
         self.region_chars = 0
         self.quiet = 0
@@ -264,11 +265,14 @@ class _Scanner:
         rank, body = _strip_prefixes(text)
         # The wrapped rest carries no rank tag of its own: at most the prefix every line of the log
         # has (a timestamp, a pod name), which is then the start of the previous line's prefix.
+        wrapped = False
         if rank is None and self.wrap_rank is not None and lineno == self.wrap_line + 1 \
                 and self._continues_lead(_lead(text, len(body))) and not _STARTS_ANEW.match(body):
-            rank = self.wrap_rank
+            rank, wrapped = self.wrap_rank, True
         tail = body.rstrip()[-1:]
-        self.wrap_rank = rank if rank is not None and (tail.isalnum() or tail in _WRAPS_AFTER) else None
+        # (a line that is all prefix - the terminal cut it right after "[rank3]:[E... ProcessGroupNCCL.cpp:1743] " -
+        # goes on in the next line too)
+        self.wrap_rank = rank if rank is not None and (not tail or tail.isalnum() or tail in _WRAPS_AFTER) else None
         self.wrap_line = lineno
         if self.wrap_rank is not None:
             self.wrap_text, self.wrap_body_len = text, len(body)
@@ -308,12 +312,22 @@ class _Scanner:
                 self._split(st, rank)
         elif hit:
             self.open_regions += 1
-            st.region = [(ln, b) for ln, b in st.recent if ln > st.last_region_end]
+            st.region = self._lookback(st)
             st.region.append((lineno, body))
             st.region_chars = sum(len(b) for _, b in st.region)
             st.quiet = st.quiet_chars = 0
             st.last_hit = lineno
-        st.recent.append((lineno, body))
+        st.recent.append((lineno, body, wrapped))
+
+    @staticmethod
+    def _lookback(st: _KeyState) -> list[tuple[int, str]]:
+        """The lines before a keyword that its region starts with: the last _LOOKBACK, and further back
+        while they are one hard-wrapped line (a keyword the wrap cut in two is found in none of them)."""
+        recent = [item for item in st.recent if item[0] > st.last_region_end]
+        first = max(0, len(recent) - _LOOKBACK)
+        while first > 0 and recent[first][2]:
+            first -= 1
+        return [(ln, b) for ln, b, _ in recent[first:]]
 
     def _continues_lead(self, lead: str) -> bool:
         """Whether `lead` starts the prefix of the line that may wrap (every prefix starts with none:

@@ -32,7 +32,10 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
 )
 
 # Matched per (unsquashed) line by the scanner, like a shell's "Bus error": its meaning depends on being alone.
-_SEGFAULT_LINE = re.compile(r"^(?:.*\s)?Segmentation fault(?: \(core dumped\))?\.?$")
+# bash: "./run.sh: line 4: 1234 Segmentation fault      (core dumped) python train.py"
+_SEGFAULT_LINE = re.compile(r"^(?:.*\s)?Segmentation fault(?:\s+\(core dumped\))?"
+                            r"(?:\s+(?:python\d?(?:\.\d+)?|torchrun|accelerate|deepspeed|bash|sh|\./\S+|\S+\.py)\b.*)?"
+                            r"\.?$")
 
 # A frame of a backtrace that names a library or an NCCL call, and a host name that is a Docker
 # container id (12 hex digits: Docker's default hostname) in UCX's or NCCL's line prefix.
