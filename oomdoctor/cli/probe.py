@@ -14,6 +14,7 @@ from oomdoctor.cli.options import (_alloc_config, _budget_options, _check_plot_f
                                    _slow_trace_progress, _wants_longest_context,
                                    _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_run
+from oomdoctor.cli.script import input_options as script_input_options
 from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES,
                                needs_bf16, no_bf16_fix)
 
@@ -42,11 +43,12 @@ from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_C
                    "and the budget: FILE.png, .svg or .html (needs matplotlib: the plot extra).")
 @click.option("--steps", type=click.IntRange(1), default=2, show_default=True,
               help="Optimizer steps to trace (the second holds the optimizer's state).")
+@script_input_options
 @_budget_options
 def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gpus,
-             snapshot_file, plot_file, steps, gpu_name, memory, overhead, other_mem, margin,
-             alloc_conf, checkpoint_class, grad_accum, optimizer, zero_grad, no_cuda_emulation,
-             as_json, debug):
+             snapshot_file, plot_file, steps, cpus, skip_input, gpu_name, memory, overhead,
+             other_mem, margin, alloc_conf, checkpoint_class, grad_accum, optimizer, zero_grad,
+             no_cuda_emulation, as_json, debug):
     """Peak GPU memory of one training configuration, and what it is made of.
 
     \b
@@ -63,6 +65,8 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
     from oomdoctor.sim.trace import TraceConfig
     from oomdoctor.cli import script as script_cli
     script, model_file = _script_or_model(model_words, batch_size, debug)
+    if script is None:
+        script_cli.refuse_input_options(cpus, skip_input)
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
 
@@ -75,13 +79,14 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
                                "--strategy")
     if plot_file:
         _check_plot_file(plot_file)
-    snapshot = series = None
+    snapshot = series = checked = None
     try:
         if script is not None:
-            result, snapshot, series = script_cli.run_script(lambda: _estimate_script(
+            trace, (result, snapshot, series) = script_cli.run_script(lambda: _estimate_script(
                 script, TraceConfig(batch_size or 1, steps=steps, torch=_modelled_torch()),
                 budget, alloc, batch_size,
                 bool(snapshot_file), bool(plot_file)))
+            checked = script_cli.check_input(trace, budget, script, cpus, skip_input, _progress)
         elif snapshot_file or plot_file:
             from oomdoctor.plans import snapshot as snapshot_mod
             result, snapshot, series = snapshot_mod.estimate_views(
@@ -107,6 +112,8 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
                    else par.render_report(report))
         sys.exit(EXIT_OK if all(e.fits for e in report.estimates) else EXIT_PROBLEM)
     doc = result.to_json()
+    if script is not None:
+        doc["input_pipeline"] = checked.to_json() if checked is not None else None
     if snapshot is not None:
         doc["snapshot"] = _write_snapshots([(snapshot_file, snapshot)], debug)[0]
     if series is not None:
@@ -115,6 +122,9 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
         click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(estimate_mod.render_text(result))
+        if checked is not None:
+            from oomdoctor.plans.input_pipeline import render_text as input_text
+            click.echo(input_text(checked))
     sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
 
 
@@ -135,14 +145,14 @@ def _script_or_model(words, batch_size, debug):
 
 
 def _estimate_script(script, cfg, budget, alloc, batch_size, snapshot, series):
-    """(estimate, snapshot or None, plot series or None) of a training script's run."""
+    """The run's trace, and (estimate, snapshot or None, plot series or None) of it."""
     from oomdoctor.cli.script import seq_len_option
     from oomdoctor.plans.estimate import script_trace
     from oomdoctor.plans.snapshot import trace_views
     trace = script_trace(script, cfg, budget, batch_size=batch_size,
                          seq_len=seq_len_option(click.get_current_context()),
                          progress=_slow_trace_progress())
-    return trace_views(trace, script.name, budget, alloc, snapshot, series)
+    return trace, trace_views(trace, script.name, budget, alloc, snapshot, series)
 
 
 def _write_plot(series, result, path, debug):
@@ -216,10 +226,11 @@ def _write_snapshots(files, debug):
               help="Draw each configuration's peak reserved at its largest batch as bars "
                    "against the budget, labelled with that batch: FILE.png, .svg or .html "
                    "(needs matplotlib: the plot extra).")
+@script_input_options
 @_budget_options
 def probe(model_words, precisions, checkpointing, max_batch_size, context_batch, jobs, strategy,
           num_gpus,
-          target_batch, run_smoke, device, snapshot_file, plot_file, gpu_name,
+          target_batch, run_smoke, device, snapshot_file, plot_file, cpus, skip_input, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """The largest batch size that fits, for each precision x checkpointing configuration.
@@ -247,9 +258,11 @@ def probe(model_words, precisions, checkpointing, max_batch_size, context_batch,
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     if script is not None:
-        _probe_script(script, max_batch_size, gpu_name, memory, overhead, other_mem, margin,
+        _probe_script(script, max_batch_size, cpus, skip_input, gpu_name, memory, overhead,
+                      other_mem, margin,
                       alloc_conf, as_json, debug)
     model_file = script_cli.one_source(model_words)
+    script_cli.refuse_input_options(cpus, skip_input)
     if device:     # before minutes of simulation: is the device there at all?
         _check_device(device, debug)
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
@@ -294,8 +307,8 @@ def probe(model_words, precisions, checkpointing, max_batch_size, context_batch,
     sys.exit(EXIT_OK if fits and (smoke is None or smoke.ok) else EXIT_PROBLEM)
 
 
-def _probe_script(script, max_batch_size, gpu_name, memory, overhead, other_mem, margin,
-                  alloc_conf, as_json, debug):
+def _probe_script(script, max_batch_size, cpus, skip_input, gpu_name, memory, overhead,
+                  other_mem, margin, alloc_conf, as_json, debug):
     """`probe -- python train.py`: the largest batch the script fits, by running it."""
     from oomdoctor.cli import script as script_cli
     from oomdoctor.models.spec import ModelFileError
@@ -311,8 +324,18 @@ def _probe_script(script, max_batch_size, gpu_name, memory, overhead, other_mem,
             progress=_progress))
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
-    click.echo(json.dumps(result.to_json(), indent=2) if as_json
-               else script_probe.render_text(result))
+    checked = None
+    if result.at_max_trace is not None:         # the input pipeline at the answer's batch
+        checked = script_cli.check_input(result.at_max_trace, budget, script, cpus,
+                                         skip_input, _progress)
+    if as_json:
+        doc = result.to_json()
+        doc["input_pipeline"] = checked.to_json() if checked is not None else None
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        from oomdoctor.plans.input_pipeline import render_text as input_text
+        click.echo(script_probe.render_text(result)
+                   + ("\n" + input_text(checked) if checked is not None else ""))
     sys.exit(EXIT_OK if result.max_batch_size else EXIT_PROBLEM)
 
 

@@ -89,3 +89,29 @@ def run_script(fn: Callable[[], Any]) -> Any:
     """``fn()`` with the script's output on stderr."""
     with script_output():
         return fn()
+
+
+def input_options(f: Callable) -> Callable:
+    """--cpus and --no-input-check: a script's DataLoader timed against its GPU step."""
+    f = click.option("--no-input-check", "skip_input", is_flag=True,
+                     help="A script: do not time its DataLoader against the GPU step.")(f)
+    return click.option("--cpus", type=click.IntRange(1), metavar="N",
+                        help="A script: cores of the host the training runs on (default: this "
+                             "machine's); the DataLoader is still timed on this CPU.")(f)
+
+
+def check_input(trace, budget, script, cpus: int | None, skip: bool, progress):
+    """The script's input-pipeline check (None when skipped or it has no DataLoader), run with
+    the script's prints on stderr."""
+    if skip:
+        return None
+    from oomdoctor.plans.input_pipeline import check_input as check
+    return run_script(lambda: check(trace, budget.gpu, processes=script.processes, cpus=cpus,
+                                    progress=progress))
+
+
+def refuse_input_options(cpus: int | None, skip: bool) -> None:
+    """A usage error for the script-only input options given with a model source."""
+    if cpus is not None or skip:
+        raise click.UsageError("--cpus and --no-input-check describe a training script's "
+                               "DataLoader: pass the script after `--`")

@@ -40,6 +40,8 @@ class ScriptProbe:
     # The dataset's size when a larger batch got no batch at all from the script's DataLoader
     # (drop_last): the data, not the GPU, ends the search there. 0: not seen.
     data_samples: int = 0
+    # The run at the answer, kept for what is checked there (the input pipeline); not JSON.
+    at_max_trace: Any = field(default=None, repr=False, compare=False)
 
     @property
     def at_max(self) -> Estimate | None:
@@ -75,6 +77,7 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
                               "{batch}` (its own flag)")
         e = estimate_trace(trace, budget, alloc, script.name)
         result.trials[batch] = e
+        fitted[batch] = trace if e.fits else None
         inputs[batch] = sum(s.nbytes for s in trace.storages.values()
                             if s.category is Category.INPUTS)
         return e.fits
@@ -90,6 +93,7 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
             return False
 
     inputs: dict[int, int] = {}      # bytes the script copied to the GPU as its batches
+    fitted: dict[int, Any] = {}      # the runs that fit (the answer's is kept)
     lo, hi, batch = 0, None, 1
     while batch <= max_batch:
         if not trains(batch):
@@ -101,6 +105,7 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
         lo, batch = batch, batch * 2
     if result.data_bound:
         result.max_batch_size = lo
+        result.at_max_trace = fitted.get(lo)
         return result
     if hi is None and lo < max_batch:        # doubling passed the cap: try the cap itself
         if trains(max_batch):
@@ -121,6 +126,7 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
     result.capped = lo == max_batch
     if result.data_samples and result.trials.get(lo + 1) is not None:
         result.data_samples = 0          # memory, not the data, stopped it
+    result.at_max_trace = fitted.get(lo)
     return result
 
 

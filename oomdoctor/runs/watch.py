@@ -21,6 +21,10 @@ from oomdoctor.sim.gpus import GiB, MiB
 BUSY_UTIL = 10          # util% at which a GPU counts as busy (the "both GPUs at once" tracker)
 IDLE_MEAN_UTIL = 40     # mean util% below which the run looks input-bound
 NEAR_LIMIT = 0.90       # peak memory share that leaves no room for a longer batch
+# NVML's utilisation is the share of each sample period in which a kernel ran; a GPU-bound
+# training loop keeps it near 100%. Idle above this share of the training window (first to last
+# busy sample) means the GPU waited - for data, or for the CPU launching its kernels.
+WAITED = 0.10
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,9 @@ class WatchSummary:
     overlap_s: float                # time two or more GPUs were busy at once
     overlap_share: float            # overlap_s / duration_s
     warnings: tuple[str, ...] = field(default=())
+    # The working GPUs' idle share between their first and last busy sample (100 - util):
+    # the measured counterpart of the input-pipeline check's wait per step. None: unknown.
+    idle_share: float | None = None
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -106,8 +113,27 @@ def summarize(ticks: Sequence[Tick], duration_s: float, command: Sequence[str] =
             sum(w for r, w in rs if (r.util_percent or 0) >= BUSY_UTIL)))
     share = overlap / duration_s if duration_s > 0 else 0.0
     s = WatchSummary(tuple(command), exit_code, duration_s, sampling, sampling_error,
-                     len(ticks), interval_s, tuple(gpus), overlap, share)
+                     len(ticks), interval_s, tuple(gpus), overlap, share,
+                     idle_share=_idle_share(ticks, weights))
     return dataclasses.replace(s, warnings=tuple(_warnings(s, cores)))
+
+
+def _idle_share(ticks: Sequence[Tick], weights: Sequence[float]) -> float | None:
+    """The time-weighted idle share (100 - util) of the GPUs that worked, between the first
+    and the last sample in which any of them was busy: start-up and shutdown left out."""
+    busy = [i for i, k in enumerate(ticks)
+            if any((r.util_percent or 0) >= BUSY_UTIL for r in k.readings)]
+    if len(busy) < 2:
+        return None
+    working = {r.gpu for i in busy for r in ticks[i].readings
+               if (r.util_percent or 0) >= BUSY_UTIL}
+    idle = total = 0.0
+    for k, w in zip(ticks[busy[0]:busy[-1] + 1], weights[busy[0]:busy[-1] + 1]):
+        for r in k.readings:
+            if r.gpu in working and r.util_percent is not None:
+                idle += w * (100 - r.util_percent) / 100
+                total += w
+    return idle / total if total else None
 
 
 def _warnings(s: WatchSummary, cores: int) -> list[str]:
@@ -244,8 +270,20 @@ def render_text(s: WatchSummary) -> str:
         lines.append(f"two or more GPUs busy at once (util >= {BUSY_UTIL}%): "
                      f"{s.overlap_s:.1f} s of {s.duration_s:.1f} s ({100 * s.overlap_share:.0f}%)")
     lines.append(f"{s.samples} samples every {s.interval_s:g} s")
+    if s.idle_share is not None:
+        lines.append(_idle_text(s.idle_share))
     lines += [f"warning: {w}" for w in s.warnings]
     return "\n".join(lines)
+
+
+def _idle_text(share: float) -> str:
+    """The measured verdict, worded as the input-pipeline check's prediction is."""
+    head = f"between its first and last kernel the GPU sat idle {share:.0%} of the time"
+    if share <= WAITED:
+        return f"{head}: GPU-BOUND, it did not wait for data"
+    return (f"{head}: it WAITED - for the data pipeline or for the CPU launching kernels; "
+            "`oomdoctor estimate -- python train.py` times the script's DataLoader per "
+            "num_workers against the step")
 
 
 def plot(ticks: Sequence[Tick], path: str) -> None:

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from oomdoctor.sim import values
+from oomdoctor.sim.flops import op_flops
 from oomdoctor.sim.fusion import Fusion
 
 
@@ -86,6 +87,9 @@ class Recorder(TorchDispatchMode):
         # A training script's run (oomdoctor.sim.script): only the fake GPU's (meta) storages
         # are device memory; its data pipeline computes on real CPU tensors.
         self.device_only = False
+        # FLOPs of the forward and backward ops, when asked for (a script's run: its step time)
+        self.count_flops = False
+        self.flops = 0
 
     def fused(self):
         return self.fusion.region(lambda: len(self.raw))
@@ -159,6 +163,8 @@ class Recorder(TorchDispatchMode):
             return value
         if self.shadows is not None:
             self.shadows.mirror(func, args, kwargs or {}, out)
+        if self.count_flops and self.phase in (Phase.FORWARD, Phase.BACKWARD):
+            self.flops += op_flops(func, args, kwargs or {}, out)
         if self.fusion.depth:
             self.fusion.note(func, args, kwargs or {}, len(self.raw), self.handle_of)
         fresh = self._fresh_outputs(func)

@@ -77,11 +77,21 @@ class ScriptRun:
     roots: dict[int, torch.nn.Module] = field(default_factory=dict)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     loader_batches: list[int] = field(default_factory=list)   # DataLoader batch sizes
-    loaders: list[Any] = field(default_factory=list)          # the DataLoaders it made
+    loaders: list["LoaderSeen"] = field(default_factory=list)  # the DataLoaders it made
     steps_done: int = 0
     micro_batches: list[int] = field(default_factory=list)   # backward passes per step
     ended: str = ""              # how the run ended: "steps", "script end"
     gradient_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class LoaderSeen:
+    """A DataLoader the script made, with the settings it asked for (the trace's copy runs in
+    this process: num_workers=0)."""
+
+    loader: Any
+    num_workers: int
+    pin_memory: bool
 
 
 class ScriptRecorder(Recorder):
@@ -92,6 +102,7 @@ class ScriptRecorder(Recorder):
     def __init__(self, device: fakecuda.Device) -> None:
         super().__init__()
         self.device_only = True
+        self.count_flops = True                # the step's FLOPs: its modelled GPU time
         self.device = device
         self.shadows = device.shadows
 
@@ -283,6 +294,8 @@ def _loaders(batch_size: int | None, run: ScriptRun) -> Iterator[None]:
 
     def init(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
+        asked = (int(bound.arguments.get("num_workers", 0) or 0),
+                 bool(bound.arguments.get("pin_memory", False)))
         bound.arguments["num_workers"] = 0
         bound.arguments.pop("prefetch_factor", None)
         bound.arguments.pop("persistent_workers", None)
@@ -291,7 +304,7 @@ def _loaders(batch_size: int | None, run: ScriptRun) -> Iterator[None]:
             bound.arguments["batch_size"] = batch_size
         run.loader_batches.append(bound.arguments.get("batch_size", 1))
         real(*bound.args, **bound.kwargs)
-        run.loaders.append(self)
+        run.loaders.append(LoaderSeen(self, *asked))
     loader.__init__ = init
     try:
         yield
@@ -371,7 +384,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
 
 def _raise_if_exhausted(script: ScriptSpec, run: ScriptRun) -> None:
     """DataExhausted when a DataLoader the script made has no batch to give."""
-    for loader in run.loaders:
+    for loader in (seen.loader for seen in run.loaders):
         try:
             if len(loader) > 0:
                 continue
@@ -447,6 +460,8 @@ def _result(script: ScriptSpec, batch_size: int | None, cfg: TraceConfig, run: S
         libraries=traced_versions(next(iter(run.roots.values()), None),
                                   run.optimizers[0] if run.optimizers else None),
         processes=script.world, weight_dtypes=weight_dtypes(on_gpu),
+        flops=rec.flops // max(run.steps_done, 1), loaders=tuple(run.loaders),
+        syncs_per_step=(device.reads.scalars + device.reads.copies) / max(run.steps_done, 1),
         autocast=("bfloat16" if torch.bfloat16 in device.autocast else "float16"
                   if device.autocast else ""))
 

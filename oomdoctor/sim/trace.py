@@ -101,7 +101,7 @@ class Trace:
     optimizer_state_bytes: int
     checkpointed: tuple[str, ...]
     notes: tuple[str, ...]
-    flops: int = 0
+    flops: int = 0                     # a script's: forward + backward FLOPs per optimizer step
     raw_events: tuple[tuple[bool, int, int], ...] = ()  # events incl. host-side storages
     libraries: tuple[tuple[str, str], ...] = ()   # (name, version) traced (sim.libraries)
     # A training script's run (sim.script): where its batch size came from - "dataloader"
@@ -113,6 +113,12 @@ class Trace:
     processes: int = 1
     autocast: str = ""
     weight_dtypes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    # A script's DataLoaders as it made them (sim.script.LoaderSeen), for the input-pipeline
+    # check to run again; not part of what the trace is
+    loaders: tuple = field(default=(), compare=False, repr=False)
+    # A script's reads of GPU values per step (loss.item(), .cpu()): each makes the host wait
+    # for the GPU, so loading the next batch cannot overlap the step
+    syncs_per_step: float = 0.0
 
     def phase_at(self, index: int) -> PhaseMark:
         """The phase an event index falls in."""

@@ -35,12 +35,19 @@ def throughput(gpu: GpuProfile, precision: str) -> float:
     return max(peak, 1e-3) * 1e12 * COMPUTE_EFFICIENCY
 
 
+def compute_seconds(flops: float, gpu: GpuProfile, precision: str) -> float:
+    """Seconds of GPU compute for ``flops`` at the step-time model's sustained rate: the one
+    figure recommend ranks plans by and a script's input-pipeline check compares its data
+    loading with (oomdoctor.plans.input_pipeline)."""
+    return flops / throughput(gpu, precision)
+
+
 def step_time(layout: Layout, trace: Trace, strategy: Strategy, hw: Hardware, precision: str,
               checkpointing: bool, micro_batch: int, grad_accum: int,
               boundary_bytes: int = 0) -> StepTime:
     """Seconds per optimizer step (``micro_batch x grad_accum x data-parallel ranks`` samples)."""
     flops = layout.flops_per_sample * micro_batch * (1 + CHECKPOINT_RECOMPUTE * checkpointing)
-    t_micro = flops / throughput(hw.gpu, precision)
+    t_micro = compute_seconds(flops, hw.gpu, precision)
     bw = hw.link_gbps * 1e9
     n = strategy.num_gpus
     grads = trace.gradient_bytes
