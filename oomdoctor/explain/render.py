@@ -34,6 +34,7 @@ _LABELS = {
     "heartbeat_timeout_s": "watchdog stalled for", "nproc_per_node": "processes per node",
     "signal": "signal number", "hbm_capacity": "HBM capacity (TPU core)", "hbm_free": "HBM free",
     "hbm_allocated": "HBM held by live buffers", "hbm_reserved": "HBM reserved (top of memory)",
+    "hbm_reservable": "HBM reservable in one piece",
 }
 
 

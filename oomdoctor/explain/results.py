@@ -108,7 +108,7 @@ BYTE_KEYS = frozenset({
     "anon_rss", "total_vm", "file_rss", "shmem_rss", "cgroup_usage", "cgroup_limit",
     "allocated_peak", "reserved_peak", "non_releasable", "non_releasable_peak",
     "reserved_over_allocated_peak", "releasable_cache", "fragmentation",
-    "host_used", "host_total", "hbm_capacity", "hbm_free", "hbm_allocated", "hbm_reserved",
+    "host_used", "host_total", "hbm_capacity", "hbm_free", "hbm_allocated", "hbm_reserved", "hbm_reservable",
 })
 
 

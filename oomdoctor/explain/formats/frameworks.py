@@ -53,6 +53,7 @@ _F_XLA_PROGRAM = _rx(r"Programrequirement:" + _SZX)
 _F_XLA_USED = _rx(r"Used" + _SZX + r"of" + _SZX + r"(?:hbm|vmem|smem)")
 _F_XLA_EXCEEDED = _rx(r"Exceeded(?:hbm|vmem|smem)?capacityby" + _SZX)
 _F_XLA_FREE = _rx(r"Thereare" + _SZX + r"free")
+_F_XLA_RESERVABLE = _rx(r"reserved,and" + _SZX + r"reservable")
 _F_XLA_CAPACITY = _rx(r"HBMcapacity" + _SZX)
 _F_XLA_ALLOCATED = _rx(r"Currentlyallocated:" + _SZX)
 _F_XLA_RESERVED = _rx(r"Top-of-Memoryreserved:" + _SZX)
@@ -120,7 +121,8 @@ def _x_jax(span: str, pre: str, m: re.Match) -> _Draft:
     if used is not None:
         d.numbers["total_allocation"] = _size_x(_F_XLA_USED, head)
         d.numbers["hbm_capacity"] = _size_x(_F_XLA_USED, head, 4)
-    for name, rx in (("shortfall", _F_XLA_EXCEEDED), ("hbm_free", _F_XLA_FREE), ("hbm_capacity", _F_XLA_CAPACITY),
+    for name, rx in (("shortfall", _F_XLA_EXCEEDED), ("hbm_free", _F_XLA_FREE), ("hbm_reservable", _F_XLA_RESERVABLE),
+                     ("hbm_capacity", _F_XLA_CAPACITY),
                      ("hbm_allocated", _F_XLA_ALLOCATED), ("hbm_reserved", _F_XLA_RESERVED)):
         value = _size_x(rx, head)
         if value is not None:
@@ -207,6 +209,14 @@ def _diag_tpu(d: _Draft, out: _Out) -> None:
         out.shortfall = over
         text = (f"The compiled program needs {_F(need)} of HBM and a core of this TPU has {_F(cap)}: "
                 f"{_F(over)} over.")
+    elif req is not None and free is not None and free >= req and n.get("hbm_reservable", req) < req:
+        # The runtime reserves a program's memory in one piece at the bottom of HBM: free space elsewhere
+        # (between live buffers) does not count.
+        reservable = n["hbm_reservable"]
+        out.shortfall = req - reservable
+        text = (f"XLA could not reserve {_F(req)} of HBM for the program although {_F(free)} was free: only "
+                f"{_F(reservable)} of it was reservable in one piece at the bottom of memory, the rest lies between "
+                "live buffers (fragmentation, often from buffers kept alive across steps).")
     elif req is not None and free is not None:
         out.shortfall = req - free
         held = n.get("hbm_allocated")

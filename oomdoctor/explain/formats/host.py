@@ -25,7 +25,7 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
         r"|OOMKilled|(?:exitcode|exitstatus|exitedwithcode|returnedexitcode)137(?!\d)", _I), absorb=80),
     _AnchorSpec(Kind.DATALOADER_KILLED, ("dataloaderworker",), re.compile(
         r"DataLoaderworker\(pid(?:\(s\))?[\d,]*\)(?:iskilledbysignal|exitedunexpectedly)", _I), absorb=300),
-    _AnchorSpec(Kind.SHARED_MEMORY, ("sharedmemory", "</torch_", "buserror", "sharedmemorysegment", "-7",
+    _AnchorSpec(Kind.SHARED_MEMORY, ("sharedmemory", "</torch_", "buserror", "sharedmemorysegment", "-7", "135",
                                      "semlock"), re.compile(
         r"insufficientsharedmemory|outofsharedmemory|raiseyoursharedmemorylimit"
         r"|unabletowritetofile</torch_|Unexpectedbuserrorencounteredinworker"
@@ -35,7 +35,11 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
         r"|_multiprocessing\.SemLock\(.{0,400}?\[Errno28\]Nospaceleftondevice"
         r"|Errorwhilecreatingsharedmemorysegment"
         # torchrun reports a child killed by SIGBUS as exitcode -7: a full /dev/shm, almost always.
-        r"|exitcode:?-7(?!\d)", _I), absorb=400),
+        r"|exitcode:?-7(?!\d)"
+        # other launchers name the signal or give the shell's 128 + 7: MPICH/Intel MPI "APPLICATION TERMINATED
+        # WITH THE EXIT STRING: Bus error (signal 7)", "EXIT CODE: 135", DeepSpeed "exits with return code = -7"
+        r"|Buserror\(signal7\)|(?:exitcode|exitstatus|exitedwithcode):?135(?!\d)|exitswithreturncode=?-7(?!\d)",
+        _I), absorb=400),
 )
 
 # Matched per (unsquashed) line: a message whose meaning depends on being alone (shells' 'Killed': kills.py).
@@ -126,9 +130,12 @@ def _add_torchrun_rank(d: _Draft, span: str) -> None:
 
 def _x_shm(span: str, pre: str, m: re.Match) -> _Draft:
     d = _Draft(Kind.SHARED_MEMORY)
-    if m.group(0).lower().startswith("exitcode"):
+    low = m.group(0).lower()
+    if low.startswith("exitcode") and low.endswith("-7"):
         d.details["signal"] = "SIGBUS (torchrun exitcode -7)"
         _add_torchrun_rank(d, span)
+    elif low.endswith(("135", "-7", "signal7)")):
+        d.details["signal"] = "SIGBUS (the launcher's exit code or exit string)"
     # NCCL: "Call to shm_open failed : Permission denied", then "Error while creating shared
     # memory segment": /dev/shm is not writable, which is not the same as full.
     if re.search(r"shm_open(?:failed)?:?Permissiondenied|/dev/shm.{0,40}Permissiondenied",
@@ -264,7 +271,10 @@ def _diag_shm(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Ou
     if d.details.get("caught"):
         _diag_caught_sigbus(d, out)
         return
-    out.diag("shared_memory_exhausted", "Shared memory (/dev/shm) is full: DataLoader workers hand batches to "
+    sigbus = d.details.get("signal", "")
+    lead = (f"The process died of SIGBUS ({sigbus.split('(', 1)[1].rstrip(')')}), which in a training job almost "
+            "always means a full /dev/shm. " if sigbus.startswith("SIGBUS (") else "")
+    out.diag("shared_memory_exhausted", lead + "Shared memory (/dev/shm) is full: DataLoader workers hand batches to "
              "the main process through it, and NCCL uses it between processes on one machine. Docker gives "
              "containers only 64 MB of /dev/shm by default. This is host memory, not the GPU.")
     out.fix("grow_shm", "Give the container more shared memory: docker run --shm-size=16g (or --ipc=host); on "

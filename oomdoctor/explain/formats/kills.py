@@ -127,6 +127,9 @@ def _x_rank_failed(span: str, pre: str, m: re.Match) -> _Draft:
     if signal:
         d.details["signal"] = signal.upper()
     rank = re.search(r"local_rank[:=](\d+)|rank:(\d+)\(local_rank|[Pp]rocess(\d+)terminated", pre[-80:] + span[:200])
+    if rank is None and m.group("c") is not None:
+        # DeepSpeed's line names the worker in its command before the code: "[..., '--local_rank=1', ...] exits"
+        rank = re.search(r"--local_rank=(\d+)", pre[-600:])
     if rank:
         d.ranks.append(int(next(g for g in rank.groups() if g is not None)))
     # The other entries of the same table, which this one absorbed: every rank that failed the same way.
