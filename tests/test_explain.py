@@ -452,8 +452,7 @@ MULTI = {
              numbers=dict(requested=sz("2.00 GiB"), capacity=sz("23.69 GiB"), free=sz("1.06 GiB"),
                           this_process=sz("22.62 GiB"), allocated=sz("21.87 GiB"),
                           reserved_unallocated=sz("402.15 MiB"))),
-        dict(kind=Kind.OMP_THREADS, cause="omp_threads_set_to_1", first_fix="set_omp_num_threads",
-             numbers=dict(nproc_per_node=2)),       # the two ranks seen
+        dict(kind=Kind.OMP_THREADS, cause="omp_threads_set_to_1", first_fix="set_omp_num_threads"),
     ],
     "nccl_error1_terminate_rtx4090.log": [
         dict(kind=Kind.NCCL_ERROR, numbers=dict(nccl_result=1), first_fix="nccl_debug_info",

@@ -89,7 +89,8 @@ def _essence(result: ex.ExplainResult, ranked_style: bool) -> list[dict]:
     return out
 
 
-LOG_NAMES = sorted(p.name for p in LOGS.glob("*.log"))
+# the test logs and the real ones of tests/logs/public
+LOG_NAMES = sorted(p.name for p in LOGS.glob("*.log")) + sorted("public/" + p.name for p in LOGS.glob("public/*.log"))
 
 
 @pytest.mark.parametrize("style", sorted(STYLES))

@@ -30,6 +30,20 @@ _KILLED_LINE = re.compile(
 # torchrun's exit codes that other kinds own: -9/137 SIGKILL (OOM_KILLER), -7 SIGBUS (SHARED_MEMORY).
 _NOT_A_FAILURE = r"(?!-9(?!\d)|-7(?!\d)|137(?!\d)|0(?!\d))"
 
+
+def _x_launcher_stop(span: str, pre: str, m: re.Match) -> _Draft:
+    """A launcher stopping its workers, the exit code not in the region (merged into a coded report, or
+    left out for one, by findings.py)."""
+    d = _Draft(Kind.RANK_FAILED)
+    if m.group(0).lower().startswith("killing"):
+        who = "DeepSpeed's launcher" if "sigkill_handler" in pre[-60:].lower() else "the launcher"
+        d.details["source"] = f"{who} killed the other workers ('Killing subprocess N')"
+    else:
+        d.details["source"] = "torchrun raised ChildFailedError (its failure table is not in the log)"
+    d.sig = (None,)
+    return d
+
+
 _ANCHORS: tuple[_AnchorSpec, ...] = (
     _AnchorSpec(Kind.OOM_KILLER, ("outofmemory", "killedprocess", "killprocess", "sigkill", "out_of_memory",
                                   "killed:9", "exitstatus-9"), re.compile(
@@ -55,7 +69,7 @@ _ANCHORS: tuple[_AnchorSpec, ...] = (
     # other workers), torchrun's ChildFailedError. Only where no exit code is in the same region.
     _AnchorSpec(Kind.RANK_FAILED, ("killingsubprocess", "childfailederror"), re.compile(
         r"Killingsubprocess(?=\d)|(?<![A-Za-z])ChildFailedError(?![A-Za-z])", _I), absorb=3000, fallback=True,
-        extract=lambda span, pre, m: _x_launcher_stop(span, pre, m)),
+        extract=_x_launcher_stop),
 )
 
 # --- evidence from the region's lines -------------------------------------------------------
@@ -137,19 +151,6 @@ def _x_rank_failed(span: str, pre: str, m: re.Match) -> _Draft:
         if code is not None and int(entry.group(2)) == int(code) and int(entry.group(1)) not in d.ranks:
             d.ranks.append(int(entry.group(1)))
     d.sig = (d.details.get("signal") or d.numbers.get("exit_code"),)
-    return d
-
-
-def _x_launcher_stop(span: str, pre: str, m: re.Match) -> _Draft:
-    """A launcher stopping its workers, the exit code not in the region (merged into a coded report, or
-    left out for one, by findings.py)."""
-    d = _Draft(Kind.RANK_FAILED)
-    if m.group(0).lower().startswith("killing"):
-        who = "DeepSpeed's launcher" if "sigkill_handler" in pre[-60:].lower() else "the launcher"
-        d.details["source"] = f"{who} killed the other workers ('Killing subprocess N')"
-    else:
-        d.details["source"] = "torchrun raised ChildFailedError (its failure table is not in the log)"
-    d.sig = (None,)
     return d
 
 

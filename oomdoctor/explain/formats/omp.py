@@ -24,7 +24,8 @@ def _x_omp(span: str, pre: str, m: re.Match) -> _Draft:
 
 
 def _diag_omp(d: _Draft, ctx: _Ctx, phase: Phase | None, no_grad: bool, out: _Out) -> None:
-    procs = ctx.facts.get("nproc_per_node") or (ctx.world if ctx.world and ctx.world > 1 else None)
+    # (only as the log states it: the ranks a log shows are global, not per node)
+    procs = ctx.facts.get("nproc_per_node")
     if procs:
         d.numbers["nproc_per_node"] = procs
     per = f"{procs} processes per node" if procs else "the processes per node (--nproc_per_node)"
