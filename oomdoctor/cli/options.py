@@ -445,3 +445,14 @@ def _write_bar_plot(bars, path: str, title: str, debug: bool) -> dict:
                                    for label, t, n, f in zip(bars.labels, bars.totals,
                                                              bars.notes, bars.fits)],
             "budget_bytes": bars.budget_bytes}
+
+
+def _mp_policy_option(f):
+    """--mp-policy: zero3 (FSDP) under FSDP2's bf16 MixedPrecisionPolicy."""
+    return click.option(
+        "--mp-policy", "mp_policy", is_flag=True,
+        help="With --precision bf16: zero3/fsdp as FSDP2 runs MixedPrecisionPolicy("
+             "param_dtype=torch.bfloat16, reduce_dtype=torch.float32) on an fp32 model "
+             "(torchtitan's bf16): fp32 parameters, gradients and AdamW state sharded, each "
+             "block gathered and computed in bf16 without autocast. Default: autocast over "
+             "gathered fp32 weights.")(f)

@@ -9,7 +9,7 @@ import click
 from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
                                  cli)
 from oomdoctor.cli.script import model_source_only
-from oomdoctor.cli.options import (_alloc_config, _card_options, _check_plot_file, _detect_gpus,
+from oomdoctor.cli.options import (_alloc_config, _card_options, _mp_policy_option, _check_plot_file, _detect_gpus,
                                    _die, _load_model, _make_budget, _num_gpus, _progress,
                                    _torch_config, _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
@@ -39,10 +39,11 @@ _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default
               help="Only these strategies (repeatable; default: all).")
 @click.option("--bucket-view", is_flag=True,
               help="DDP with gradient_as_bucket_view=True (no second copy of the gradients).")
+@_mp_policy_option
 @_card_options
 def parallel_command(model_file, batch_size, precision, checkpointing, grad_accum, strategies,
-                     bucket_view, gpu_name, memory, num_gpus, overhead, other_mem, margin,
-                     alloc_conf, checkpoint_class, optimizer, as_json, debug):
+                     bucket_view, mp_policy, gpu_name, memory, num_gpus, overhead, other_mem,
+                     margin, alloc_conf, checkpoint_class, optimizer, as_json, debug):
     """Per-GPU memory of single, DDP, DataParallel, ZeRO-1/2/3 (FSDP) and a 2-GPU split.
 
     \b
@@ -62,13 +63,22 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                           optimizer, **_torch_config())
         report = par.estimate_strategies(spec, cfg, budget, n, strategies or par.STRATEGIES,
-                                         alloc, bucket_view, progress=_progress)
+                                         alloc, bucket_view, progress=_progress,
+                                         mixed_precision=_policy(mp_policy, precision))
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
     click.echo(json.dumps(report.to_json(), indent=2) if as_json else par.render_report(report))
     sys.exit(EXIT_OK if any(e.fits for e in report.estimates) else EXIT_PROBLEM)
+
+
+def _policy(mp_policy: bool, precision: str) -> bool:
+    """--mp-policy checked against the precision it models."""
+    if mp_policy and precision != "bf16":
+        raise click.UsageError("--mp-policy models FSDP2's bf16 MixedPrecisionPolicy: use it "
+                               "with --precision bf16")
+    return mp_policy
 
 
 @cli.command("split", epilog=MODEL_PROTOCOL)

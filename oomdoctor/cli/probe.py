@@ -9,6 +9,7 @@ import click
 from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                               EXIT_USAGE, cli)
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _check_plot_file,
+                                   _mp_policy_option,
                                    _detect_gpus, _die, _load_model, _make_budget,
                                    _modelled_torch, _progress,
                                    _slow_trace_progress, _wants_longest_context,
@@ -43,10 +44,12 @@ from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_C
                    "and the budget: FILE.png, .svg or .html (needs matplotlib: the plot extra).")
 @click.option("--steps", type=click.IntRange(1), default=2, show_default=True,
               help="Optimizer steps to trace (the second holds the optimizer's state).")
+@_mp_policy_option
 @script_input_options
 @_budget_options
 def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gpus,
-             snapshot_file, plot_file, steps, cpus, skip_input, gpu_name, memory, overhead,
+             snapshot_file, plot_file, steps, mp_policy, cpus, skip_input, gpu_name, memory,
+             overhead,
              other_mem, margin, alloc_conf, checkpoint_class, grad_accum, optimizer, zero_grad,
              no_cuda_emulation, as_json, debug):
     """Peak GPU memory of one training configuration, and what it is made of.
@@ -96,7 +99,9 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
             from oomdoctor.plans import parallel as par
             report = par.estimate_strategies(_load_model(model_file), _cfg(), budget, num_gpus,
                                              [strategy], alloc,
-                                             progress=lambda m: click.echo(m, err=True))
+                                             progress=lambda m: click.echo(m, err=True),
+                                             mixed_precision=_policy_for(mp_policy, strategy,
+                                                                         precision))
             if report.errors:
                 raise ValueError(report.errors[0][1])
         else:
@@ -226,11 +231,13 @@ def _write_snapshots(files, debug):
               help="Draw each configuration's peak reserved at its largest batch as bars "
                    "against the budget, labelled with that batch: FILE.png, .svg or .html "
                    "(needs matplotlib: the plot extra).")
+@_mp_policy_option
 @script_input_options
 @_budget_options
 def probe(model_words, precisions, checkpointing, max_batch_size, context_batch, jobs, strategy,
           num_gpus,
-          target_batch, run_smoke, device, snapshot_file, plot_file, cpus, skip_input, gpu_name,
+          target_batch, run_smoke, device, snapshot_file, plot_file, mp_policy, cpus,
+          skip_input, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """The largest batch size that fits, for each precision x checkpointing configuration.
@@ -281,7 +288,8 @@ def probe(model_words, precisions, checkpointing, max_batch_size, context_batch,
     spec, base, result = _probe_matrix(model_file, precisions, checkpointing, max_batch_size,
                                        jobs, strategy, num_gpus, budget, alloc,
                                        checkpoint_class, grad_accum, optimizer, zero_grad,
-                                       no_cuda_emulation, debug)
+                                       no_cuda_emulation, debug,
+                                       _policy_for(mp_policy, strategy, "bf16"))
     if device:     # measures, prints and exits: the plan below would be thrown away
         _measure_probe(spec, base, result, device, max_batch_size, as_json, debug)
     best = probe_mod.recommended(result) if strategy == "single" else None
@@ -350,9 +358,22 @@ def _check_device(device, debug):
         _die(e, debug, EXIT_USAGE)
 
 
+def _policy_for(mp_policy: bool, strategy: str, precision: str) -> bool:
+    """--mp-policy checked: FSDP2's bf16 MixedPrecisionPolicy is a zero3 (fsdp) setting."""
+    if not mp_policy:
+        return False
+    if strategy not in ("zero3", "fsdp"):
+        raise click.UsageError("--mp-policy is FSDP2's MixedPrecisionPolicy: use it with "
+                               "--strategy fsdp (zero3)")
+    if precision != "bf16":
+        raise click.UsageError("--mp-policy models the bf16 policy: use it with --precision "
+                               "bf16")
+    return True
+
+
 def _probe_matrix(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
                   num_gpus, budget, alloc, checkpoint_class, grad_accum, optimizer, zero_grad,
-                  no_cuda_emulation, debug):
+                  no_cuda_emulation, debug, mixed_precision=False):
     """The probe itself (probe.probe over the configuration matrix): the spec, the base
     configuration and the result."""
     from oomdoctor.plans import probe as probe_mod
@@ -371,7 +392,8 @@ def _probe_matrix(model_file, precisions, checkpointing, max_batch_size, jobs, s
                                  progress=lambda msg: click.echo(msg, err=True),
                                  max_batch=max_batch_size,
                                  jobs=jobs or probe_mod.default_jobs(),
-                                 strategy=strategy, num_gpus=num_gpus or 2)
+                                 strategy=strategy, num_gpus=num_gpus or 2,
+                                 mixed_precision=mixed_precision)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:

@@ -274,14 +274,19 @@ def matrix(gpu: GpuProfile, precisions: Sequence[str] = (),
 
 def probe_strategy(spec: ModelSpec, cfg: TraceConfig, budget: Budget, strategy: str,
                    num_gpus: int, alloc: AllocatorConfig = AllocatorConfig(),
-                   progress: Progress = lambda _: None, max_batch: int = MAX_BATCH
-                   ) -> ConfigResult:
+                   progress: Progress = lambda _: None, max_batch: int = MAX_BATCH,
+                   mixed_precision: bool = False) -> ConfigResult:
     """Largest micro-batch per GPU of a multi-GPU strategy: traces at batch 2 and 3 give every
     storage's size at any batch (parallel.Sizes.affine); each trial replays the strategy's
-    per-GPU event lists; the answer is checked with a trace of its own."""
+    per-GPU event lists; the answer is checked with a trace of its own. ``mixed_precision``:
+    FSDP2's bf16 MixedPrecisionPolicy (zero3), traced as it computes, in pure bf16."""
     from oomdoctor.plans import parallel as par
     label = f"{strategy} x{num_gpus}, {cfg.precision}{' + checkpointing' if cfg.checkpointing else ''}"
-    st = par.Strategy(par.parse_strategy(strategy), num_gpus)
+    # the policy is bf16's: the other rows of a probe's matrix run as they are
+    st = par.Strategy(par.parse_strategy(strategy), num_gpus,
+                      mixed_precision=mixed_precision and cfg.precision == "bf16")
+    precision = cfg.precision
+    cfg = replace(cfg, precision=par.trace_precision(st, cfg.precision))
     layout = par.model_layout(spec, cfg.precision)
     exact: dict[int, Trace] = {}
     trials: list[Trial] = []
@@ -308,22 +313,22 @@ def probe_strategy(spec: ModelSpec, cfg: TraceConfig, budget: Budget, strategy: 
 
     if not fits(BASE, "traced"):
         best = 1 if fits(1, "traced") else None
-        return ConfigResult(cfg.precision, cfg.checkpointing, best, None, tuple(trials),
+        return ConfigResult(precision, cfg.checkpointing, best, None, tuple(trials),
                             per_gpu=found[best or 1])
     best, capped = _search(fits, BASE, max_batch)
     if best > BASE + 1 and not fits(best, "traced"):   # the check trace disagrees: walk down
         best, capped = _search_near(lambda b: fits(b, "traced"), best - 1, BASE, max_batch)
-    return ConfigResult(cfg.precision, cfg.checkpointing, best, None, tuple(trials), capped,
+    return ConfigResult(precision, cfg.checkpointing, best, None, tuple(trials), capped,
                         per_gpu=found[best])
 
 
 def _probe_one(spec: ModelSpec, cfg: TraceConfig, budget: Budget, alloc: AllocatorConfig,
                progress: Progress, max_batch: int, strategy: str = "single",
-               num_gpus: int = 1) -> ConfigResult:
+               num_gpus: int = 1, mixed_precision: bool = False) -> ConfigResult:
     try:
         if strategy != "single":
             return probe_strategy(spec, cfg, budget, strategy, num_gpus, alloc, progress,
-                                  max_batch)
+                                  max_batch, mixed_precision)
         return probe_config(spec, cfg, budget, alloc, progress, max_batch)
     except ValueError as e:   # e.g. no repeated blocks to checkpoint
         return ConfigResult(cfg.precision, cfg.checkpointing, None, None, (), error=str(e))
@@ -335,10 +340,11 @@ _WORKER_SPEC: ModelSpec | None = None
 
 
 def _worker(cfg: TraceConfig, budget: Budget, alloc: AllocatorConfig, max_batch: int,
-            strategy: str = "single", num_gpus: int = 1) -> ConfigResult:
+            strategy: str = "single", num_gpus: int = 1,
+            mixed_precision: bool = False) -> ConfigResult:
     assert _WORKER_SPEC is not None
     return _probe_one(_WORKER_SPEC, cfg, budget, alloc, lambda _: None, max_batch, strategy,
-                      num_gpus)
+                      num_gpus, mixed_precision)
 
 
 def default_jobs() -> int:
@@ -350,8 +356,10 @@ def default_jobs() -> int:
 def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
           configs: list[tuple[str, bool]], alloc: AllocatorConfig = AllocatorConfig(),
           progress: Progress = lambda _: None, max_batch: int = MAX_BATCH,
-          jobs: int = 1, strategy: str = "single", num_gpus: int = 1) -> ProbeResult:
-    """Probe every (precision, checkpointing) configuration, in ``jobs`` processes."""
+          jobs: int = 1, strategy: str = "single", num_gpus: int = 1,
+          mixed_precision: bool = False) -> ProbeResult:
+    """Probe every (precision, checkpointing) configuration, in ``jobs`` processes
+    (``mixed_precision``: zero3 under FSDP2's bf16 policy, probe_strategy)."""
     global _WORKER_SPEC
     cfgs = [replace(base, precision=p, checkpointing=ck, batch_size=1) for p, ck in configs]
     results: list[ConfigResult | None] = [None] * len(cfgs)
@@ -360,7 +368,8 @@ def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
         try:
             with forked_pool(min(jobs, len(cfgs))) as pool:
                 futures = {pool.submit(_worker, c, budget, alloc, max_batch, strategy,
-                                       num_gpus): i for i, c in enumerate(cfgs)}
+                                       num_gpus, mixed_precision): i
+                           for i, c in enumerate(cfgs)}
                 progress(f"probing {len(cfgs)} configurations in {min(jobs, len(cfgs))} "
                          "processes")
                 for fut in as_completed(futures):
@@ -375,7 +384,7 @@ def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
     else:
         for i, c in enumerate(cfgs):
             results[i] = _probe_one(spec, c, budget, alloc, progress, max_batch, strategy,
-                                    num_gpus)
+                                    num_gpus, mixed_precision)
     result = ProbeResult(spec.name, budget.gpu.name, budget.gpu.total_bytes,
                          budget.limit_bytes, budget.margin, base.grad_accum, tuple(results),
                          allocator_conf_string(alloc))

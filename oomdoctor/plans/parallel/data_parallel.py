@@ -10,7 +10,7 @@ from oomdoctor.sim.ddp import (DDP_BROADCAST_BUCKET_BYTES, DDP_BUCKET_BYTES,  # 
 from oomdoctor.plans.parallel.events import _base, _Context, _Gpu
 from oomdoctor.plans.parallel.layout import MAIN
 from oomdoctor.plans.parallel.results import prose_size
-from oomdoctor.plans.parallel.strategy import Strategy
+from oomdoctor.plans.parallel.strategy import MASTER_SCALE, POLICY_NOTE, Strategy
 from oomdoctor.sim.trace import Category, Phase
 
 
@@ -165,12 +165,14 @@ def _zero(ctx: _Context, strategy: Strategy, stage: int) -> tuple[list[_Gpu], li
 
     g = _Gpu("each GPU", ctx.first_handle)
     ctx.workspaces(g)
+    # under a mixed-precision policy the sharded state and the reduce are fp32 (strategy.py)
+    master = MASTER_SCALE if strategy.mixed_precision else 1
     reduce_at: dict[float, int] = defaultdict(int)       # window end -> unsharded gradient bytes
     for s in ctx.storages:
         h, size = s.handle, ctx.size[s.handle]
         key = ctx.key(h)
         if s.phase is Phase.OPTIMIZER or s.category is Category.OPTIMIZER_STATE:
-            g.add(key, _shard(size, n), s.t_alloc, s.t_free, h)
+            g.add(key, _shard(size, n) * master, s.t_alloc, s.t_free, h)
         elif s.category is Category.GRADIENTS and tl.phase_of(s.t_alloc) is Phase.BACKWARD:
             # Full size until its block's backward is done, then reduce-scattered to a shard.
             ph = tl.phase_index(s.t_alloc)
@@ -182,10 +184,10 @@ def _zero(ctx: _Context, strategy: Strategy, stage: int) -> tuple[list[_Gpu], li
                 g.add(key, size, s.t_alloc, s.t_free, h)
                 continue
             g.add(key, size, s.t_alloc, done - 0.2, h)
-            g.add(key, _shard(size, n), done - 0.2, s.t_free)
-            reduce_at[done] += size
+            g.add(key, _shard(size, n) * master, done - 0.2, s.t_free)
+            reduce_at[done] += size * master
         elif stage == 3 and s.phase is Phase.SETUP and s.category is Category.PARAMETERS:
-            g.add(key, _shard(size, n), s.t_alloc, s.t_free, h)
+            g.add(key, _shard(size, n) * master, s.t_alloc, s.t_free, h)
         else:
             g.add(key, size, s.t_alloc, s.t_free, h)
     # FSDP's foreach_reduce copies a block's unsharded gradients into one reduce-scatter input
@@ -197,6 +199,8 @@ def _zero(ctx: _Context, strategy: Strategy, stage: int) -> tuple[list[_Gpu], li
         notes.append("FSDP/ZeRO-3: each block is all-gathered for its forward and again for its "
                      "backward (the next one prefetched); wrap every block, e.g. "
                      "fully_shard(block) for each, then fully_shard(model)")
+        if strategy.mixed_precision:
+            notes.append(POLICY_NOTE)
     else:
         notes.append("ZeRO-2 as DeepSpeed runs it: parameters replicated, gradients reduce-"
                      "scattered block by block, optimizer state sharded")

@@ -11,7 +11,8 @@ from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel.estimator import estimate_strategy
 from oomdoctor.plans.parallel.layout import model_layout
 from oomdoctor.plans.parallel.results import Partition, StrategyEstimate
-from oomdoctor.plans.parallel.strategy import STRATEGIES, Strategy, parse_strategy
+from oomdoctor.plans.parallel.strategy import (STRATEGIES, Strategy, parse_strategy,
+                                              trace_precision)
 from oomdoctor.plans.parallel.timeline import Sizes
 from oomdoctor.sim.trace import TraceConfig
 
@@ -72,8 +73,11 @@ class ParallelReport:
 def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_gpus: int,
                         strategies: Iterable[str] = STRATEGIES,
                         alloc: AllocatorConfig = AllocatorConfig(), bucket_view: bool = False,
-                        progress: Progress = lambda _: None) -> ParallelReport:
-    """Trace ``cfg`` (its batch_size is the micro-batch per GPU) and estimate every strategy."""
+                        progress: Progress = lambda _: None,
+                        mixed_precision: bool = False) -> ParallelReport:
+    """Trace ``cfg`` (its batch_size is the micro-batch per GPU) and estimate every strategy;
+    ``mixed_precision``: zero3 under FSDP2's bf16 MixedPrecisionPolicy (strategy.py), traced
+    apart in pure bf16."""
     if needs_bf16(cfg.precision) and not budget.gpu.bf16:
         raise ValueError(f"{budget.gpu.name} has no bf16 support; {no_bf16_fix(cfg.precision)}")
     names = [parse_strategy(s) for s in strategies]
@@ -87,6 +91,8 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
         sizes = Sizes.affine(trace, big) or sizes
     progress("laying out blocks, block inputs and FLOPs")
     layout = model_layout(spec, cfg.precision)
+    policy = _policy_inputs(spec, cfg, budget, progress) if mixed_precision and "zero3" in names \
+        else None
     out, errors = [], []
     for name in names:
         if name == "pipeline2" and num_gpus != 2:
@@ -95,6 +101,10 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
         n = 1 if name == "single" else num_gpus
         progress(f"{name}: replaying {n} GPU(s)")
         try:
+            if name == "zero3" and policy is not None:
+                out.append(estimate_strategy(*policy, Strategy(name, n, mixed_precision=True),
+                                             budget, alloc, grad_accum=cfg.grad_accum))
+                continue
             out.append(estimate_strategy(trace, layout, Strategy(name, n, bucket_view), budget,
                                          alloc, sizes, grad_accum=cfg.grad_accum))
         except ValueError as e:
@@ -102,6 +112,16 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
     return ParallelReport(spec.name, budget.gpu.name, num_gpus, budget.gpu.total_bytes,
                           budget.limit_bytes, cfg.batch_size, cfg.precision, cfg.checkpointing,
                           layout.num_parameters, tuple(out), tuple(errors))
+
+
+def _policy_inputs(spec: ModelSpec, cfg: TraceConfig, budget: Budget, progress: Progress
+                   ) -> tuple:
+    """The trace and layout a mixed-precision policy's ZeRO-3 estimate replays: the step as it
+    computes, in pure bf16."""
+    pure = trace_precision(Strategy("zero3", 1, mixed_precision=True), cfg.precision)
+    progress(f"tracing the mixed-precision policy's bf16 compute at micro-batch "
+             f"{cfg.batch_size}")
+    return trace_for(spec, replace(cfg, precision=pure), budget.gpu), model_layout(spec, pure)
 
 
 @dataclass(frozen=True)

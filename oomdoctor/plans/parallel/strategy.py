@@ -41,6 +41,11 @@ class Strategy:
     num_gpus: int = 1
     bucket_view: bool = False       # DDP/ZeRO-1 gradient_as_bucket_view=True
     nodes: int = 1                  # machines; num_gpus is the total (the world size)
+    # FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) on a model built
+    # in fp32 (zero3, hsdp): estimated from the pure-bf16 trace - what is gathered, computed and
+    # kept for backward is bf16 - with the sharded parameters, gradients and optimizer state
+    # fp32 and the reduce-scatter in fp32 (mixed_precision_plan)
+    mixed_precision: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES + NODE_STRATEGIES:
@@ -59,6 +64,9 @@ class Strategy:
                              "zero3 (FSDP)")
         if self.num_gpus < 1:
             raise ValueError(f"--num-gpus must be >= 1, got {self.num_gpus}")
+        if self.mixed_precision and self.name not in ("zero3", "hsdp"):
+            raise ValueError("a mixed-precision policy shards fp32 master weights: zero3 (FSDP) "
+                             "or hsdp only")
 
     @property
     def data_parallel(self) -> int:
@@ -80,3 +88,29 @@ class Strategy:
     def processes(self) -> int:
         """Processes the launcher starts (DataParallel and the split run in one process)."""
         return self.num_gpus if self.name in ("ddp", "zero1", "zero2", "zero3", "hsdp") else 1
+
+
+# What FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+# changes against the pure-bf16 step it computes: the sharded fp32 state is twice the bytes of
+# the bf16 state the trace holds, and so is the fp32 reduce-scatter input
+# (torch/distributed/fsdp/_fully_shard/_fsdp_param.py: the sharded parameter keeps its
+# original dtype, all-gather inputs are cast to param_dtype; _fsdp_collectives.py
+# foreach_reduce: gradients are cast to reduce_dtype into the reduce-scatter input).
+MASTER_SCALE = 2            # fp32 / bf16
+
+
+def trace_precision(strategy: Strategy, precision: str) -> str:
+    """The precision to trace ``strategy`` at ``precision``: a mixed-precision policy computes
+    in pure bf16 (no autocast: the gathered weights are bf16)."""
+    if strategy.mixed_precision:
+        if precision != "bf16":
+            raise ValueError(f"the FSDP mixed-precision policy is modelled for bf16 (param_dtype "
+                             f"bfloat16), not {precision}")
+        return "bf16-pure"
+    return precision
+
+
+POLICY_NOTE = ("FSDP2 MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch."
+               "float32) on an fp32 model: fp32 parameters, gradients and AdamW state sharded, "
+               "each block all-gathered and computed in bf16 (no autocast), gradients "
+               "reduce-scattered in fp32")
