@@ -348,3 +348,13 @@ def test_a_real_snapshots_stacks_show_what_it_already_does(tmp_path):
     ids = {x.id for x in r.fixes}
     assert not ids & {"mixed_precision", "activation_checkpointing", "expandable_segments"}
     assert "already on" in r.expandable_text
+
+
+def test_a_real_bf16_autocast_snapshot_is_seen_as_autocast():
+    """Recorded on an H200 (tests/logs/snapshots/README.md): python stacks only, yet torch.amp's frames
+    show the autocast step, and mixed precision is not offered."""
+    path = Path(__file__).parent / "logs" / "snapshots" / "gpt2_small_b2_bf16_autocast.pickle"
+    with open(path, "rb") as f:
+        r = explain_snapshot(f, str(path))
+    assert r.already == ("autocast",) and "mixed_precision" not in [x.id for x in r.fixes]
+    assert "activation_checkpointing" in [x.id for x in r.fixes]     # which it does not do

@@ -268,7 +268,9 @@ _FORWARD_ONLY_OPS = frozenset({
 
 
 def _all_frames(data: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    stacks = [e.get("frames") or [] for e in _entries(data) if e.get("action") == "alloc"]
+    """Every stack in the history and the final blocks. Frees count: leaving torch.autocast frees its
+    cast weights under autocast_mode.py's __exit__, the only trace autocast leaves in python stacks."""
+    stacks = [e.get("frames") or [] for e in _entries(data) if e.get("action") in ("alloc", "free_requested")]
     return stacks + [b.get("frames") or [] for b in _active_blocks(data)]
 
 
@@ -276,7 +278,9 @@ def already_done(data: dict[str, Any]) -> frozenset[str]:
     """What the recorded step already does, read from the snapshot, so that no fix suggests it again:
     "autocast" (mixed precision), "checkpointing", "expandable_segments", "8bit_optimizer".
 
-    autocast: a frame of torch.amp or of ATen's autocast (C++ stacks), or - in oomdoctor's simulated
+    autocast: a frame of torch.amp (a real bf16 autocast step recorded with stacks="python" on an H200
+    frees its cached weight casts in torch/amp/autocast_mode.py's __exit__: tests/logs/snapshots) or of
+    ATen's autocast (C++ stacks, stacks="all"), or - in oomdoctor's simulated
     snapshots - the forward's casts of a module's own weights (aten::_to_copy in a module that holds a
     parameter). checkpointing: torch/utils/checkpoint.py on the stack, or forward-only ops allocating in
     the backward phase. expandable_segments: the allocator settings or an expandable segment."""
@@ -289,9 +293,10 @@ def already_done(data: dict[str, Any]) -> frozenset[str]:
               if f and len(f) > 1 and str(f[-1].get("name")) == "parameters"}
     for frames in stacks:
         text = " ".join(f"{f.get('filename', '')} {f.get('name', '')}" for f in frames)
-        if "autocast" in text or "/torch/amp/" in text:
+        # (torch's own files and ATen's symbols, not any file with the word in its name)
+        if "at::autocast::" in text or "/torch/amp/" in text or "/torch/cuda/amp/" in text:
             done.add("autocast")
-        if "utils/checkpoint.py" in text:
+        if "/torch/utils/checkpoint.py" in text:
             done.add("checkpointing")
         if "bitsandbytes" in text or "8bit" in text.lower():
             done.add("8bit_optimizer")
