@@ -116,8 +116,18 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
         click.echo(json.dumps(report.to_json(), indent=2) if as_json
                    else par.render_report(report))
         sys.exit(EXIT_OK if all(e.fits for e in report.estimates) else EXIT_PROBLEM)
+    _print_estimate(result, checked if script is not None else False, snapshot, series,
+                    snapshot_file, plot_file, as_json, debug)
+    sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
+
+
+def _print_estimate(result, checked, snapshot, series, snapshot_file, plot_file, as_json,
+                    debug):
+    """The estimate, its files, and a script's input-pipeline check (``checked``: False for a
+    model source, None when skipped), as text or JSON."""
+    from oomdoctor.plans import estimate as estimate_mod
     doc = result.to_json()
-    if script is not None:
+    if checked is not False:
         doc["input_pipeline"] = checked.to_json() if checked is not None else None
     if snapshot is not None:
         doc["snapshot"] = _write_snapshots([(snapshot_file, snapshot)], debug)[0]
@@ -125,12 +135,11 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
         doc["plot"] = _write_plot(series, result, plot_file, debug)
     if as_json:
         click.echo(json.dumps(doc, indent=2))
-    else:
-        click.echo(estimate_mod.render_text(result))
-        if checked is not None:
-            from oomdoctor.plans.input_pipeline import render_text as input_text
-            click.echo(input_text(checked))
-    sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
+        return
+    click.echo(estimate_mod.render_text(result))
+    if checked:
+        from oomdoctor.runs.input_pipeline import render_text as input_text
+        click.echo(input_text(checked))
 
 
 def _script_or_model(words, batch_size, debug):
@@ -341,7 +350,7 @@ def _probe_script(script, max_batch_size, cpus, skip_input, gpu_name, memory, ov
         doc["input_pipeline"] = checked.to_json() if checked is not None else None
         click.echo(json.dumps(doc, indent=2))
     else:
-        from oomdoctor.plans.input_pipeline import render_text as input_text
+        from oomdoctor.runs.input_pipeline import render_text as input_text
         click.echo(script_probe.render_text(result)
                    + ("\n" + input_text(checked) if checked is not None else ""))
     sys.exit(EXIT_OK if result.max_batch_size else EXIT_PROBLEM)

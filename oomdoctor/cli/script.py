@@ -105,7 +105,7 @@ def check_input(trace, budget, script, cpus: int | None, skip: bool, progress):
     the script's prints on stderr."""
     if skip:
         return None
-    from oomdoctor.plans.input_pipeline import check_input as check
+    from oomdoctor.runs.input_pipeline import check_input as check
     return run_script(lambda: check(trace, budget.gpu, processes=script.processes, cpus=cpus,
                                     progress=progress))
 

@@ -32,6 +32,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--width", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4)           # hidden width / width
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--delay-ms", type=float, default=1.5)
     parser.add_argument("--in-memory", action="store_true")
@@ -48,7 +49,8 @@ def main():
                         num_workers=args.workers)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     w = args.width
-    model = nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, 10)).to(device)
+    h = args.hidden * w
+    model = nn.Sequential(nn.Linear(w, h), nn.GELU(), nn.Linear(h, 10)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)

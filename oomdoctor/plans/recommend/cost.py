@@ -38,7 +38,7 @@ def throughput(gpu: GpuProfile, precision: str) -> float:
 def compute_seconds(flops: float, gpu: GpuProfile, precision: str) -> float:
     """Seconds of GPU compute for ``flops`` at the step-time model's sustained rate: the one
     figure recommend ranks plans by and a script's input-pipeline check compares its data
-    loading with (oomdoctor.plans.input_pipeline)."""
+    loading with (oomdoctor.runs.input_pipeline)."""
     return flops / throughput(gpu, precision)
 
 
