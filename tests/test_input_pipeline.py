@@ -139,3 +139,19 @@ def test_watch_says_the_same_from_a_real_run():
     assert "sat idle 35% of the time: it WAITED" in watch_text(s)
     busy = summarize([Tick(float(t), (Reading(0, gib, 24 * gib, 98),)) for t in range(5)], 5.0)
     assert "GPU-BOUND" in watch_text(busy)
+
+
+def test_pin_memory_is_timed_where_this_machine_can_pin(slow, monkeypatch):
+    """Pinning needs a CUDA device: without one nothing is claimed; with one (stood in for
+    here by the answer torch.cuda gives) the recommended setting is timed again pinned - on a
+    CPU-only torch the DataLoader then warns and does not pin, which the timing reflects."""
+    import torch
+    assert check_input(slow, T4.gpu).pinned is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check = check_input(slow, T4.gpu)
+    assert check.pinned is not None and check.pinned.pin_memory
+    assert check.pinned.num_workers == check.fix.num_workers
+    assert "pin_memory=True: " in render_text(check)

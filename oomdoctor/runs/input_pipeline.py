@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from oomdoctor.plans.recommend.cost import COMPUTE_EFFICIENCY, compute_seconds
-from oomdoctor.runs.loader_speed import LoaderTiming, sweep, usable_cores, worker_counts
+from oomdoctor.runs.loader_speed import (LoaderTiming, sweep, time_loader, usable_cores,
+                                         worker_counts)
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.sim.recorder import Category
 from oomdoctor.sim.trace import Trace
@@ -69,6 +70,9 @@ class InputCheck:
     script_pin_memory: bool
     timings: tuple[LoaderTiming, ...]
     host: Host
+    # The best setting again with pin_memory=True, where pinning applies: a CUDA device on this
+    # machine (page-locked memory is a CUDA allocation); None elsewhere
+    pinned: LoaderTiming | None = None
 
     def copy_seconds(self, pinned: bool) -> float:
         return self.input_bytes / (H2D_PINNED if pinned else H2D_PAGEABLE)
@@ -118,6 +122,7 @@ class InputCheck:
                 "script_pin_memory": self.script_pin_memory,
                 "measured": [dict(vars(t), waiting_share=self.waiting(t),
                                   step_seconds=self.step_seconds(t)) for t in self.timings],
+                "pinned": vars(self.pinned) if self.pinned else None,
                 "data_bound": self.data_bound,
                 "fix_num_workers": fix.num_workers if fix else None,
                 "cores": self.host.cores, "measured_cores": self.host.measured_cores,
@@ -146,7 +151,19 @@ def check_input(trace: Trace, gpu: GpuProfile, *, processes: int = 1, cpus: int 
                     seen.pin_memory, progress)
     if not timings:
         return None
-    return InputCheck(**{**vars(check), "timings": tuple(timings)})
+    done = InputCheck(**{**vars(check), "timings": tuple(timings)})
+    return InputCheck(**{**vars(done), "pinned": _pinned(done, seen.loader, progress)})
+
+
+def _pinned(check: InputCheck, loader: Any, progress: Callable[[str], None]
+            ) -> LoaderTiming | None:
+    """The setting to recommend, timed with pin_memory=True where this machine can pin."""
+    import torch
+    if check.script_pin_memory or not torch.cuda.is_available():
+        return None
+    best = check.fix or check.as_run
+    progress(f"timing the DataLoader with num_workers={best.num_workers}, pin_memory=True")
+    return time_loader(loader, best.num_workers, pin_memory=True)
 
 
 def _input_bytes(trace: Trace) -> int:
@@ -178,6 +195,10 @@ def render_text(c: InputCheck) -> str:
         lines.append(f"  num_workers={t.num_workers}{own}: {_ms(t.seconds_per_batch)} per batch"
                      f" -> " + (f"the GPU waits {share:.0%} of each step" if share > WAITS
                                 else "the GPU does not wait"))
+    if c.pinned is not None:
+        lines.append(f"  num_workers={c.pinned.num_workers}, pin_memory=True: "
+                     f"{_ms(c.pinned.seconds_per_batch)} per batch (measured), batch copy "
+                     f"{_ms(c.copy_seconds(True))}")
     lines.append("  " + _verdict(c))
     if c.gpu_seconds < LAUNCH_BOUND and not c.data_bound:
         lines.append(f"  (a step under {_ms(LAUNCH_BOUND)} is likely paced by kernel launches "
