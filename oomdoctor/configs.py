@@ -44,6 +44,8 @@ ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")
 # transformers auto class).
 # --quantize: bitsandbytes 4-bit weight formats (oomdoctor.models.adapters)
 QUANTIZATIONS = ("nf4", "fp4", "int8")
+# transformers' attention implementations a Hugging Face model can be built with (--attn)
+ATTENTIONS = ("eager", "sdpa", "flash_attention_2")
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "token-cls", "seq2seq-lm", "image-cls",
          "speech-seq2seq")
 STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp")

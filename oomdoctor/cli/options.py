@@ -7,7 +7,7 @@ import click
 
 from oomdoctor.cli.group import EXIT_USAGE
 from oomdoctor.sim.allocator import AllocatorConfig
-from oomdoctor.configs import OPTIMIZERS, QUANTIZATIONS, TASKS, ZERO_GRAD_MODES
+from oomdoctor.configs import ATTENTIONS, OPTIMIZERS, QUANTIZATIONS, TASKS, ZERO_GRAD_MODES
 from oomdoctor.sim.gpus import PROFILES, card_for_arch, custom_profile, get_profile, parse_size
 
 
@@ -68,6 +68,12 @@ def _source_options(f):
                      help="For a Hugging Face id or config: tokens per sequence (default 1024, "
                           "at most the model's max_position_embeddings); `probe --seq-len max` "
                           "finds the longest that fits."),
+        click.option("--attn", type=click.Choice(ATTENTIONS), expose_value=False,
+                     callback=_remember, is_eager=True,
+                     help="For a Hugging Face id or config: transformers' attention "
+                          "implementation (attn_implementation; default sdpa where the "
+                          "architecture has it, else eager). eager keeps every layer's "
+                          "attention probabilities for the backward."),
         click.option("--image-size", type=click.IntRange(1), metavar="PIXELS",
                      expose_value=False, callback=_remember, is_eager=True,
                      help="For timm:NAME / torchvision:NAME or a Hugging Face image classifier: "
@@ -123,7 +129,7 @@ def _load_model(source: str, longest: bool = False):
         seq_len = None
     return load_model(source, task=opts.get("task"), seq_len=seq_len, adapters=_adapters(opts),
                       image_size=opts.get("image_size"), num_classes=opts.get("num_classes"),
-                      keep_outputs=bool(opts.get("keep_outputs")))
+                      keep_outputs=bool(opts.get("keep_outputs")), attn=opts.get("attn"))
 
 
 def _wants_longest_context() -> bool:

@@ -23,7 +23,7 @@ _LOOP_OPTIONS = {
 }
 # Model-source options of _model_source_options (remembered in ctx.meta, not parameters).
 _SOURCE_OPTIONS = ("task", "image_size", "num_classes", "lora_rank", "quantize",
-                   "keep_outputs", "lora_targets", "double_quant")
+                   "keep_outputs", "lora_targets", "double_quant", "attn")
 
 
 def script_of(words: tuple[str, ...]):

@@ -43,8 +43,10 @@ def is_model_file(source: str) -> bool:
 
 
 def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
-            image_size: int | None = None, num_classes: int | None = None) -> ModelSpec:
-    """A :class:`ModelSpec` for a Hugging Face id, config folder or ``config.json``."""
+            image_size: int | None = None, num_classes: int | None = None,
+            attn: str | None = None) -> ModelSpec:
+    """A :class:`ModelSpec` for a Hugging Face id, config folder or ``config.json``; ``attn``:
+    transformers' ``attn_implementation`` (default: SDPA where the architecture has it)."""
     try:
         import transformers
     except ImportError:
@@ -59,14 +61,14 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
     auto_name, _ = TASKS[task]
     auto = getattr(transformers, auto_name)
     if task in IMAGE_TASKS or image_size or num_classes:
-        return _hf_images(source, config, task, auto, seq_len, image_size, num_classes)
+        return _hf_images(source, config, task, auto, seq_len, image_size, num_classes, attn)
     if task == "speech-seq2seq":
-        return _hf_speech(source, config, auto, seq_len)
+        return _hf_speech(source, config, auto, seq_len, attn)
     tokens = _tokens(source, config, seq_len)
     vocab = config.vocab_size
     num_labels = getattr(config, "num_labels", 2)
 
-    build_model = _builder(auto, config)
+    build_model = _builder(source, auto, config, attn)
 
     def make_batch(batch_size: int) -> dict[str, Any]:
         import torch
@@ -86,7 +88,7 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
 
 
 def _hf_images(source: str, config: Any, task: str, auto: Any, seq_len: int | None,
-               image_size: int | None, num_classes: int | None) -> ModelSpec:
+               image_size: int | None, num_classes: int | None, attn: str | None) -> ModelSpec:
     """An image classifier from its config (ViT, ConvNeXt, Swin, ...): ``pixel_values`` at the
     config's ``image_size`` (or the one asked for) and class ``labels``; the model's own loss."""
     if task not in IMAGE_TASKS:
@@ -104,7 +106,7 @@ def _hf_images(source: str, config: Any, task: str, auto: Any, seq_len: int | No
     if num_classes:
         config.num_labels = num_classes       # the head to train, as from_pretrained(num_labels=)
     classes = config.num_labels
-    build_model = _builder(auto, config)
+    build_model = _builder(source, auto, config, attn)
 
     def make_batch(batch_size: int) -> dict[str, Any]:
         import torch
@@ -115,7 +117,8 @@ def _hf_images(source: str, config: Any, task: str, auto: Any, seq_len: int | No
                      label=f"{_label(source)} ({task}, {size}x{size}, {classes} classes)")
 
 
-def _hf_speech(source: str, config: Any, auto: Any, seq_len: int | None) -> ModelSpec:
+def _hf_speech(source: str, config: Any, auto: Any, seq_len: int | None, attn: str | None
+               ) -> ModelSpec:
     """Whisper-style speech-to-text: ``input_features``, the log-mel spectrogram of a 30 s
     window (``num_mel_bins`` x twice ``max_source_positions`` frames: the encoder's strided
     convolution halves them), and ``labels`` of ``seq_len`` tokens (default and at most
@@ -132,14 +135,17 @@ def _hf_speech(source: str, config: Any, auto: Any, seq_len: int | None) -> Mode
         import torch
         return {"input_features": torch.randn(batch_size, mels, 2 * frames),
                 "labels": torch.randint(0, config.vocab_size, (batch_size, tokens))}
-    return ModelSpec(path=source, build_model=_builder(auto, config), make_batch=make_batch,
+    return ModelSpec(path=source, build_model=_builder(source, auto, config, attn),
+                     make_batch=make_batch,
                      loss_fn=None, make_optimizer=None,
                      label=f"{_label(source)} (speech-seq2seq, {2 * frames} frames, "
                            f"{tokens} tokens)")
 
 
-def _builder(auto: Any, config: Any):
+def _builder(source: str, auto: Any, config: Any, attn: str | None):
     def build_model():
+        if attn is not None:
+            return _with_attention(source, auto, config, attn)
         # SDPA where the architecture has it (what transformers picks on a GPU), else eager.
         try:
             return auto.from_config(config, attn_implementation="sdpa")
@@ -147,6 +153,19 @@ def _builder(auto: Any, config: Any):
             # named: the refused attempt has already written "sdpa" into the config
             return auto.from_config(config, attn_implementation="eager")
     return build_model
+
+
+def _with_attention(source: str, auto: Any, config: Any, attn: str) -> Any:
+    """The model with the attention implementation asked for, or a one-line refusal."""
+    try:
+        return auto.from_config(config, attn_implementation=attn)
+    except (ValueError, ImportError) as e:
+        why = str(e).strip().splitlines()[0]
+        fix = ("flash-attn is not importable here; --attn sdpa traces CUDA's flash kernel, "
+               "which keeps the same per-row log-sum-exp in 16-bit training"
+               if attn == "flash_attention_2" else "pass --attn eager or sdpa")
+        raise ModelFileError(f"{source}: transformers cannot build it with "
+                             f"attn_implementation={attn!r} ({why}); {fix}") from None
 
 
 def _label(source: str) -> str:

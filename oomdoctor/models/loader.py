@@ -35,14 +35,21 @@ from oomdoctor.models.spec import ModelFileError, ModelSpec, first_line, moves_t
 
 def load_model(source: str, *, task: str | None = None, seq_len: int | None = None,
                adapters: Any = None, image_size: int | None = None,
-               num_classes: int | None = None, keep_outputs: bool = False) -> ModelSpec:
+               num_classes: int | None = None, keep_outputs: bool = False,
+               attn: str | None = None) -> ModelSpec:
     """A model file (``.py``), a Hugging Face id / config folder / ``config.json`` (``task``
     and ``seq_len`` apply to those; ``image_size`` and ``num_classes`` to its image
     classifiers), or ``timm:NAME`` / ``torchvision:NAME`` (``image_size``, ``num_classes``);
     see :mod:`oomdoctor.models.huggingface` and :mod:`oomdoctor.models.vision`. ``adapters``
     (:class:`oomdoctor.models.adapters.Adapters`): train it with LoRA / on 4-bit weights.
-    ``keep_outputs``: the loop keeps last step's outputs (as the file's KEEP_OUTPUTS does)."""
+    ``keep_outputs``: the loop keeps last step's outputs (as the file's KEEP_OUTPUTS does).
+    ``attn``: a Hugging Face model's attention implementation (eager, sdpa,
+    flash_attention_2)."""
     is_vision = vision.is_vision(source)
+    if attn is not None and (is_vision or source.endswith(".py")):
+        raise ModelFileError(f"{source}: --attn sets a Hugging Face model's attention "
+                             "implementation; a model file or a timm/torchvision model builds "
+                             "its own")
     if (task or seq_len) and is_vision:
         raise ModelFileError(f"{source}: --task and --seq-len apply to Hugging Face models; "
                              "an image model takes --image-size and --num-classes")
@@ -58,10 +65,11 @@ def load_model(source: str, *, task: str | None = None, seq_len: int | None = No
                                  "a model file makes its own batch in make_batch(batch_size)")
         spec = load_model_file(source)
     else:
-        spec = huggingface.load_hf(source, task, seq_len, image_size, num_classes)
+        spec = huggingface.load_hf(source, task, seq_len, image_size, num_classes, attn)
     keep = spec.keep_outputs or keep_outputs
     return dataclasses.replace(spec, adapters=adapters, keep_outputs=keep,
-                               origin=(source, task, seq_len, image_size, num_classes, keep))
+                               origin=(source, task, seq_len, image_size, num_classes, keep,
+                                       attn))
 
 
 def for_process(spec: ModelSpec, start_method: str) -> ModelSpec | tuple:
@@ -82,9 +90,9 @@ def command_line(spec: ModelSpec) -> str:
     says its own)."""
     if spec.origin is None:
         return spec.path
-    source, task, seq_len, image_size, num_classes, keep = spec.origin
+    source, task, seq_len, image_size, num_classes, keep, attn = spec.origin
     flags = [("--task", task), ("--seq-len", seq_len), ("--image-size", image_size),
-             ("--num-classes", num_classes)]
+             ("--num-classes", num_classes), ("--attn", attn)]
     return " ".join([shlex.quote(source)] + [f"{k} {v}" for k, v in flags if v is not None]
                     + (["--keep-outputs"] if keep else []))
 
@@ -93,9 +101,10 @@ def in_process(source: ModelSpec | tuple) -> ModelSpec:
     """The spec in a child process, from :func:`for_process`."""
     if isinstance(source, ModelSpec):
         return source
-    (path, task, seq_len, image_size, num_classes, keep), adapters = source
+    (path, task, seq_len, image_size, num_classes, keep, attn), adapters = source
     return load_model(path, task=task, seq_len=seq_len, adapters=adapters,
-                      image_size=image_size, num_classes=num_classes, keep_outputs=keep)
+                      image_size=image_size, num_classes=num_classes, keep_outputs=keep,
+                      attn=attn)
 
 
 def load_model_file(path: str) -> ModelSpec:

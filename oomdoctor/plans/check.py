@@ -87,6 +87,7 @@ class Case:
     num_classes: int | None = None   # ... and head width
     command: str | None = None       # a training script's command line, instead of a model
     torch: str | None = None         # the torch release whose CUDA facts to model (--torch)
+    attn: str | None = None          # a Hugging Face model's attention implementation (--attn)
 
     def config(self) -> dict[str, Any]:
         """What defines the numbers: a change here makes the baseline stale. (task, seq_len and
@@ -101,7 +102,7 @@ class Case:
             if not self.batch_size:
                 del d["batch_size"]
         for key in ("task", "seq_len", "lora", "lora_targets", "quantize", "image_size",
-                    "num_classes", "command", "torch"):
+                    "num_classes", "command", "torch", "attn"):
             if d[key] is None:
                 del d[key]
         return d
@@ -222,7 +223,7 @@ def load_config(path: str | None = None) -> CheckConfig:
         known = {"model", "batch_size", "precision", "checkpointing", "grad_accum", "optimizer",
                  "strategy", "gpu", "budget", "margin", "tolerance", "task", "seq_len",
                  "lora", "lora_targets", "quantize", "image_size", "num_classes", "command",
-                 "torch"}
+                 "torch", "attn"}
         unknown = set(s) - known
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: "
@@ -264,6 +265,8 @@ def load_config(path: str | None = None) -> CheckConfig:
                           else tolerance, s.get("task"), seq_len, lora,
                           s.get("lora_targets"), s.get("quantize"), image_size, num_classes))
         cases[-1] = _with_torch(cases[-1], s, where)
+        if "attn" in s:
+            cases[-1] = replace(cases[-1], attn=s["attn"])
         if lora is None and (s.get("quantize") or s.get("lora_targets")):
             raise ConfigError(f"{where}: quantize and lora_targets need lora = RANK")
         try:
@@ -302,7 +305,7 @@ def _command_case(name: str, s: Any, where: str, tolerance: float) -> Case:
     script decides the rest."""
     loop_keys = set(s) & {"model", "precision", "checkpointing", "grad_accum", "optimizer",
                           "strategy", "task", "lora", "lora_targets", "quantize", "image_size",
-                          "num_classes"}
+                          "num_classes", "attn"}
     if loop_keys:
         raise ConfigError(f"{where}: {', '.join(sorted(loop_keys))} describe a model file's "
                           "loop; a `command` case's script decides them itself")
@@ -348,6 +351,7 @@ def measure_case(case: Case, root: str) -> Measured:
             # a path relative to the config's folder, else a Hugging Face id as written
             local = os.path.join(root, case.model)
             spec = load_model(local if os.path.exists(local) else case.model, task=case.task,
+                              attn=case.attn,
                               seq_len=case.seq_len, adapters=case.adapters(),
                               image_size=case.image_size, num_classes=case.num_classes)
             e = estimate(spec, _trace_config(case, case.batch_size), Budget(gpu, case.margin))

@@ -42,3 +42,15 @@ def versions_text(versions: tuple[tuple[str, str], ...] | dict[str, str]) -> str
     """'torch 2.13.0+cpu, transformers 4.40.2'."""
     items = versions.items() if isinstance(versions, dict) else versions
     return ", ".join(f"{name} {version}" for name, version in items)
+
+
+def attention_note(model: Any) -> str | None:
+    """What transformers' attention the traced model runs (its config's attn_implementation),
+    as a note: eager keeps every layer's attention probabilities for the backward, sdpa and
+    flash attention do not. None for a model without one."""
+    config = getattr(model, "config", None) if model is not None else None
+    attn = getattr(config, "_attn_implementation", None)
+    if not isinstance(attn, str):
+        return None
+    return (f"attention: {attn} (transformers' attn_implementation; --attn "
+            "eager|sdpa|flash_attention_2 for a Hugging Face id or config)")

@@ -39,7 +39,7 @@ from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError, first_line, user_frame
 from oomdoctor.sim import ddp, eager, emulate, fakecuda, values, versions
 from oomdoctor.sim.labels import allocator_events, label_activations, label_state
-from oomdoctor.sim.libraries import traced_versions
+from oomdoctor.sim.libraries import attention_note, traced_versions
 from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
 from oomdoctor.sim.stepping import every_step, host_state, in_step, state_bytes, unique_storages
 from oomdoctor.sim.trace import Trace, TraceConfig, weight_dtypes
@@ -378,8 +378,9 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
         _raise_if_exhausted(script, run)
         raise ScriptError(f"{script.name} ended without an optimizer step; oomdoctor measures "
                           "training steps: check the script trains with these arguments")
-    return _result(script, batch_size, cfg, run, rec, device, phases.marks, state, notes + _run_notes(
-        script, argv, cfg, run, device, batch_size))
+    attention = [n for n in map(attention_note, run.roots.values()) if n][:1]
+    return _result(script, batch_size, cfg, run, rec, device, phases.marks, state,
+                   attention + notes + _run_notes(script, argv, cfg, run, device, batch_size))
 
 
 def _raise_if_exhausted(script: ScriptSpec, run: ScriptRun) -> None:
