@@ -462,3 +462,17 @@ def _mp_policy_option(f):
              "(torchtitan's bf16): fp32 parameters, gradients and AdamW state sharded, each "
              "block gathered and computed in bf16 without autocast. Default: autocast over "
              "gathered fp32 weights.")(f)
+
+
+def _mp_policy(mp_policy: bool, precision: str, strategies) -> bool:
+    """--mp-policy checked: FSDP2's bf16 MixedPrecisionPolicy is a zero3 (fsdp) setting of
+    bf16 training; ``strategies``: those the command estimates (empty: all of them)."""
+    if not mp_policy:
+        return False
+    if strategies and not {"zero3", "fsdp"} & set(strategies):
+        raise click.UsageError("--mp-policy is FSDP2's MixedPrecisionPolicy: use it with "
+                               "--strategy fsdp (zero3)")
+    if precision != "bf16":
+        raise click.UsageError("--mp-policy models FSDP2's bf16 MixedPrecisionPolicy: use it "
+                               "with --precision bf16")
+    return True

@@ -9,9 +9,10 @@ import click
 from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
                                  cli)
 from oomdoctor.cli.script import model_source_only
-from oomdoctor.cli.options import (_alloc_config, _card_options, _mp_policy_option, _check_plot_file, _detect_gpus,
-                                   _die, _load_model, _make_budget, _num_gpus, _progress,
-                                   _torch_config, _write_bar_plot)
+from oomdoctor.cli.options import (_alloc_config, _card_options, _check_plot_file, _detect_gpus,
+                                   _die, _load_model, _make_budget, _mp_policy,
+                                   _mp_policy_option, _num_gpus, _progress, _torch_config,
+                                   _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
 from oomdoctor.configs import (MODEL_PROTOCOL, NODE_STRATEGY_CHOICES, PRECISIONS,
                                STRATEGY_CHOICES)
@@ -64,21 +65,13 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
                           optimizer, **_torch_config())
         report = par.estimate_strategies(spec, cfg, budget, n, strategies or par.STRATEGIES,
                                          alloc, bucket_view, progress=_progress,
-                                         mixed_precision=_policy(mp_policy, precision))
+                                         mixed_precision=_mp_policy(mp_policy, precision, ()))
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
     click.echo(json.dumps(report.to_json(), indent=2) if as_json else par.render_report(report))
     sys.exit(EXIT_OK if any(e.fits for e in report.estimates) else EXIT_PROBLEM)
-
-
-def _policy(mp_policy: bool, precision: str) -> bool:
-    """--mp-policy checked against the precision it models."""
-    if mp_policy and precision != "bf16":
-        raise click.UsageError("--mp-policy models FSDP2's bf16 MixedPrecisionPolicy: use it "
-                               "with --precision bf16")
-    return mp_policy
 
 
 @cli.command("split", epilog=MODEL_PROTOCOL)

@@ -9,9 +9,8 @@ import click
 from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                               EXIT_USAGE, cli)
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _check_plot_file,
-                                   _mp_policy_option,
                                    _detect_gpus, _die, _load_model, _make_budget,
-                                   _modelled_torch, _progress,
+                                   _modelled_torch, _mp_policy, _mp_policy_option, _progress,
                                    _slow_trace_progress, _wants_longest_context,
                                    _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_run
@@ -100,8 +99,8 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
             report = par.estimate_strategies(_load_model(model_file), _cfg(), budget, num_gpus,
                                              [strategy], alloc,
                                              progress=lambda m: click.echo(m, err=True),
-                                             mixed_precision=_policy_for(mp_policy, strategy,
-                                                                         precision))
+                                             mixed_precision=_mp_policy(mp_policy, precision,
+                                                                        [strategy]))
             if report.errors:
                 raise ValueError(report.errors[0][1])
         else:
@@ -298,7 +297,7 @@ def probe(model_words, precisions, checkpointing, max_batch_size, context_batch,
                                        jobs, strategy, num_gpus, budget, alloc,
                                        checkpoint_class, grad_accum, optimizer, zero_grad,
                                        no_cuda_emulation, debug,
-                                       _policy_for(mp_policy, strategy, "bf16"))
+                                       _mp_policy(mp_policy, "bf16", [strategy]))
     if device:     # measures, prints and exits: the plan below would be thrown away
         _measure_probe(spec, base, result, device, max_batch_size, as_json, debug)
     best = probe_mod.recommended(result) if strategy == "single" else None
@@ -365,19 +364,6 @@ def _check_device(device, debug):
         _die(e, debug, EXIT_NO_GPU)
     except measure.MeasureError as e:
         _die(e, debug, EXIT_USAGE)
-
-
-def _policy_for(mp_policy: bool, strategy: str, precision: str) -> bool:
-    """--mp-policy checked: FSDP2's bf16 MixedPrecisionPolicy is a zero3 (fsdp) setting."""
-    if not mp_policy:
-        return False
-    if strategy not in ("zero3", "fsdp"):
-        raise click.UsageError("--mp-policy is FSDP2's MixedPrecisionPolicy: use it with "
-                               "--strategy fsdp (zero3)")
-    if precision != "bf16":
-        raise click.UsageError("--mp-policy models the bf16 policy: use it with --precision "
-                               "bf16")
-    return True
 
 
 def _probe_matrix(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,

@@ -77,10 +77,14 @@ class InputCheck:
     def copy_seconds(self, pinned: bool) -> float:
         return self.input_bytes / (H2D_PINNED if pinned else H2D_PAGEABLE)
 
+    def busy_seconds(self, t: LoaderTiming) -> float:
+        """The GPU's side of a micro-batch with this loader setting: compute and the copy."""
+        return self.gpu_seconds + self.copy_seconds(t.pin_memory or self.script_pin_memory)
+
     def step_seconds(self, t: LoaderTiming) -> float:
         """A micro-batch's time with this loader setting: loading overlaps the GPU's work
         unless the main process loads and the loop waits for the GPU every step."""
-        gpu = self.gpu_seconds + self.copy_seconds(t.pin_memory or self.script_pin_memory)
+        gpu = self.busy_seconds(t)
         if t.num_workers == 0 and self.syncs:
             return t.seconds_per_batch + gpu
         return max(t.seconds_per_batch, gpu)
@@ -88,8 +92,7 @@ class InputCheck:
     def waiting(self, t: LoaderTiming) -> float:
         """The share of each step the GPU spends waiting for data."""
         step = self.step_seconds(t)
-        gpu = self.gpu_seconds + self.copy_seconds(t.pin_memory or self.script_pin_memory)
-        return max(0.0, step - gpu) / step if step > 0 else 0.0
+        return max(0.0, step - self.busy_seconds(t)) / step if step > 0 else 0.0
 
     @property
     def as_run(self) -> LoaderTiming | None:

@@ -10,7 +10,7 @@ from oomdoctor.sim.ddp import (DDP_BROADCAST_BUCKET_BYTES, DDP_BUCKET_BYTES,  # 
 from oomdoctor.plans.parallel.events import _base, _Context, _Gpu
 from oomdoctor.plans.parallel.layout import MAIN
 from oomdoctor.plans.parallel.results import prose_size
-from oomdoctor.plans.parallel.strategy import MASTER_SCALE, POLICY_NOTE, Strategy
+from oomdoctor.plans.parallel.strategy import POLICY_NOTE, Strategy
 from oomdoctor.sim.trace import Category, Phase
 
 
@@ -166,7 +166,7 @@ def _zero(ctx: _Context, strategy: Strategy, stage: int) -> tuple[list[_Gpu], li
     g = _Gpu("each GPU", ctx.first_handle)
     ctx.workspaces(g)
     # under a mixed-precision policy the sharded state and the reduce are fp32 (strategy.py)
-    master = MASTER_SCALE if strategy.mixed_precision else 1
+    master = strategy.state_scale
     reduce_at: dict[float, int] = defaultdict(int)       # window end -> unsharded gradient bytes
     for s in ctx.storages:
         h, size = s.handle, ctx.size[s.handle]

@@ -15,7 +15,7 @@ from oomdoctor.plans.parallel.model_states import (deepspeed_zero2_gpu_bytes,
                                              deepspeed_zero3_gpu_bytes, model_state_floor)
 from oomdoctor.plans.parallel.pipeline import _Pipeline
 from oomdoctor.plans.parallel.results import BREAKDOWN_KEYS, GpuMemory, Partition, StrategyEstimate
-from oomdoctor.plans.parallel.strategy import MASTER_SCALE, Strategy
+from oomdoctor.plans.parallel.strategy import Strategy
 from oomdoctor.plans.parallel.timeline import Sizes
 from oomdoctor.sim.trace import Phase, Trace
 
@@ -134,7 +134,7 @@ def estimate_strategy(trace: Trace, layout: Layout, strategy: Strategy, budget: 
     measured = tuple(_measure(ctx, g, budget, alloc) for g in gpus)
     b = ctx.trace.config.batch_size
     cfg = trace.config
-    master = MASTER_SCALE if strategy.mixed_precision else 1     # fp32 sharded state
+    master = strategy.state_scale                   # fp32 sharded state under a policy
     floor = model_state_floor(trace.parameter_bytes * master, trace.gradient_bytes * master,
                               trace.optimizer_state_bytes * master, strategy)
     ds = None

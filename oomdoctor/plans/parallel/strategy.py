@@ -69,6 +69,12 @@ class Strategy:
                              "or hsdp only")
 
     @property
+    def state_scale(self) -> int:
+        """Bytes of the sharded state per byte the trace holds: MASTER_SCALE under a
+        mixed-precision policy (fp32 state, bf16 trace), else 1."""
+        return MASTER_SCALE if self.mixed_precision else 1
+
+    @property
     def data_parallel(self) -> int:
         """Ranks that each see a different micro-batch."""
         return 1 if self.name in ("single", "pipeline2") else self.num_gpus
