@@ -36,6 +36,8 @@ import sys
 import time
 import traceback
 
+from calibrate import _driver, _write   # nvidia-smi's driver; an atomic JSON write
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA = "newpaths-1"
 STEPS = 2
@@ -344,15 +346,6 @@ def _dtypes(model) -> dict:
 
 # --- the driver ---------------------------------------------------------------------------------
 
-def _driver() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return None
-
-
 def _version(name: str) -> str | None:
     try:
         import importlib.metadata as md
@@ -376,14 +369,6 @@ def _environment(dry: bool) -> dict:
     else:
         env.update(gpu="cpu (dry run)", total_bytes=None, driver=None)
     return env
-
-
-def _write(path: str, doc: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
 
 
 def _run_child(job: dict, timeout: float) -> dict:

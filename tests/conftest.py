@@ -9,3 +9,25 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_SITE, os.environ.get("PY
                                            if p)
 sys.path.insert(0, _SITE)
 import sitecustomize  # noqa: E402,F401  (the venv has none of its own)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def unrolled(monkeypatch):
+    """Records whether each deep trace was unrolled (True) or traced in full (False): the
+    outcome of each oomdoctor.sim.repeat.Stack.full call (test_repeat, test_constructs)."""
+    from oomdoctor.sim import repeat
+    seen: list[bool] = []
+    full = repeat.Stack.full
+
+    def spy(self, traces):
+        try:
+            out = full(self, traces)
+        except Exception:
+            seen.append(False)
+            raise
+        seen.append(True)
+        return out
+    monkeypatch.setattr(repeat.Stack, "full", spy)
+    return seen

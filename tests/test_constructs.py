@@ -22,7 +22,6 @@ import constructs
 from oomdoctor.cli import cli
 from oomdoctor.models.loader import load_model, load_model_file
 from oomdoctor.plans.estimate import Budget, estimate_trace
-from oomdoctor.sim import repeat
 from oomdoctor.sim.gpus import PROFILES
 from oomdoctor.sim.trace import TraceConfig, trace_training
 
@@ -33,23 +32,6 @@ DEEP = 32          # above repeat.MIN_BLOCKS: the stack is cut (nested: each sta
 # its blocks up to its own count cannot run cut, and is traced whole).
 UNROLLS = {"modulelist": [True], "sequential": [True], "sequential-named": [True],
            "moduledict": [True], "nested": [False], "indexed": []}
-
-
-@pytest.fixture
-def unrolled(monkeypatch):
-    seen: list[bool] = []
-    full = repeat.Stack.full
-
-    def spy(self, traces):
-        try:
-            out = full(self, traces)
-        except Exception:
-            seen.append(False)
-            raise
-        seen.append(True)
-        return out
-    monkeypatch.setattr(repeat.Stack, "full", spy)
-    return seen
 
 
 @pytest.mark.parametrize("depth", [4, DEEP])

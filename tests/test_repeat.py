@@ -25,24 +25,6 @@ def _spec(tmp_path, layers: int, adapters: Adapters | None = None, **extra):
     return load_model(str(d), seq_len=64, adapters=adapters)
 
 
-@pytest.fixture
-def unrolled(monkeypatch):
-    """Records whether each deep trace was unrolled (True) or traced in full (False)."""
-    seen: list[bool] = []
-    full = repeat.Stack.full
-
-    def spy(self, traces):
-        try:
-            out = full(self, traces)
-        except Exception:
-            seen.append(False)
-            raise
-        seen.append(True)
-        return out
-    monkeypatch.setattr(repeat.Stack, "full", spy)
-    return seen
-
-
 def _same(spec, cfg: TraceConfig) -> None:
     whole = trace_training(spec, cfg, min_blocks=None)
     fast = trace_training(spec, cfg, min_blocks=5)
