@@ -201,15 +201,20 @@ def test_zero1_matches_zero_redundancy_optimizer_per_rank(real_runs):
 @pytest.mark.serial   # real 2-process gloo runs: their peaks move when the cores are shared
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_zero2_zero3_match_a_real_fsdp2_run(real_runs, model_dir, stage):
-    """FSDP2 on a CPU mesh. The real peak is noisy: gloo's collectives copy their full-size
-    buffers on the CPU in gloo's own threads (NCCL works in place), at times that vary from run
-    to run; over repeated runs the prediction was 0.91-1.03 of the measured peak. Within 10%,
-    two-sided - far less than what sharding saves (a third of the single-GPU peak here)."""
+    """FSDP2 on a CPU mesh over gloo. The real peak is noisy: gloo's collectives copy their
+    full-size buffers on the CPU in gloo's own threads (NCCL works in place), at times that vary
+    from run to run. ZeRO-2 (reshard_after_forward=False) was 0.91-1.03 of the measured peak
+    over repeated runs: within 10%, two-sided. ZeRO-3 is FSDP2's own allocations to 100 bytes
+    (tests/test_fsdp.py, over a process group that moves no data), so here it may only sit below
+    gloo's peak (0.88-1.0 of it seen), never above. Both far below the single-GPU peak."""
     path = os.path.join(model_dir, "deep_mlp.py")
     [pred] = _predicted(path, stage, 8)
     [single] = _predicted(path, "single", 8)
     for measured in real_runs[stage]:
-        assert abs(pred / measured - 1) < 0.10, (pred, measured)
+        if stage == "zero2":
+            assert abs(pred / measured - 1) < 0.10, (pred, measured)
+        else:
+            assert 0.8 < pred / measured <= 1 + 1e-4, (pred, measured)
     assert pred < 0.7 * single
 
 

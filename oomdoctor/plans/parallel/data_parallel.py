@@ -8,9 +8,9 @@ from collections import defaultdict
 from oomdoctor.sim.ddp import (DDP_BROADCAST_BUCKET_BYTES, DDP_BUCKET_BYTES,  # noqa: F401
                                DDP_FIRST_BUCKET_BYTES, chunks as _chunks, ddp_buckets)
 from oomdoctor.plans.parallel.events import _base, _Context, _Gpu
-from oomdoctor.plans.parallel.layout import MAIN
+from oomdoctor.plans.parallel.fsdp import fsdp
 from oomdoctor.plans.parallel.results import prose_size
-from oomdoctor.plans.parallel.strategy import POLICY_NOTE, Strategy
+from oomdoctor.plans.parallel.strategy import Strategy
 from oomdoctor.sim.trace import Category, Phase
 
 
@@ -163,16 +163,16 @@ def _zero(ctx: _Context, strategy: Strategy, stage: int) -> tuple[list[_Gpu], li
                      "which gives each rank whole parameters (largest first), so ranks differ")
         return gpus, notes
 
+    if stage == 3:
+        return fsdp(ctx, strategy)
     g = _Gpu("each GPU", ctx.first_handle)
     ctx.workspaces(g)
-    # under a mixed-precision policy the sharded state and the reduce are fp32 (strategy.py)
-    master = strategy.state_scale
     reduce_at: dict[float, int] = defaultdict(int)       # window end -> unsharded gradient bytes
     for s in ctx.storages:
         h, size = s.handle, ctx.size[s.handle]
         key = ctx.key(h)
         if s.phase is Phase.OPTIMIZER or s.category is Category.OPTIMIZER_STATE:
-            g.add(key, _shard(size, n) * master, s.t_alloc, s.t_free, h)
+            g.add(key, _shard(size, n), s.t_alloc, s.t_free, h)
         elif s.category is Category.GRADIENTS and tl.phase_of(s.t_alloc) is Phase.BACKWARD:
             # Full size until its block's backward is done, then reduce-scattered to a shard.
             ph = tl.phase_index(s.t_alloc)
@@ -184,60 +184,13 @@ def _zero(ctx: _Context, strategy: Strategy, stage: int) -> tuple[list[_Gpu], li
                 g.add(key, size, s.t_alloc, s.t_free, h)
                 continue
             g.add(key, size, s.t_alloc, done - 0.2, h)
-            g.add(key, _shard(size, n) * master, done - 0.2, s.t_free)
-            reduce_at[done] += size * master
-        elif stage == 3 and s.phase is Phase.SETUP and s.category is Category.PARAMETERS:
-            g.add(key, _shard(size, n) * master, s.t_alloc, s.t_free, h)
+            g.add(key, _shard(size, n), done - 0.2, s.t_free)
+            reduce_at[done] += size
         else:
             g.add(key, size, s.t_alloc, s.t_free, h)
-    # FSDP's foreach_reduce copies a block's unsharded gradients into one reduce-scatter input
-    # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) while they are still alive.
+    # The block's unsharded gradients copied into one reduce-scatter input while still alive.
     for done, nbytes in reduce_at.items():
         g.add("communication", _shard(nbytes, n) * n, done - 0.3, done - 0.1)
-    if stage == 3:
-        _gather_units(ctx, g, n)
-        notes.append("FSDP/ZeRO-3: each block is all-gathered for its forward and again for its "
-                     "backward (the next one prefetched); wrap every block, e.g. "
-                     "fully_shard(block) for each, then fully_shard(model)")
-        if strategy.mixed_precision:
-            notes.append(POLICY_NOTE)
-    else:
-        notes.append("ZeRO-2 as DeepSpeed runs it: parameters replicated, gradients reduce-"
-                     "scattered block by block, optimizer state sharded")
+    notes.append("ZeRO-2 as DeepSpeed runs it: parameters replicated, gradients reduce-"
+                 "scattered block by block, optimizer state sharded")
     return [g], notes
-
-
-def _gather_units(ctx: _Context, g: _Gpu, world: int) -> None:
-    """ZeRO-3: unsharded parameters of each block during its forward and its backward window,
-    with the next block prefetched; root-level parameters stay gathered for the whole step.
-    FSDP2's all-gather lands in one flat buffer (foreach_all_gather) that is copied out into the
-    parameters (foreach_all_gather_copy_out) and then freed: twice the block, briefly."""
-    tl = ctx.timing
-    nblocks = len(ctx.layout.blocks)
-    unit = [ctx.param_bytes(b) for b in range(nblocks)]
-    root = ctx.param_bytes(MAIN)
-
-    def gather(nbytes: int, start: float, stop: float) -> None:
-        g.add("communication", _shard(nbytes, world) * world, start - 0.3, start - 0.2)
-        g.add("parameters", nbytes, start - 0.25, stop)
-
-    for ph in tl.marks_of(Phase.FORWARD):
-        spans = tl.fwd_spans.get(ph, {})
-        order = sorted(spans, key=lambda b: spans[b][0])
-        bw = tl.backward_of(ph)
-        fstart, fstop, _ = tl.phases[ph]
-        bstop = tl.phases[bw][1] if bw is not None else fstop
-        if root:
-            gather(root, fstart + 0.2, bstop - 0.1)
-        for i, b in enumerate(order):
-            # Gathered when the previous block starts (prefetch), freed when this one ends.
-            start = spans[order[i - 1]][0] if i else spans[b][0]
-            if unit[b]:
-                gather(unit[b], start, spans[b][1] + 0.5)
-        if bw is None:
-            continue
-        wins = tl.bwd_windows.get(bw, [])
-        for i, (lo, hi, b) in enumerate(wins):
-            start = wins[i - 1][0] if i else lo
-            if unit[b]:
-                gather(unit[b], start, hi - 0.25)

@@ -18,6 +18,7 @@ class _Gpu:
         self.label = label
         self.items: list[tuple[float, int, bool, int, int]] = []
         self.keys: dict[int, str] = {}
+        self.sizes: dict[int, int] = {}
         self._next = first_handle
 
     def add(self, key: str, nbytes: int, t_alloc: float, t_free: float | None,
@@ -26,10 +27,15 @@ class _Gpu:
             handle = self._next
             self._next += 1
         self.keys[handle] = key
+        self.sizes[handle] = nbytes
         self.items.append((t_alloc, len(self.items), True, handle, nbytes))
         if t_free is not None:
             self.items.append((t_free, len(self.items), False, handle, nbytes))
         return handle
+
+    def free(self, handle: int, t_free: float) -> None:
+        """Free at ``t_free`` what :meth:`add` allocated with no free."""
+        self.items.append((t_free, len(self.items), False, handle, self.sizes[handle]))
 
     def events(self) -> tuple[list[tuple[bool, int, int]], list[float]]:
         items = sorted(self.items)

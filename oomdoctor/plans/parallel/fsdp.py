@@ -1,0 +1,239 @@
+"""FSDP2 (``fully_shard`` on every block, then on the model) as one rank's event list.
+
+What it allocates, and when, follows torch/distributed/fsdp/_fully_shard (torch 2.13), checked
+against a rank of a real run on the CPU (tests/test_fsdp.py):
+
+- Parameters live as shards (``_fsdp_param.py``: each rank keeps 1/N of every parameter in the
+  dtype it was built in).
+- Before a block runs, ``foreach_all_gather`` (``_fsdp_collectives.py``) allocates one flat
+  output of N shards in ``param_dtype``; a cast to ``param_dtype`` first goes through a flat
+  copy-in buffer of one shard (``_get_param_all_gather_inputs``). ``foreach_all_gather_copy_out``
+  then allocates the unsharded parameters and copies them out.
+- In the forward the flat output is kept (``FSDPParamGroup.wait_for_unshard``: the
+  ``all_gather_state`` "defer free to allow for overlap of this copy-out with the next
+  all-gather") until the next block's copy-out; in the backward it is freed right after the
+  copy-out, and the next block's all-gather is issued at once (``backward_prefetch``).
+- ``post_forward`` frees a block's unsharded parameters; the root keeps its own gathered to the
+  end of the backward (``reshard_after_forward`` is False for the root).
+- ``post_backward`` frees the unsharded parameters, then ``foreach_reduce`` copies the block's
+  gradients into one reduce-scatter input in ``reduce_dtype`` and makes the sharded gradient.
+  That input is held (``reduce_scatter_states``, one in flight by default) until the next
+  block's ``post_backward`` (``post_backward_rs_wait``), or the end of the backward.
+- Frozen parameters are gathered like any other, and have no gradient to reduce.
+
+Under a mixed-precision policy (``Strategy.mixed_precision``) the trace computes in pure bf16:
+trainable parameters that the trace holds in 16 bits are kept, reduced and stepped in fp32
+(``MASTER_SCALE``); frozen ones are kept in the dtype they were loaded in, as a LoRA base is.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from oomdoctor.plans.parallel.events import _Context, _Gpu
+from oomdoctor.plans.parallel.layout import MAIN
+from oomdoctor.plans.parallel.strategy import MASTER_SCALE, POLICY_NOTE, Strategy
+from oomdoctor.sim.trace import Category, Phase
+
+_POLICY_DTYPE = 2           # param_dtype=torch.bfloat16
+_REDUCE_DTYPE = 4           # reduce_dtype=torch.float32
+
+
+def _shard(n: int, world: int) -> int:
+    return -(-n // world)
+
+
+class _Params:
+    """Per parameter (layout index): bytes per element as traced, stored (sharded), gathered
+    and reduced, and which block owns it."""
+
+    def __init__(self, ctx: _Context, strategy: Strategy) -> None:
+        lay = ctx.layout
+        self.world = strategy.shard_group
+        self.numel = lay.param_numel
+        self.owner = lay.param_owner
+        self.trainable = lay.param_trainable
+        self.handle = {i: h for h, i in ctx.param_index.items() if i < lay.num_param_storages}
+        self.traced: dict[int, float] = {}
+        for i, h in self.handle.items():
+            self.traced[i] = ctx.trace.storages[h].nbytes / max(1, self.numel[i])
+        self.policy = strategy.mixed_precision
+
+    def stored(self, i: int) -> float:
+        """Bytes per element of the sharded parameter (and of its gradient and AdamW state)."""
+        t = self.traced[i]
+        return t * MASTER_SCALE if self.policy and self.trainable[i] and t == 2 else t
+
+    def gathered(self, i: int) -> float:
+        t = self.traced[i]
+        return min(t, _POLICY_DTYPE) if self.policy and t >= 2 else t
+
+    def scale(self, i: int) -> float:
+        """Sharded bytes per traced byte."""
+        return self.stored(i) / self.traced[i]
+
+    def shard_numel(self, i: int) -> int:
+        return _shard(self.numel[i], self.world)
+
+    def unit(self, block: int) -> list[int]:
+        return [i for i in self.handle if self.owner[i] == block]
+
+    def gather_bytes(self, block: int) -> tuple[int, int, int]:
+        """(unsharded parameters, flat all-gather output, cast copy-in buffer) of a block."""
+        ps = self.unit(block)
+        full = sum(int(self.numel[i] * self.gathered(i)) for i in ps)
+        out = sum(int(self.shard_numel(i) * self.gathered(i)) for i in ps) * self.world
+        cast = sum(int(self.shard_numel(i) * self.gathered(i)) for i in ps
+                   if self.gathered(i) != self.stored(i))
+        return full, out, cast
+
+    def reduce_bytes(self, i: int) -> tuple[int, int]:
+        """(reduce-scatter input, sharded gradient) of one trainable parameter."""
+        red = _REDUCE_DTYPE if self.policy else self.traced[i]
+        return (int(self.shard_numel(i) * red) * self.world,
+                int(self.shard_numel(i) * self.stored(i)))
+
+
+def fsdp(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]:
+    """One rank of FSDP2 FULL_SHARD (every GPU alike)."""
+    g = _Gpu("each GPU", ctx.first_handle)
+    ctx.workspaces(g)
+    ps = _Params(ctx, strategy)
+    _states(ctx, g, ps)
+    for ph in ctx.timing.marks_of(Phase.FORWARD):
+        _forward_gathers(ctx, g, ps, ph)
+    notes = ["FSDP/ZeRO-3: each block is all-gathered for its forward and again for its "
+             "backward (the next one prefetched); wrap every block, e.g. fully_shard(block) for "
+             "each, then fully_shard(model)"]
+    if strategy.mixed_precision:
+        notes.append(POLICY_NOTE)
+    return [g], notes
+
+
+def _states(ctx: _Context, g: _Gpu, ps: _Params) -> None:
+    """The trace's storages: parameters and optimizer state sharded, each gradient full until its
+    block's post_backward and then a shard, the rest as traced."""
+    tl = ctx.timing
+    world = ps.world
+    kept = _uncast_inputs(ctx) if ps.policy else {}
+    reduced: dict[int, dict[float, int]] = defaultdict(lambda: defaultdict(int))
+    for s in ctx.storages:
+        h, size = s.handle, ctx.size[s.handle]
+        key = ctx.key(h)
+        if s.phase is Phase.SETUP and s.category is Category.PARAMETERS:
+            i = ctx.param_index[h]
+            g.add(key, int(_shard(size, world) * ps.scale(i)), s.t_alloc, s.t_free, h)
+        elif s.phase is Phase.OPTIMIZER or s.category is Category.OPTIMIZER_STATE:
+            i = ctx.opt_param.get(h)
+            scale = ps.scale(i) if i is not None else 1
+            g.add(key, int(_shard(size, world) * scale), s.t_alloc, s.t_free, h)
+        elif s.category is Category.GRADIENTS and tl.phase_of(s.t_alloc) is Phase.BACKWARD \
+                and tl.grad_owner.get(h) is not None:
+            i = tl.grad_owner[h]
+            ph = tl.phase_index(s.t_alloc)
+            done = _post_backward(ctx, ph, ps.owner[i])
+            if s.t_free is not None and s.t_free <= done:
+                g.add(key, size, s.t_alloc, s.t_free, h)
+                continue
+            rs_in, shard = ps.reduce_bytes(i)
+            g.add(key, size, s.t_alloc, done - 0.2, h)
+            g.add(key, shard, done - 0.19, s.t_free)
+            reduced[ph][done] += rs_in
+        else:
+            g.add(key, size, s.t_alloc, kept.get(h, s.t_free), h)
+    for ph, by_done in reduced.items():
+        _reduce_scatter_inputs(ctx, g, ph, by_done)
+
+
+def _uncast_inputs(ctx: _Context) -> dict[int, float]:
+    """Under a policy the script's batch stays as it made it (fp32 images) and FSDP's root
+    casts a copy to bf16 in its forward (``MixedPrecisionPolicy.cast_forward_inputs``); the
+    pure-bf16 trace casts the batch and drops the original. Each original freed inside its data
+    phase lives as long as the cast copies: storage handle -> when it is freed."""
+    tl = ctx.timing
+    casts: dict[int, float] = {}
+    for s in ctx.storages:
+        if s.phase is Phase.DATA and s.op.startswith("_to_copy") and s.t_free is not None:
+            ph = tl.phase_index(s.t_alloc)
+            casts[ph] = max(casts.get(ph, 0), s.t_free)
+    kept = {}
+    for s in ctx.storages:
+        ph = tl.phase_index(s.t_alloc)
+        if s.phase is Phase.DATA and ph in casts and s.t_free is not None \
+                and tl.phase_index(s.t_free) == ph and not s.op.startswith("_to_copy"):
+            kept[s.handle] = casts[ph]
+    return kept
+
+
+def _post_backward(ctx: _Context, ph: int, block: int) -> float:
+    """Where a block's post_backward runs in backward phase ``ph``: the end of its window; the
+    root's at the end of the backward (its hook is the backward's final callback)."""
+    tl = ctx.timing
+    win = tl.block_window(ph, block) if block != MAIN else None
+    return win[1] if win else tl.phases[ph][1]
+
+
+def _reduce_scatter_inputs(ctx: _Context, g: _Gpu, ph: int, by_done: dict[float, int]) -> None:
+    """Each block's reduce-scatter input, from its post_backward to the next one's (or the end
+    of the backward)."""
+    ends = sorted(by_done)
+    stop = ctx.timing.phases[ph][1]
+    for k, done in enumerate(ends):
+        free = ends[k + 1] - 0.25 if k + 1 < len(ends) else stop - 0.05
+        g.add("communication", by_done[done], done - 0.22, max(free, done - 0.21))
+
+
+def _forward_gathers(ctx: _Context, g: _Gpu, ps: _Params, ph: int) -> None:
+    """The all-gathers of one forward and of the backward that follows it."""
+    tl = ctx.timing
+    spans = tl.fwd_spans.get(ph, {})
+    order = [b for b in sorted(spans, key=lambda b: spans[b][0]) if ps.unit(b)]
+    bw = tl.backward_of(ph)
+    fstart, fstop, _ = tl.phases[ph]
+    bstop = tl.phases[bw][1] if bw is not None else fstop
+    held: int | None = None                 # the previous block's flat output (all_gather_state)
+    if ps.unit(MAIN):                       # the root first, kept gathered to the backward's end
+        held = _gather(g, ps, MAIN, fstart + 0.1, bstop - 0.1)
+    for b in order:
+        start = spans[b][0]
+        out = _gather(g, ps, b, start - 0.4, spans[b][1] + 0.5, held)
+        held = out
+    if held is not None:
+        g.free(held, fstop - 0.45)
+    if bw is not None:
+        _backward_gathers(ctx, g, ps, bw)
+
+
+def _gather(g: _Gpu, ps: _Params, block: int, at: float, free: float,
+            held: int | None = None, keep: bool = True) -> int:
+    """One all-gather and copy-out at ``at``: the cast buffer, the flat output (returned, to be
+    freed by the caller unless ``keep`` is False), the unsharded parameters until ``free``; the
+    previous flat output ``held`` is freed after the copy-out."""
+    full, out, cast = ps.gather_bytes(block)
+    if cast:
+        g.add("communication", cast, at, at + 0.02)
+    flat = g.add("communication", out, at + 0.01, None if keep else at + 0.05)
+    g.add("parameters", full, at + 0.03, free)
+    if held is not None:
+        g.free(held, at + 0.04)
+    return flat
+
+
+def _backward_gathers(ctx: _Context, g: _Gpu, ps: _Params, bw: int) -> None:
+    """Backward: the first block gathered on demand, each next one prefetched right after the
+    current block's copy-out; unsharded parameters freed at each block's post_backward."""
+    wins = [w for w in ctx.timing.bwd_windows.get(bw, []) if ps.unit(w[2])]
+    pending: int | None = None              # the prefetched flat output of this window's block
+    for j, (lo, hi, b) in enumerate(wins):
+        full, out, cast = ps.gather_bytes(b)
+        if pending is None:
+            _gather(g, ps, b, lo + 0.1, hi - 0.3, keep=False)
+        else:
+            g.add("parameters", full, lo + 0.1, hi - 0.3)
+            g.free(pending, lo + 0.12)
+        pending = None
+        if j + 1 < len(wins):
+            nxt = wins[j + 1][2]
+            _, out2, cast2 = ps.gather_bytes(nxt)
+            if cast2:
+                g.add("communication", cast2, lo + 0.14, lo + 0.16)
+            pending = g.add("communication", out2, lo + 0.15, None)
