@@ -87,6 +87,15 @@ def _version(text: str | None):
     return parse_version(text) if text else None
 
 
+def _granularity(checkpointing: bool | None, every: int, policy: str) -> dict:
+    """TraceConfig's checkpoint_every and checkpoint_policy; a ValueError when they are given
+    with checkpointing off."""
+    if checkpointing is False and (every, policy) != (1, "full"):
+        raise ValueError("checkpoint_every and checkpoint_policy say how checkpointing wraps "
+                         "the blocks, and checkpointing is off: pass checkpointing=True")
+    return {"checkpoint_every": every, "checkpoint_policy": policy}
+
+
 def _default_zero_grad(version) -> str:
     from oomdoctor.sim.versions import default_zero_grad
     return default_zero_grad(version)
@@ -104,7 +113,8 @@ def estimate(model: Any = None, batch_size: int | None = None, *,
              lora: int | None = None, lora_targets: tuple[str, ...] | None = None,
              quantize: str | None = None, arch: str | None = None,
              image_size: int | None = None, num_classes: int | None = None,
-             torch: str | None = None, attn: str | None = None):
+             torch: str | None = None, attn: str | None = None, checkpoint_every: int = 1,
+             checkpoint_policy: str = "full"):
     """Peak GPU memory of one training configuration (``oomdoctor estimate``): an
     :class:`oomdoctor.plans.estimate.Estimate`. ``gpu`` is a profile name (default rtx3090) or
     ``memory`` a card's capacity in bytes; ``overhead`` and ``other`` are bytes too.
@@ -116,7 +126,9 @@ def estimate(model: Any = None, batch_size: int | None = None, *,
     and the options of a model file's loop (precision, checkpointing, ...) do not apply.
     ``torch="2.3.1"`` models that release's CUDA facts (``--torch``; default: the installed
     torch), and ``zero_grad`` then defaults to what its ``optimizer.zero_grad()`` does.
-    ``attn`` sets a Hugging Face model's attention implementation (``--attn``)."""
+    ``attn`` sets a Hugging Face model's attention implementation (``--attn``).
+    ``checkpoint_every=N`` and ``checkpoint_policy="op"`` say how ``checkpointing=True``
+    wraps the blocks (``--checkpoint-every``, ``--checkpoint-policy``)."""
     from oomdoctor.plans import estimate as estimate_mod
     from oomdoctor.sim.allocator import AllocatorConfig
     from oomdoctor.sim.trace import TraceConfig
@@ -134,7 +146,8 @@ def estimate(model: Any = None, batch_size: int | None = None, *,
                  image_size, num_classes, attn)
     cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                       optimizer, zero_grad=zero_grad or _default_zero_grad(version),
-                      steps=steps, torch=version)
+                      steps=steps, torch=version,
+                      **_granularity(checkpointing, checkpoint_every, checkpoint_policy))
     budget = _budget(gpu, memory, margin, overhead, other, arch)
     return estimate_mod.estimate(spec, cfg, budget, alloc)
 
@@ -150,14 +163,16 @@ def probe(model: Any = None, batch: Callable[[int], Any] | None = None, *,
           progress: Callable[[str], None] | None = None, lora: int | None = None,
           lora_targets: tuple[str, ...] | None = None, quantize: str | None = None,
           arch: str | None = None, image_size: int | None = None,
-          num_classes: int | None = None, torch: str | None = None, attn: str | None = None):
+          num_classes: int | None = None, torch: str | None = None, attn: str | None = None,
+          checkpoint_every: int = 1, checkpoint_policy: str = "full"):
     """The largest batch that fits per precision x checkpointing (``oomdoctor probe``): a
     :class:`oomdoctor.plans.probe.ProbeResult`; ``oomdoctor.plans.probe.recommended(result)``
     picks the configuration to train with. ``progress`` hears one line per step of the search;
     ``lora=RANK`` (``lora_targets=``, ``quantize=``), ``image_size`` and ``num_classes`` as
     in :func:`estimate`. ``script=`` (with ``args=``): the largest batch a training script
-    fits, by running it (a :class:`oomdoctor.plans.script_probe.ScriptProbe`). ``torch=`` as
-    in :func:`estimate`."""
+    fits, by running it (a :class:`oomdoctor.plans.script_probe.ScriptProbe`). ``torch=``,
+    ``checkpoint_every=`` and ``checkpoint_policy=`` as in :func:`estimate` (the latter two
+    for the checkpointed configurations)."""
     from oomdoctor.plans import probe as probe_mod
     from oomdoctor.sim.allocator import AllocatorConfig
     from oomdoctor.configs import MAX_BATCH
@@ -177,7 +192,8 @@ def probe(model: Any = None, batch: Callable[[int], Any] | None = None, *,
     configs = probe_mod.matrix(budget.gpu, precisions or (), checkpointing)
     version = _version(torch)
     base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer,
-                       zero_grad=_default_zero_grad(version), torch=version)
+                       zero_grad=_default_zero_grad(version), torch=version,
+                       **_granularity(checkpointing, checkpoint_every, checkpoint_policy))
     alloc = AllocatorConfig.from_env(alloc_conf) if alloc_conf else AllocatorConfig()
     return probe_mod.probe(spec, base, budget, configs, alloc,
                            progress=progress or (lambda _: None),

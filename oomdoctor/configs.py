@@ -39,6 +39,11 @@ MAX_BATCH = 1 << 16   # the probe stops searching here; a model this light fits 
 # in-place: zero_grad(set_to_none=False), the default before torch 2.0 and in older HF Trainer
 #   versions - gradients are never freed.
 ZERO_GRAD_MODES = ("after-step", "after-forward", "in-place")
+# What --checkpointing recomputes in each wrapped block (oomdoctor.models.checkpointing):
+# full: the whole block (torchtitan's FullAC, transformers' gradient_checkpointing_enable);
+# op: torchtitan's per-op selective policy - matmul (every other one), attention and max
+#   outputs kept, the rest recomputed (torchtitan's SelectiveAC, its default "op" option).
+CHECKPOINT_POLICIES = ("full", "op")
 # Multi-GPU strategies (oomdoctor.plans.parallel.STRATEGIES, plus "fsdp" as a name for zero3).
 # The heads a Hugging Face model can be built with (oomdoctor.models.huggingface.TASKS maps each to its
 # transformers auto class).
@@ -96,3 +101,18 @@ def no_bf16_fix(precision: str) -> str:
         return ("use --precision fp16 (AMP + GradScaler), or fp16-pure for pure 16-bit weights "
                 "at fp16's risk: no loss scaler, so small gradients underflow to zero")
     return "use --precision fp16"
+
+
+def checkpointing_label(every: int = 1, policy: str = "full") -> str:
+    """How a report names a checkpointing setting: "checkpointing", "checkpointing every 2nd
+    block", "per-op checkpointing", ..."""
+    label = "per-op checkpointing" if policy == "op" else "checkpointing"
+    if every > 1:
+        label += f" every {ordinal(every)} block"
+    return label
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"

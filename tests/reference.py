@@ -78,13 +78,18 @@ def allocator_peak(run, opaque: tuple[str, ...] = ()) -> int:
     return peak
 
 
-def _checkpointed(fn):
-    """`fn` run under non-reentrant torch.utils.checkpoint. preserve_rng_state=False: the RNG
-    snapshot it would take is a host tensor (torch.get_rng_state() is a CPU ByteTensor, also
-    for CUDA), never device memory, and the CPU profiler would otherwise count it."""
+def _checkpointed(fn, context_fn=None):
+    """`fn` run under non-reentrant torch.utils.checkpoint (``context_fn``: a selective
+    checkpointing policy's contexts, as torch.utils.checkpoint takes them). preserve_rng_state
+    =False: the RNG snapshot it would take is a host tensor (torch.get_rng_state() is a CPU
+    ByteTensor, also for CUDA), never device memory, and the CPU profiler would otherwise
+    count it."""
+    selective = {} if context_fn is None else {"context_fn": context_fn}
+
     def forward(*args, **kwargs):
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
-                                                 preserve_rng_state=False, **kwargs)
+                                                 preserve_rng_state=False, **selective,
+                                                 **kwargs)
     return forward
 
 
@@ -101,11 +106,12 @@ def _cast_floats(batch, dtype):
 
 def real_cpu_peak_variant(path: str, batch_size: int, *, checkpoint: tuple[str, ...] = (),
                           grad_accum: int = 1, steps: int = 2, opaque: tuple[str, ...] = (),
-                          pure: torch.dtype | None = None) -> int:
+                          pure: torch.dtype | None = None, context_fn=None) -> int:
     """Like :func:`real_cpu_peak`, with the training loop changed the way a user would:
 
     - ``checkpoint``: names of submodules whose forward runs under non-reentrant
-      ``torch.utils.checkpoint`` (the caller names the blocks; nothing is searched for);
+      ``torch.utils.checkpoint`` (the caller names the blocks; nothing is searched for),
+      with ``context_fn`` if given (selective checkpointing);
     - ``grad_accum``: K micro-batches per optimizer step, each ``(loss / K).backward()``,
       then ``step()`` and ``zero_grad(set_to_none=True)``;
     - ``pure``: ``model.to(pure)`` before the optimizer is built (``model.half()`` for
@@ -118,7 +124,7 @@ def real_cpu_peak_variant(path: str, batch_size: int, *, checkpoint: tuple[str, 
         model = model.to(pure)
     for name in checkpoint:
         sub = model.get_submodule(name)
-        sub.forward = _checkpointed(sub.forward)
+        sub.forward = _checkpointed(sub.forward, context_fn)
     opt = (mod.make_optimizer(model.parameters()) if hasattr(mod, "make_optimizer")
            else torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4))
 

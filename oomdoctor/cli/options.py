@@ -7,7 +7,8 @@ import click
 
 from oomdoctor.cli.group import EXIT_USAGE
 from oomdoctor.sim.allocator import AllocatorConfig
-from oomdoctor.configs import ATTENTIONS, OPTIMIZERS, QUANTIZATIONS, TASKS, ZERO_GRAD_MODES
+from oomdoctor.configs import (ATTENTIONS, CHECKPOINT_POLICIES, OPTIMIZERS, QUANTIZATIONS, TASKS,
+                               ZERO_GRAD_MODES)
 from oomdoctor.sim.gpus import PROFILES, card_for_arch, custom_profile, get_profile, parse_size
 
 
@@ -182,6 +183,7 @@ def _budget_options(f):
         click.option("--checkpoint-class", metavar="NAME[,NAME]",
                      help="Module classes to checkpoint (default: the repeated block; an "
                           "encoder-decoder's two layer classes)."),
+        *_checkpoint_granularity_options(),
         click.option("--grad-accum", default=1, show_default=True, type=click.IntRange(1),
                      help="Micro-batches per optimizer step."),
         click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
@@ -225,6 +227,7 @@ def _card_options(f):
         click.option("--checkpoint-class", metavar="NAME[,NAME]",
                      help="Module classes to checkpoint (default: the repeated block; an "
                           "encoder-decoder's two layer classes)."),
+        *_checkpoint_granularity_options(),
         click.option("--optimizer", type=click.Choice(list(OPTIMIZERS)),
                      help="Override the model file's optimizer."),
         click.option("--json", "as_json", is_flag=True, help="Print JSON (bytes as ints)."),
@@ -233,6 +236,46 @@ def _card_options(f):
     for opt in reversed(opts):
         f = opt(f)
     return _source_options(f)
+
+
+_CHECKPOINT = "oomdoctor.checkpoint"  # ctx.meta key: --checkpoint-every, --checkpoint-policy
+
+
+def _remember_checkpoint(ctx: click.Context, param: click.Parameter, value):
+    ctx.meta.setdefault(_CHECKPOINT, {})[param.name] = value
+    return value
+
+
+def _checkpoint_granularity_options() -> list:
+    """--checkpoint-every and --checkpoint-policy: how --checkpointing checkpoints (read with
+    :func:`_checkpoint_config`, so that every command that checkpoints takes them alike)."""
+    return [
+        click.option("--checkpoint-every", type=click.IntRange(1), default=1, metavar="N",
+                     show_default=True, expose_value=False, callback=_remember_checkpoint,
+                     help="With checkpointing: wrap every N-th block only, the N-th, 2N-th, "
+                          "... counted from 1 (torchtitan's selective_ac_option \"N\")."),
+        click.option("--checkpoint-policy", type=click.Choice(CHECKPOINT_POLICIES),
+                     default="full", show_default=True, expose_value=False,
+                     callback=_remember_checkpoint,
+                     help="With checkpointing: full recomputes each wrapped block; op keeps "
+                          "the outputs of matmuls (every second one recomputed), attention "
+                          "and max, and recomputes the rest (torchtitan's selective \"op\" "
+                          "policy, torch's create_selective_checkpoint_contexts)."),
+    ]
+
+
+def _checkpoint_config(checkpointing: "bool | None" = None) -> dict:
+    """TraceConfig's checkpoint_every and checkpoint_policy from the command line. A
+    granularity with checkpointing off (``checkpointing`` False) is a usage error."""
+    ctx = click.get_current_context(silent=True)
+    got = ctx.meta.get(_CHECKPOINT, {}) if ctx is not None else {}
+    cfg = {"checkpoint_every": got.get("checkpoint_every") or 1,
+           "checkpoint_policy": got.get("checkpoint_policy") or "full"}
+    if checkpointing is False and cfg != {"checkpoint_every": 1, "checkpoint_policy": "full"}:
+        raise click.UsageError("--checkpoint-every and --checkpoint-policy say how "
+                               "checkpointing wraps the blocks, and checkpointing is off: "
+                               "add --checkpointing")
+    return cfg
 
 
 _TORCH = "oomdoctor.torch"           # ctx.meta key: --torch, a sim.versions.TorchVersion
@@ -454,22 +497,26 @@ def _write_bar_plot(bars, path: str, title: str, debug: bool) -> dict:
 
 
 def _mp_policy_option(f):
-    """--mp-policy: zero3 (FSDP) under FSDP2's bf16 MixedPrecisionPolicy."""
+    """--mp-policy/--no-mp-policy: how bf16 runs under zero3 (FSDP)."""
     return click.option(
-        "--mp-policy", "mp_policy", is_flag=True,
-        help="With --precision bf16: zero3/fsdp as FSDP2 runs MixedPrecisionPolicy("
-             "param_dtype=torch.bfloat16, reduce_dtype=torch.float32) on an fp32 model "
-             "(torchtitan's bf16): fp32 parameters, gradients and AdamW state sharded, each "
-             "block gathered and computed in bf16 without autocast. Default: autocast over "
-             "gathered fp32 weights.")(f)
+        "--mp-policy/--no-mp-policy", "mp_policy", default=None,
+        help="How --precision bf16 runs under zero3/fsdp. Default (--mp-policy): as FSDP2's "
+             "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), "
+             "the bf16 of torchtitan, accelerate's FSDP plugin and the Trainer's fsdp + bf16: "
+             "fp32 parameters, gradients and AdamW state sharded, each block gathered and "
+             "computed in bf16. --no-mp-policy: torch.autocast over gathered fp32 weights.")(f)
 
 
-def _mp_policy(mp_policy: bool, precision: str, strategies) -> bool:
-    """--mp-policy checked: FSDP2's bf16 MixedPrecisionPolicy is a zero3 (fsdp) setting of
-    bf16 training; ``strategies``: those the command estimates (empty: all of them)."""
+def _mp_policy(mp_policy: bool | None, precision: str, strategies) -> bool:
+    """Whether zero3 (fsdp) runs bf16 under FSDP2's MixedPrecisionPolicy: by default wherever
+    bf16 meets zero3, as the frameworks do; ``strategies``: those the command estimates (empty:
+    all of them)."""
+    fsdp = not strategies or bool({"zero3", "fsdp"} & set(strategies))
+    if mp_policy is None:
+        return precision == "bf16" and fsdp
     if not mp_policy:
         return False
-    if strategies and not {"zero3", "fsdp"} & set(strategies):
+    if not fsdp:
         raise click.UsageError("--mp-policy is FSDP2's MixedPrecisionPolicy: use it with "
                                "--strategy fsdp (zero3)")
     if precision != "bf16":

@@ -12,6 +12,7 @@ from oomdoctor.cli.script import model_source_only
 from oomdoctor.cli.options import (_alloc_config, _card_options, _check_plot_file, _detect_gpus,
                                    _die, _load_model, _make_budget, _mp_policy,
                                    _mp_policy_option, _num_gpus, _progress, _torch_config,
+                                   _checkpoint_config,
                                    _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
 from oomdoctor.configs import (MODEL_PROTOCOL, NODE_STRATEGY_CHOICES, PRECISIONS,
@@ -62,7 +63,7 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
     try:
         spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
-                          optimizer, **_torch_config())
+                          optimizer, **_torch_config(), **_checkpoint_config(checkpointing))
         report = par.estimate_strategies(spec, cfg, budget, n, strategies or par.STRATEGIES,
                                          alloc, bucket_view, progress=_progress,
                                          mixed_precision=_mp_policy(mp_policy, precision, ()))
@@ -108,7 +109,7 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
     try:
         spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
-                          optimizer, **_torch_config())
+                          optimizer, **_torch_config(), **_checkpoint_config(checkpointing))
         plan = par.plan_split(spec, cfg, budget, alloc, progress=_progress)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
@@ -197,7 +198,7 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
                           detected is not None, nodes, inter_node, inter_node_gbps)
         spec = _load_model(model_file)
         base = TraceConfig(1, "fp32", False, checkpoint_class, 1, optimizer,
-                           **_torch_config())
+                           **_torch_config(), **_checkpoint_config())
         def plan(hw, budget, detail=not quick):
             return rec.recommend(spec, hw, target_batch, budget, list(precisions) or None,
                                  list(dict.fromkeys(parse_strategy(s) for s in strategies))
@@ -330,7 +331,7 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
         spec = _load_model(model_file)
         cfg = smoke_mod.SmokeConfig(strategy, n, precision, checkpointing, checkpoint_class,
                                     batch_size, grad_accum, steps, optimizer, device, cpu_batch,
-                                    dmap, main)
+                                    dmap, main, **_checkpoint_config(checkpointing))
         cfg, prediction = _smoke_prediction(spec, cfg, budget, alloc)
         result = smoke_mod.run_smoke(spec, cfg, prediction, progress=_progress)
     except ModelFileError as e:
@@ -356,7 +357,8 @@ def _smoke_nodes(model_file, strategy, nodes, per_node, batch_size, grad_accum, 
         spec = _load_model(model_file)
         cfg = smoke_mod.SmokeConfig(strategy, nodes * per_node, precision, checkpointing,
                                     checkpoint_class, batch_size, grad_accum, steps, optimizer,
-                                    "cpu", cpu_batch, nodes=nodes)
+                                    "cpu", cpu_batch, nodes=nodes,
+                                    **_checkpoint_config(checkpointing))
         result = smoke_nodes.run_nodes_smoke(spec, cfg, nodes, per_node, progress=_progress)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)

@@ -9,7 +9,8 @@ import click
 from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                               EXIT_USAGE, cli)
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _check_plot_file,
-                                   _detect_gpus, _die, _load_model, _make_budget,
+                                   _checkpoint_config, _detect_gpus, _die, _load_model,
+                                   _make_budget,
                                    _modelled_torch, _mp_policy, _mp_policy_option, _progress,
                                    _slow_trace_progress, _wants_longest_context,
                                    _write_bar_plot)
@@ -75,7 +76,7 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
     def _cfg():
         return TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                            optimizer, not no_cuda_emulation, zero_grad=zero_grad, steps=steps,
-                           torch=_modelled_torch())
+                           torch=_modelled_torch(), **_checkpoint_config(checkpointing))
     if (snapshot_file or plot_file) and strategy != "single":
         raise click.UsageError("--snapshot and --plot show one GPU's step: use them without "
                                "--strategy")
@@ -382,7 +383,7 @@ def _probe_matrix(model_file, precisions, checkpointing, max_batch_size, jobs, s
         spec = _load_model(model_file)
         base = TraceConfig(1, "fp32", False, checkpoint_class, grad_accum, optimizer,
                            not no_cuda_emulation, zero_grad=zero_grad,
-                          torch=_modelled_torch())
+                           torch=_modelled_torch(), **_checkpoint_config(checkpointing))
         result = probe_mod.probe(spec, base, budget, configs, alloc,
                                  progress=lambda msg: click.echo(msg, err=True),
                                  max_batch=max_batch_size,
@@ -426,7 +427,8 @@ def _smoke_best(spec, best, checkpoint_class, grad_accum, optimizer, budget, all
     from oomdoctor.runs import smoke as smoke_mod
     return _smoke_run(spec, smoke_mod.SmokeConfig(
         "single", 1, best.precision, best.checkpointing, checkpoint_class,
-        best.max_batch_size, grad_accum, optimizer=optimizer), budget, alloc, debug)
+        best.max_batch_size, grad_accum, optimizer=optimizer, **_checkpoint_config()),
+        budget, alloc, debug)
 
 
 def _probe_snapshots(spec, base, budget, alloc, result, path, debug):
@@ -551,7 +553,7 @@ def _longest_context(model_file, precisions, checkpointing, batch_size, budget, 
         spec = _load_model(model_file, longest=True)
         base = TraceConfig(batch_size, "fp32", False, checkpoint_class, grad_accum, optimizer,
                            not no_cuda_emulation, zero_grad=zero_grad,
-                          torch=_modelled_torch())
+                           torch=_modelled_torch(), **_checkpoint_config(checkpointing))
         result = context.longest_context(spec, base, budget, configs, alloc,
                                          progress=lambda m: click.echo(m, err=True))
     except ModelFileError as e:

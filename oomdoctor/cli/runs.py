@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from oomdoctor.cli.group import EXIT_PROBLEM
-from oomdoctor.cli.options import _die, _progress, _torch_config
+from oomdoctor.cli.options import _checkpoint_config, _die, _progress, _torch_config
 
 
 def _smoke_best(spec, best, budget, alloc, checkpoint_class, optimizer, debug):
@@ -10,7 +10,8 @@ def _smoke_best(spec, best, budget, alloc, checkpoint_class, optimizer, debug):
     from oomdoctor.runs import smoke as smoke_mod
     cfg = smoke_mod.SmokeConfig(best.strategy, best.num_gpus, best.precision,
                                 best.checkpointing, checkpoint_class, best.micro_batch,
-                                best.grad_accum, optimizer=optimizer, nodes=best.nodes)
+                                best.grad_accum, optimizer=optimizer, nodes=best.nodes,
+                                **_checkpoint_config())
     if best.nodes > 1:          # the nodes' ranks as gloo processes on this machine
         from oomdoctor.runs import smoke_nodes
         try:
@@ -41,7 +42,9 @@ def _smoke_prediction(spec, cfg, budget, alloc):
     from oomdoctor.sim.trace import TraceConfig
     have_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= cfg.num_gpus
     tcfg = TraceConfig(cfg.micro_batch, cfg.precision, cfg.checkpointing, cfg.checkpoint_class,
-                       cfg.grad_accum, cfg.optimizer, **_torch_config())
+                       cfg.grad_accum, cfg.optimizer, **_torch_config(),
+                       checkpoint_every=cfg.checkpoint_every,
+                       checkpoint_policy=cfg.checkpoint_policy)
     if cfg.strategy == "pipeline2" and cfg.device_map is None:
         plan = par.plan_split(spec, tcfg, budget, alloc, progress=_progress)
         cfg = dataclasses.replace(cfg, device_map=plan.partition.device_map,

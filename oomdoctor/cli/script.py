@@ -16,7 +16,8 @@ from click.core import ParameterSource
 # Options that describe the loop oomdoctor builds around a model file; a script has its own.
 _LOOP_OPTIONS = {
     "precision": "(its autocast, its .to(dtype))", "precisions": "(its autocast, its .to(dtype))", "checkpointing": "(its checkpoint calls)",
-    "checkpoint_class": "(its checkpoint calls)", "grad_accum": "(its accumulation loop)",
+    "checkpoint_class": "(its checkpoint calls)", "checkpoint_every": "(its checkpoint calls)",
+    "checkpoint_policy": "(its checkpoint calls)", "grad_accum": "(its accumulation loop)",
     "optimizer": "(its optimizer)", "zero_grad": "(its zero_grad calls)",
     "no_cuda_emulation": "(a script always runs on the fake CUDA device)",
     "strategy": "(multi-GPU scripts are not simulated yet: oomdoctor runs one process)",
@@ -56,7 +57,9 @@ def model_source_only(ctx: click.Context, _param: click.Parameter, words: tuple[
 def refuse_loop_options(ctx: click.Context) -> None:
     """A usage error for an option given on the command line that a script decides itself."""
     for name, own in _LOOP_OPTIONS.items():
-        if name in ctx.params and ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
+        # (--checkpoint-every/-policy are remembered in ctx.meta, not parameters)
+        given = name in ctx.params or name in ctx.meta.get("oomdoctor.checkpoint", {})
+        if given and ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
             flag = "--" + name.replace("_", "-").removesuffix("s" if name == "precisions" else "")
             raise click.UsageError(f"{flag} describes a model file's training loop; a script "
                                    f"decides it in its own code {own}. Change the script's "

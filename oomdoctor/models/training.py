@@ -129,12 +129,14 @@ def make_configured_optimizer(spec: ModelSpec, model: torch.nn.Module,
 
 def build_for_training(spec: ModelSpec, precision: str = "fp32", checkpointing: bool = False,
                        checkpoint_class: str | None = None, *, preserve_rng_state: bool = True,
-                       notes: list[str] | None = None
+                       notes: list[str] | None = None, checkpoint_every: int = 1,
+                       checkpoint_policy: str = "full"
                        ) -> tuple[torch.nn.Module, tuple[str, ...]]:
     """The file's model as a configuration trains it, under the caller's device or fake-tensor
     context: in train mode, cast to 16 bits for a pure precision, LoRA/4-bit weights if the spec asks,
-    repeated blocks checkpointed. Returns the model and the checkpointed blocks' names; what
-    the adapters did is appended to ``notes``."""
+    repeated blocks checkpointed (every ``checkpoint_every``-th, whole or per op:
+    oomdoctor.models.checkpointing). Returns the model and the checkpointed blocks' names; what
+    the adapters and the checkpointing did is appended to ``notes``."""
     model = build_checked_model(spec)
     model.train()
     pure = pure_dtype(precision)
@@ -147,9 +149,14 @@ def build_for_training(spec: ModelSpec, precision: str = "fp32", checkpointing: 
             notes += said
     checkpointed: tuple[str, ...] = ()
     if checkpointing:
-        from oomdoctor.models.checkpointing import apply_checkpointing
-        checkpointed = apply_checkpointing(model, checkpoint_class,
-                                           preserve_rng_state=preserve_rng_state)
+        from oomdoctor.models import checkpointing as ckpt
+        checkpointed = ckpt.apply_checkpointing(model, checkpoint_class,
+                                                preserve_rng_state=preserve_rng_state,
+                                                every=checkpoint_every, policy=checkpoint_policy)
+        said = ckpt.granularity_note(checkpoint_every, checkpoint_policy,
+                                     len(ckpt.find_repeated_blocks(model, checkpoint_class)))
+        if notes is not None and said:
+            notes.append(said)
         if notes is not None and _holds_batchnorm(model, checkpointed):
             notes.append(BATCHNORM_RECOMPUTED)
     return model, checkpointed

@@ -14,6 +14,8 @@ Cases live in the project's ``setup.cfg`` (or ``--config FILE``), one section pe
     batch_size = 8
     precision = bf16            ; fp32 | fp16 | bf16 | bf16-pure | fp16-pure
     checkpointing = false
+    checkpoint_every = 1        ; optional, with checkpointing: every N-th block (torchtitan's "N")
+    checkpoint_policy = full    ; optional, with checkpointing: full | op (per-op, torchtitan's)
     grad_accum = 1
     gpu = rtx3090
     budget = 24GiB              ; optional: must fit a card this size ...
@@ -52,7 +54,7 @@ from oomdoctor.sim.gpus import custom_profile, get_profile, parse_size
 from oomdoctor.models.loader import load_model
 from oomdoctor.models.spec import ModelFileError
 from oomdoctor.plans.workers import forked_pool
-from oomdoctor.sim.trace import PRECISIONS, TraceConfig
+from oomdoctor.sim.trace import CHECKPOINT_POLICIES, PRECISIONS, TraceConfig
 
 SCHEMA = 1
 DEFAULT_BASELINE = "oomdoctor-baseline.json"
@@ -88,6 +90,8 @@ class Case:
     command: str | None = None       # a training script's command line, instead of a model
     torch: str | None = None         # the torch release whose CUDA facts to model (--torch)
     attn: str | None = None          # a Hugging Face model's attention implementation (--attn)
+    checkpoint_every: int | None = None   # with checkpointing: every N-th block ...
+    checkpoint_policy: str | None = None  # ... whole or per op (--checkpoint-every/-policy)
 
     def config(self) -> dict[str, Any]:
         """What defines the numbers: a change here makes the baseline stale. (task, seq_len and
@@ -102,7 +106,8 @@ class Case:
             if not self.batch_size:
                 del d["batch_size"]
         for key in ("task", "seq_len", "lora", "lora_targets", "quantize", "image_size",
-                    "num_classes", "command", "torch", "attn"):
+                    "num_classes", "command", "torch", "attn", "checkpoint_every",
+                    "checkpoint_policy"):
             if d[key] is None:
                 del d[key]
         return d
@@ -223,7 +228,7 @@ def load_config(path: str | None = None) -> CheckConfig:
         known = {"model", "batch_size", "precision", "checkpointing", "grad_accum", "optimizer",
                  "strategy", "gpu", "budget", "margin", "tolerance", "task", "seq_len",
                  "lora", "lora_targets", "quantize", "image_size", "num_classes", "command",
-                 "torch", "attn"}
+                 "torch", "attn", "checkpoint_every", "checkpoint_policy"}
         unknown = set(s) - known
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: "
@@ -264,7 +269,7 @@ def load_config(path: str | None = None) -> CheckConfig:
                           _fraction(s["tolerance"], "tolerance") if "tolerance" in s
                           else tolerance, s.get("task"), seq_len, lora,
                           s.get("lora_targets"), s.get("quantize"), image_size, num_classes))
-        cases[-1] = _with_torch(cases[-1], s, where)
+        cases[-1] = _with_checkpointing(_with_torch(cases[-1], s, where), s, where)
         if "attn" in s:
             cases[-1] = replace(cases[-1], attn=s["attn"])
         if lora is None and (s.get("quantize") or s.get("lora_targets")):
@@ -291,19 +296,42 @@ def _with_torch(case: Case, s: Any, where: str) -> Case:
     return replace(case, torch=s["torch"])
 
 
+def _with_checkpointing(case: Case, s: Any, where: str) -> Case:
+    """The case with its ``checkpoint_every = N`` and ``checkpoint_policy = full|op``, checked
+    now: they say how ``checkpointing = true`` wraps the blocks."""
+    if "checkpoint_every" not in s and "checkpoint_policy" not in s:
+        return case
+    if not case.checkpointing:
+        raise ConfigError(f"{where}: checkpoint_every and checkpoint_policy say how "
+                          "checkpointing wraps the blocks, and checkpointing is off; add "
+                          "`checkpointing = true`")
+    try:
+        every = int(s.get("checkpoint_every", "1"))
+    except ValueError as e:
+        raise ConfigError(f"{where}: checkpoint_every: {e}") from e
+    policy = s.get("checkpoint_policy", "full")
+    if every < 1 or policy not in CHECKPOINT_POLICIES:
+        raise ConfigError(f"{where}: checkpoint_every = {every}, checkpoint_policy = "
+                          f"{policy!r}: give N >= 1 and one of {', '.join(CHECKPOINT_POLICIES)}")
+    return replace(case, checkpoint_every=every, checkpoint_policy=policy)
+
+
 def _trace_config(case: Case, batch_size: int) -> TraceConfig:
     """The case's TraceConfig: its loop, and the torch release it models."""
     from oomdoctor.sim.versions import default_zero_grad, parse_version
     version = parse_version(case.torch) if case.torch else None
     return TraceConfig(batch_size, case.precision, case.checkpointing, None, case.grad_accum,
-                       case.optimizer, zero_grad=default_zero_grad(version), torch=version)
+                       case.optimizer, zero_grad=default_zero_grad(version), torch=version,
+                       checkpoint_every=case.checkpoint_every or 1,
+                       checkpoint_policy=case.checkpoint_policy or "full")
 
 
 def _command_case(name: str, s: Any, where: str, tolerance: float) -> Case:
     """A case that runs a training script: ``command``, ``gpu``, ``budget``, ``margin``,
     ``tolerance`` and an optional ``batch_size`` (every DataLoader's, or ``{batch}``); the
     script decides the rest."""
-    loop_keys = set(s) & {"model", "precision", "checkpointing", "grad_accum", "optimizer",
+    loop_keys = set(s) & {"model", "precision", "checkpointing", "checkpoint_every",
+                          "checkpoint_policy", "grad_accum", "optimizer",
                           "strategy", "task", "lora", "lora_targets", "quantize", "image_size",
                           "num_classes", "attn"}
     if loop_keys:

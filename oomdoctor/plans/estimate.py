@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from oomdoctor.configs import needs_bf16, no_bf16_fix
+from oomdoctor.configs import checkpointing_label, needs_bf16, no_bf16_fix
 from oomdoctor.sim import rocm, versions
 from oomdoctor.sim.allocator import AllocatorConfig, ReplayResult, replay
 from oomdoctor.sim.gpus import GpuProfile
@@ -95,6 +95,9 @@ class Estimate:
     autocast_dtype: str = ""            # "bfloat16", "float16"; "" without autocast
     # the weights' dtypes, trainable and frozen (JSON: {"trainable": [...], "frozen": [...]})
     weight_dtypes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    # with checkpointing: every N-th block, whole ("full") or per op ("op")
+    checkpoint_every: int = 1
+    checkpoint_policy: str = "full"
 
     @property
     def device_peak_bytes(self) -> int:
@@ -227,7 +230,8 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
         top_activations=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])[:5]),
         notes=tuple(notes), other_bytes=budget.other_bytes, traced_with=trace.libraries,
         modelled_torch=str(cfg.torch) if modelled else "", processes=trace.processes,
-        autocast_dtype=trace.autocast, weight_dtypes=trace.weight_dtypes)
+        autocast_dtype=trace.autocast, weight_dtypes=trace.weight_dtypes,
+        checkpoint_every=cfg.checkpoint_every, checkpoint_policy=cfg.checkpoint_policy)
 
 
 def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
@@ -297,8 +301,10 @@ def render_text(e: Estimate) -> str:
     if e.grad_accum > 1 or e.processes > 1:
         batch = (f"micro-batch {e.batch_size} x {e.grad_accum} accumulation"
                  + (f" x {e.processes} processes" if e.processes > 1 else ""))
+    ckpt = (", " + checkpointing_label(e.checkpoint_every, e.checkpoint_policy)
+            if e.checkpointing else "")
     head = (f"{e.model}: {batch} (effective {e.effective_batch_size}), "
-            f"{e.precision}{', checkpointing' if e.checkpointing else ''} on {e.gpu} "
+            f"{e.precision}{ckpt} on {e.gpu} "
             f"({format_size(e.device_total_bytes)})")
     verdict = (f"FITS: peak {format_size(e.peak_reserved_bytes)} reserved" if e.fits else
                f"DOES NOT FIT: needs {format_size(e.peak_reserved_bytes)} reserved") + \

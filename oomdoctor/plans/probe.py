@@ -430,10 +430,13 @@ class CheckpointingEffect:
     # the estimates at each configuration's largest batch: activations grow with the batch, so
     # per sample they compare configurations searched to different batch sizes.
     frees: tuple[tuple[str, float], ...]
+    every: int = 1                  # every N-th block (--checkpoint-every)
+    policy: str = "full"            # whole blocks or per op (--checkpoint-policy)
 
     def to_json(self) -> dict[str, Any]:
         return {"class": self.block_class, "blocks": self.blocks,
-                "frees_activations_per_sample": dict(self.frees)}
+                "frees_activations_per_sample": dict(self.frees), "every": self.every,
+                "policy": self.policy}
 
 
 def checkpointing_effect(r: ProbeResult) -> CheckpointingEffect | None:
@@ -443,7 +446,8 @@ def checkpointing_effect(r: ProbeResult) -> CheckpointingEffect | None:
     for c in r.results:
         for n in (c.estimate.notes if c.checkpointing and c.estimate else ()):
             m = _CKPT_NOTE.match(n)
-            found = found or (m and (m.group(2), int(m.group(1))))
+            found = found or (m and (m.group(2), int(m.group(1)), c.estimate.checkpoint_every,
+                                     c.estimate.checkpoint_policy))
     if found is None:
         return None
     by = {(c.precision, c.checkpointing): c for c in r.results
@@ -455,7 +459,7 @@ def checkpointing_effect(r: ProbeResult) -> CheckpointingEffect | None:
     frees = tuple((p, 1 - per_sample(c) / per_sample(by[(p, False)]))
                   for (p, ck), c in by.items()
                   if ck and (p, False) in by and per_sample(by[(p, False)]) > 0)
-    return CheckpointingEffect(found[0], found[1], frees)
+    return CheckpointingEffect(found[0], found[1], frees, found[2], found[3])
 
 
 # Preference among configurations that fit, best first: AMP keeps fp32 master weights and is

@@ -2,7 +2,7 @@
 checkpointing bought, and the configuration to train with (``oomdoctor probe``'s output)."""
 from __future__ import annotations
 
-from oomdoctor.configs import PURE_QUALITY
+from oomdoctor.configs import PURE_QUALITY, checkpointing_label
 from oomdoctor.plans.probe import (CKPT_WORTH, CheckpointingEffect, ProbeResult,
                                    checkpointing_effect, recommended)
 
@@ -52,8 +52,9 @@ def render_table(r: ProbeResult) -> str:
 
 
 def render_checkpointing(ck: CheckpointingEffect) -> str:
+    how = checkpointing_label(ck.every, ck.policy)
     line = (f"ckpt: {ck.blocks} blocks of class {ck.block_class} (--checkpoint-class NAME for "
-            "others)")
+            "others" + (f"; {how}" if how != "checkpointing" else "") + ")")
     if ck.frees:
         line += "; frees " + ", ".join(f"{f:.0%} in {p}" for p, f in ck.frees) + \
             " of the activations per sample"

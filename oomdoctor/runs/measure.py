@@ -199,7 +199,9 @@ def _train(spec: ModelSpec, cfg: TraceConfig, dev: torch.device) -> None:
 
     torch.manual_seed(0)
     with dev:
-        model, _ = build_for_training(spec, cfg.precision, cfg.checkpointing, cfg.checkpoint_class)
+        model, _ = build_for_training(spec, cfg.precision, cfg.checkpointing, cfg.checkpoint_class,
+                                      checkpoint_every=cfg.checkpoint_every,
+                                      checkpoint_policy=cfg.checkpoint_policy)
     optimizer = make_configured_optimizer(spec, model, cfg.optimizer)
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     scaler = torch.amp.GradScaler(dev.type) if cfg.precision == "fp16" else None

@@ -71,6 +71,8 @@ class SmokeConfig:
     timeout_s: float = 600.0
     cpu_fp32_fallback: bool = True    # bf16 on a CPU without fast bf16 runs in fp32
     nodes: int = 1                    # hsdp: replicas (num_gpus counts every rank)
+    checkpoint_every: int = 1         # with checkpointing: every N-th block, whole or per op
+    checkpoint_policy: str = "full"   # (oomdoctor.models.checkpointing)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES + NODE_STRATEGIES:
@@ -135,6 +137,8 @@ def train_process(spec: ModelSpec, cfg: SmokeConfig, cuda: bool, rank: int = 0, 
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     if amp is not None and not cuda:
         amp = torch.bfloat16          # CPU autocast runs bf16
+    if _policy(cfg):
+        amp = None                    # FSDP2's MixedPrecisionPolicy computes in bf16 itself
     scaler = torch.amp.GradScaler("cuda") if cuda and cfg.precision == "fp16" else None
     batches = _fixed_batches(spec, cfg, cuda, rank, b, input_device)
     devices = _devices(cfg, cuda, device)
@@ -178,7 +182,9 @@ def _build(spec: ModelSpec, cfg: SmokeConfig, device: torch.device) -> torch.nn.
     torch.manual_seed(0)
     build_on = torch.device("cpu") if cfg.strategy == "pipeline2" else device
     with build_on:
-        model, _ = build_for_training(spec, cfg.precision, cfg.checkpointing, cfg.checkpoint_class)
+        model, _ = build_for_training(spec, cfg.precision, cfg.checkpointing, cfg.checkpoint_class,
+                                      checkpoint_every=cfg.checkpoint_every,
+                                      checkpoint_policy=cfg.checkpoint_policy)
     return model
 
 
@@ -219,10 +225,21 @@ def _fully_shard(model: torch.nn.Module, cfg: SmokeConfig, cuda: bool, world: in
                             if hsdp else (world,),
                             mesh_dim_names=("replicate", "shard") if hsdp else None)
     reshard = strategy != "zero2"
+    extra = {}
+    if _policy(cfg):              # the plan's bf16 (oomdoctor.plans.parallel.default_policy)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        extra["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                  reduce_dtype=torch.float32)
     for name in execution_blocks(model):
         if name:
-            fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard,
+                        **extra)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **extra)
+
+
+def _policy(cfg: SmokeConfig) -> bool:
+    """bf16 under FSDP (zero3, hsdp) runs as FSDP2's MixedPrecisionPolicy, as its plan does."""
+    return cfg.precision == "bf16" and cfg.strategy in ("zero3", "hsdp")
 
 
 def _optimizer(spec: ModelSpec, cfg: SmokeConfig, model: torch.nn.Module) -> Any:

@@ -32,7 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from oomdoctor.models import adapters
+from oomdoctor.models import adapters, checkpointing
 from oomdoctor.sim import recompute, rnn, rocm, versions
 
 # CUDA autocast policy, by the Python-visible name of the function (torch.*, Tensor.*,
@@ -314,6 +314,35 @@ def sdpa_kernel(q: torch.Tensor, attn_mask: Any, dropout_p: float,
     return "math"
 
 
+def _attention_outputs(q: torch.Tensor, v: torch.Tensor, lse_t: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What CUDA's fused attention kernels allocate in the forward: ``out`` ((B, T, H, D) for
+    4-d inputs, which the caller transposes: attention.cu) and the fp32 ``logsumexp``."""
+    if q.dim() == 4:
+        out = q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1]))
+    else:
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+    return out, q.new_empty(q.shape[:-2] + (lse_t,), dtype=torch.float32)
+
+
+def _register_attention_op():
+    """:func:`_attention_outputs` as one op, ``oomdoctor::fused_attention``: a selective
+    checkpointing policy sees it where a GPU runs ``_scaled_dot_product_flash_attention`` (or
+    the memory-efficient kernel), and torchtitan's keeps it as it keeps those (it is
+    registered with oomdoctor.models.checkpointing as their stand-in). Before torch 2.4 (no
+    ``torch.library.custom_op``) the plain function."""
+    if not hasattr(torch.library, "custom_op"):
+        return _attention_outputs
+    op = torch.library.custom_op("oomdoctor::fused_attention", mutates_args=())(
+        _attention_outputs)
+    op.register_fake(_attention_outputs)
+    checkpointing.STAND_INS.add(torch.ops.oomdoctor.fused_attention.default)
+    return op
+
+
+_FUSED_ATTENTION = _register_attention_op()
+
+
 class _FusedAttention(torch.autograd.Function):
     """Memory-faithful stand-in for CUDA's fused attention on fake tensors.
 
@@ -328,16 +357,11 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, kernel, rocm_kernels=False):
-        if q.dim() == 4:
-            # The kernels allocate (B, T, H, D) and return it transposed to (B, H, T, D), so the
-            # model's usual `y.transpose(1, 2).contiguous()` is free (attention.cu).
-            b, h, t, _ = q.shape
-            out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
-        else:
-            out = q.new_empty(q.shape[:-1] + v.shape[-1:])
         t = q.shape[-2]
         lse_t = t if kernel == "flash" or rocm_kernels else math.ceil(t / 32) * 32
-        lse = q.new_empty(q.shape[:-2] + (lse_t,), dtype=torch.float32)
+        out, lse = _FUSED_ATTENTION(q, v, lse_t)
+        if q.dim() == 4:   # (B, H, T, D): the model's `y.transpose(1, 2).contiguous()` is free
+            out = out.transpose(1, 2)
         ctx.kernel = kernel
         ctx.rocm_kernels = rocm_kernels
         ctx.save_for_backward(q, k, v, out, lse, mask if isinstance(mask, torch.Tensor) else None)

@@ -8,7 +8,8 @@ cut to its first 2, 3 and 4 blocks, and :mod:`oomdoctor.sim.unroll` extends thos
 of them, storage identities and lifetimes included. Every figure of the trace that is a sum over
 blocks (parameter bytes, gradient bytes, a note's block count) is affine in the block count and
 must be so across the three traces. A stack whose blocks differ in anything (a sliding-window
-layer among global ones, a block with other adapters) is not cut; nor is a shallow one.
+layer among global ones, a block with other adapters, every N-th block checkpointed: a wrapped
+block has its own ``forward``, which :func:`signature` compares) is not cut; nor is a shallow one.
 """
 from __future__ import annotations
 

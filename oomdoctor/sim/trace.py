@@ -49,7 +49,8 @@ from oomdoctor.sim.versions import TorchVersion
 from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec
 from oomdoctor.models.training import (build_for_training, compute_loss, make_configured_batch,
                                        make_configured_optimizer)
-from oomdoctor.configs import PRECISIONS, ZERO_GRAD_MODES  # noqa: F401  (re-exported)
+from oomdoctor.configs import (CHECKPOINT_POLICIES, PRECISIONS,  # noqa: F401  (re-exported)
+                               ZERO_GRAD_MODES)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class TraceConfig:
     steps: int = 2                     # optimizer steps traced (>= 2: the second has state)
     zero_grad: str = "after-step"      # when gradients go: see ZERO_GRAD_MODES
     torch: TorchVersion | None = None  # whose CUDA facts (sim.versions); None: the installed
+    # with checkpointing: wrap every N-th block (torchtitan's selective_ac_option "N"), and
+    # recompute the whole block ("full") or per op ("op", torchtitan's policy); see
+    # oomdoctor.models.checkpointing
+    checkpoint_every: int = 1
+    checkpoint_policy: str = "full"
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -82,6 +88,11 @@ class TraceConfig:
         if self.zero_grad not in ZERO_GRAD_MODES:
             raise ValueError(f"unknown zero_grad mode {self.zero_grad!r}; choose one of "
                              f"{', '.join(ZERO_GRAD_MODES)}")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise ValueError(f"unknown checkpoint policy {self.checkpoint_policy!r}; choose "
+                             f"one of {', '.join(CHECKPOINT_POLICIES)}")
 
 
 @dataclass(frozen=True)
@@ -347,7 +358,9 @@ def _build(spec: ModelSpec, cfg: TraceConfig, fake: bool, notes: list[str], buil
     def build() -> tuple[torch.nn.Module, tuple[str, ...]]:
         model, checkpointed = build_for_training(spec, cfg.precision, cfg.checkpointing,
                                                  cfg.checkpoint_class,
-                                                 preserve_rng_state=not fake, notes=notes)
+                                                 preserve_rng_state=not fake, notes=notes,
+                                                 checkpoint_every=cfg.checkpoint_every,
+                                                 checkpoint_policy=cfg.checkpoint_policy)
         if cfg.emulate_cuda and rnn.flatten_parameters(model):
             # .cuda() flattens RNN weights into cuDNN's one buffer (RNNBase.flatten_parameters)
             notes.append("RNN weights in one flat cuDNN buffer, as .cuda() leaves them")
