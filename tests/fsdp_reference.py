@@ -23,12 +23,9 @@ BF16_SCRATCH = ("aten::addmm", "aten::mm")
 
 
 def _units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """What ``fully_shard`` wraps, as oomdoctor's layout places blocks: each of the model's
-    repeated blocks and every other child."""
-    if hasattr(model, "blocks"):
-        others = [m for n, m in model.named_children() if n != "blocks"]
-        return list(model.blocks) + others
-    return list(model.children())
+    """What ``fully_shard`` wraps before the root, as torchtitan and oomdoctor's plan code do:
+    each of the model's repeated blocks (the rest - embedding, head - is the root's)."""
+    return list(model.blocks) if hasattr(model, "blocks") else list(model.children())
 
 
 def peak(path: str, mode: str, batch_size: int) -> dict:

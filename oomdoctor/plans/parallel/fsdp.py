@@ -34,6 +34,10 @@ from oomdoctor.plans.parallel.layout import MAIN
 from oomdoctor.plans.parallel.strategy import MASTER_SCALE, POLICY_NOTE, Strategy
 from oomdoctor.sim.trace import Category, Phase
 
+AUTOCAST_NOTE = ("bf16 as torch.autocast over all-gathered fp32 weights (--no-mp-policy): every "
+                 "block is gathered in fp32 and autocast keeps a bf16 copy of each weight until "
+                 "the forward ends; FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
+                 "gathers bf16 instead (--mp-policy, the default)")
 _POLICY_DTYPE = 2           # param_dtype=torch.bfloat16
 _REDUCE_DTYPE = 4           # reduce_dtype=torch.float32
 
@@ -50,7 +54,8 @@ class _Params:
         lay = ctx.layout
         self.world = strategy.shard_group
         self.numel = lay.param_numel
-        self.owner = lay.param_owner
+        units = stack_units(lay.blocks)
+        self.owner = tuple(o if o in units else MAIN for o in lay.param_owner)
         self.trainable = lay.param_trainable
         self.handle = {i: h for h, i in ctx.param_index.items() if i < lay.num_param_storages}
         self.traced: dict[int, float] = {}
@@ -93,6 +98,21 @@ class _Params:
                 int(self.shard_numel(i) * self.stored(i)))
 
 
+def stack_units(blocks: tuple[str, ...]) -> set[int]:
+    """The blocks ``fully_shard`` wraps one by one: the repeated blocks (``model.layers.N``,
+    ``transformer.h.N``: two or more siblings named by their index), as torchtitan, the
+    transformer-layer auto-wrap policy of accelerate and the Trainer, and oomdoctor's own plan
+    code wrap them; every other parameter (embeddings, final norm, head) belongs to the root's
+    ``fully_shard(model)``. A model without such a stack: every block."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, name in enumerate(blocks):
+        parent, _, last = name.rpartition(".")
+        if last.isdigit():
+            groups[parent].append(i)
+    units = {i for members in groups.values() if len(members) >= 2 for i in members}
+    return units or set(range(len(blocks)))
+
+
 def fsdp(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]:
     """One rank of FSDP2 FULL_SHARD (every GPU alike)."""
     g = _Gpu("each GPU", ctx.first_handle)
@@ -106,6 +126,8 @@ def fsdp(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]:
              "each, then fully_shard(model)"]
     if strategy.mixed_precision:
         notes.append(POLICY_NOTE)
+    elif ctx.trace.config.precision == "bf16":
+        notes.append(AUTOCAST_NOTE)
     return [g], notes
 
 
@@ -192,7 +214,7 @@ def _forward_gathers(ctx: _Context, g: _Gpu, ps: _Params, ph: int) -> None:
     bstop = tl.phases[bw][1] if bw is not None else fstop
     held: int | None = None                 # the previous block's flat output (all_gather_state)
     if ps.unit(MAIN):                       # the root first, kept gathered to the backward's end
-        held = _gather(g, ps, MAIN, fstart + 0.1, bstop - 0.1)
+        held = _gather(g, ps, MAIN, fstart - 0.45, bstop - 0.1)
     for b in order:
         start = spans[b][0]
         out = _gather(g, ps, b, start - 0.4, spans[b][1] + 0.5, held)
@@ -211,7 +233,7 @@ def _gather(g: _Gpu, ps: _Params, block: int, at: float, free: float,
     full, out, cast = ps.gather_bytes(block)
     if cast:
         g.add("communication", cast, at, at + 0.02)
-    flat = g.add("communication", out, at + 0.01, None if keep else at + 0.05)
+    flat = g.add("communication", out, at + 0.01, None if keep else at + 0.035)
     g.add("parameters", full, at + 0.03, free)
     if held is not None:
         g.free(held, at + 0.04)
@@ -219,21 +241,26 @@ def _gather(g: _Gpu, ps: _Params, block: int, at: float, free: float,
 
 
 def _backward_gathers(ctx: _Context, g: _Gpu, ps: _Params, bw: int) -> None:
-    """Backward: the first block gathered on demand, each next one prefetched right after the
-    current block's copy-out; unsharded parameters freed at each block's post_backward."""
+    """Backward: each block's all-gather issued as the previous block's copy-out ends (the
+    first one by the root's pre_backward, or on demand when the root holds no parameters);
+    unsharded parameters freed at each block's post_backward."""
     wins = [w for w in ctx.timing.bwd_windows.get(bw, []) if ps.unit(w[2])]
     pending: int | None = None              # the prefetched flat output of this window's block
+    if wins and ps.unit(MAIN):
+        pending = _prefetch(g, ps, wins[0][2], wins[0][0])
     for j, (lo, hi, b) in enumerate(wins):
-        full, out, cast = ps.gather_bytes(b)
+        full, _, _ = ps.gather_bytes(b)
         if pending is None:
             _gather(g, ps, b, lo + 0.1, hi - 0.3, keep=False)
         else:
             g.add("parameters", full, lo + 0.1, hi - 0.3)
             g.free(pending, lo + 0.12)
-        pending = None
-        if j + 1 < len(wins):
-            nxt = wins[j + 1][2]
-            _, out2, cast2 = ps.gather_bytes(nxt)
-            if cast2:
-                g.add("communication", cast2, lo + 0.14, lo + 0.16)
-            pending = g.add("communication", out2, lo + 0.15, None)
+        pending = _prefetch(g, ps, wins[j + 1][2], lo + 0.14) if j + 1 < len(wins) else None
+
+
+def _prefetch(g: _Gpu, ps: _Params, block: int, at: float) -> int:
+    """A block's all-gather issued ahead (its cast buffer, its flat output, returned)."""
+    _, out, cast = ps.gather_bytes(block)
+    if cast:
+        g.add("communication", cast, at, at + 0.02)
+    return g.add("communication", out, at + 0.01, None)

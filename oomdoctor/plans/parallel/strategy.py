@@ -1,7 +1,7 @@
 """Strategy names, aliases and descriptions, and :class:`Strategy`: one way to use N GPUs."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 STRATEGIES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2")
@@ -103,6 +103,16 @@ class Strategy:
 # original dtype, all-gather inputs are cast to param_dtype; _fsdp_collectives.py
 # foreach_reduce: gradients are cast to reduce_dtype into the reduce-scatter input).
 MASTER_SCALE = 2            # fp32 / bf16
+
+
+def default_policy(strategy: Strategy, precision: str) -> Strategy:
+    """``strategy`` as the frameworks run ``precision`` on it: bf16 under zero3/hsdp (FSDP) is
+    FSDP2's MixedPrecisionPolicy (torchtitan, accelerate's FSDP plugin, the Trainer's fsdp +
+    bf16), every other pairing as given."""
+    if precision == "bf16" and strategy.name in ("zero3", "hsdp") \
+            and not strategy.mixed_precision:
+        return replace(strategy, mixed_precision=True)
+    return strategy
 
 
 def trace_precision(strategy: Strategy, precision: str) -> str:

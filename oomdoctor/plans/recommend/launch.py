@@ -61,18 +61,22 @@ def _node_launch(c: Candidate, st: Strategy, hw: Hardware, spec: ModelSpec, fact
                   quality_notes(c, facts), note, lines, sbatch_script(st.nodes, g, args, env))
 
 
-def hsdp_lines(nodes: int, per_node: int, blocks: str) -> list[str]:
+def hsdp_lines(nodes: int, per_node: int, blocks: str, policy: bool = False) -> list[str]:
     """FSDP2 hybrid sharding: a 2-D mesh, replicas across nodes (dim 0), shards within a node
     (dim 1) - fully_shard with a 2-D mesh is HSDP (torch/distributed/fsdp/_fully_shard/
-    _fully_shard.py, the ``mesh`` argument); FSDP1 spells it ShardingStrategy.HYBRID_SHARD."""
+    _fully_shard.py, the ``mesh`` argument); FSDP1 spells it ShardingStrategy.HYBRID_SHARD.
+    ``policy``: bf16 as FSDP2's MixedPrecisionPolicy."""
+    mp = ", mp_policy=mp" if policy else ""
     return ["from torch.distributed.device_mesh import init_device_mesh",
-            "from torch.distributed.fsdp import fully_shard   # FSDP2, torch >= 2.6",
+            "from torch.distributed.fsdp import fully_shard"
+            + (", MixedPrecisionPolicy" if policy else "") + "   # FSDP2, torch >= 2.6",
+            *(_POLICY if policy else []),
             f"mesh = init_device_mesh('cuda', ({nodes}, {per_node}),   # (nodes, GPUs per node)",
             "                        mesh_dim_names=('replicate', 'shard'))",
-            "model.to(device)",
+            "# the model stays on the CPU: fully_shard moves each block to the GPU as it shards",
             f"for block in {blocks}:         # shard within the node, replicate across",
-            "    fully_shard(block, mesh=mesh)",
-            "fully_shard(model, mesh=mesh)",
+            f"    fully_shard(block, mesh=mesh{mp})",
+            f"fully_shard(model, mesh=mesh{mp})",
             "opt = torch.optim.AdamW(model.parameters(), lr=lr)"]
 
 
@@ -175,7 +179,8 @@ def _adapter_lines(c: Candidate, adapters: Any, targets: tuple[str, ...], distri
     8-bit frozen weights, the QLoRA recipe's preparation, LoRA on the traced targets."""
     dtype = {"fp32": "torch.float32", "fp16": "torch.float16",
              "fp16-pure": "torch.float16"}.get(c.precision, "torch.bfloat16")
-    lines = ["from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training"]
+    lines = ["from peft import LoraConfig, get_peft_model"
+             + (", prepare_model_for_kbit_training" if adapters.quantize else "")]
     load = "model = AutoModelForCausalLM.from_pretrained(MODEL_ID, torch_dtype=" + dtype
     if adapters.quantize:
         lines += ["from transformers import AutoModelForCausalLM, BitsAndBytesConfig"]
@@ -211,18 +216,33 @@ def _adapter_lines(c: Candidate, adapters: Any, targets: tuple[str, ...], distri
 def _wrap_lines(c: Candidate, where: str, no_p2p: bool) -> list[str]:
     """The strategy's wrapper around the model, and the optimizer."""
     if c.strategy == "hsdp":
-        return hsdp_lines(c.nodes, c.num_gpus // c.nodes, where)
+        return hsdp_lines(c.nodes, c.num_gpus // c.nodes, where, uses_policy(c))
     if c.strategy in ("zero2", "zero3"):
         reshard = "True" if c.strategy == "zero3" else "False"
-        return ["from torch.distributed.fsdp import fully_shard   # FSDP2, torch >= 2.6",
-                "model.to(device)",
+        policy = uses_policy(c)
+        mp = ", mp_policy=mp" if policy else ""
+        return ["from torch.distributed.fsdp import fully_shard"
+                + (", MixedPrecisionPolicy" if policy else "") + "   # FSDP2, torch >= 2.6",
+                *(_POLICY if policy else []),
+                "# the model stays on the CPU: fully_shard moves each block to the GPU as it",
+                "# shards it, so no GPU ever holds the whole model",
                 f"for block in {where}:         # each block; embeddings and head too",
-                f"    fully_shard(block, reshard_after_forward={reshard})",
-                f"fully_shard(model, reshard_after_forward={reshard})",
+                f"    fully_shard(block, reshard_after_forward={reshard}{mp})",
+                f"fully_shard(model, reshard_after_forward={reshard}{mp})",
                 _ADAMW]
     if c.strategy == "dp":
         return _data_parallel_lines(no_p2p)
     return list(_WRAP.get(c.strategy, _PLAIN_WRAP))
+
+
+# FSDP2's bf16: fp32 master weights sharded, blocks gathered and computed in bf16, gradients
+# reduced in fp32 (what the plan's numbers assume: oomdoctor.plans.parallel.fsdp)
+_POLICY = ["mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"]
+
+
+def uses_policy(c: Candidate) -> bool:
+    """bf16 under FSDP runs as FSDP2's MixedPrecisionPolicy, not autocast (default_policy)."""
+    return c.precision == "bf16" and c.strategy in ("zero3", "hsdp")
 
 
 def _data_parallel_lines(no_p2p: bool) -> list[str]:
@@ -270,12 +290,13 @@ def _loop_lines(c: Candidate, distributed: bool) -> list[str]:
         lines.append(f"{indent}with model.no_sync() if not last else contextlib.nullcontext():"
                      "      # skip the all-reduce until the last")
         indent += "    "
-    return lines + _backward_lines(c.precision, indent) + _step_lines(c.precision)
+    amp = None if uses_policy(c) else _AUTOCAST.get(c.precision)
+    return lines + _backward_lines(c.precision, indent, amp) + _step_lines(c.precision)
 
 
-def _backward_lines(precision: str, indent: str) -> list[str]:
-    """The loss (under autocast for AMP), scaled by 1/K, and its backward."""
-    amp = _AUTOCAST.get(precision)
+def _backward_lines(precision: str, indent: str, amp: str | None) -> list[str]:
+    """The loss (under autocast for AMP, ``amp`` its dtype; none under FSDP's policy, which
+    computes in bf16 itself), scaled by 1/K, and its backward."""
     if amp:
         lines = [f"{indent}with torch.autocast('cuda', dtype={amp}):",
                  f"{indent}    loss = loss_fn(model, batch) / K"]

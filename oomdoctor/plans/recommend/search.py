@@ -12,7 +12,8 @@ from oomdoctor.plans.estimate import Budget, allocator_conf_string, trace_for
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel import (STRATEGIES, Layout, Sizes, StrategyEstimate, Strategy,
-                                estimate_strategy, model_layout)
+                                      default_policy, estimate_strategy, model_layout,
+                                      trace_precision)
 from oomdoctor.plans.recommend.alternatives import what_would_fit, zero3_extra
 from oomdoctor.plans.recommend.cost import step_time, throughput
 from oomdoctor.plans.recommend.facts import (_Facts, floor_bytes, model_facts,
@@ -90,31 +91,28 @@ def _search_config(spec: ModelSpec, precision: str, checkpointing: bool, hw: Har
     micro-batch among the divisors of the per-rank batch."""
     label = f"{precision}{' + checkpointing' if checkpointing else ''}"
     cfg = replace(base, batch_size=2, precision=precision, checkpointing=checkpointing)
-    exact: dict[int, Trace] = {}
-
-    def traced(b: int) -> Trace:
-        if b not in exact:
-            exact[b] = trace_for(spec, replace(cfg, batch_size=b), hw.gpu)
-        return exact[b]
+    runs = {p: _Traces(spec, replace(cfg, precision=p), hw.gpu) for p in
+            {precision, *(trace_precision(default_policy(st, precision), precision)
+                          for st in strategies)}}
     try:
         progress(f"{label}: tracing batch 2 and 3")
-        sizes = Sizes.affine(traced(2), traced(3))
-        layout = model_layout(spec, precision)
+        for r in runs.values():
+            r.prepare()
     except ValueError as e:
         return [], [f"{label}: {e}"]
+    exact = runs[precision].exact
+    layout = runs[precision].layout
     out: list[Candidate] = []
     for st in strategies:
         d = st.data_parallel
         if target % d:
             continue
         batches = _divisors(target // d)
+        st = default_policy(st, precision)
+        run = runs[trace_precision(st, precision)]
 
-        def try_batch(b: int, st=st) -> StrategyEstimate:
-            k = target // (d * b)
-            if sizes is not None and b >= 2:
-                return estimate_strategy(exact[2], layout, st, budget, alloc, sizes, batch=b,
-                                         grad_accum=k)
-            return estimate_strategy(traced(b), layout, st, budget, alloc, grad_accum=k)
+        def try_batch(b: int, st=st, run=run) -> StrategyEstimate:
+            return run.estimate(st, b, target // (d * b), budget, alloc)
         try:
             hit = _largest_fitting(try_batch, batches)
         except ValueError as e:
@@ -139,8 +137,36 @@ def _search_config(spec: ModelSpec, precision: str, checkpointing: bool, hw: Har
             t.compute_seconds, t.communication_seconds, target / t.seconds if t.seconds else 0,
             _numerics(precision),
             t.seconds * (NUMERICS_PENALTY if NUMERICS[precision] else 1.0),
-            extrapolated=b not in exact, traffic_bytes=t.traffic_bytes, nodes=st.nodes))
+            extrapolated=b not in run.exact, traffic_bytes=t.traffic_bytes, nodes=st.nodes))
     return out, []
+
+
+class _Traces:
+    """One precision's traces at batch 2 and 3 (batch 1 can differ in strides, so it is traced
+    only when needed; see probe.py), their per-storage slope, and the layout."""
+
+    def __init__(self, spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile) -> None:
+        self.spec, self.cfg, self.gpu = spec, cfg, gpu
+        self.exact: dict[int, Trace] = {}
+        self.sizes: Sizes | None = None
+        self.layout: Layout | None = None
+
+    def traced(self, b: int) -> Trace:
+        if b not in self.exact:
+            self.exact[b] = trace_for(self.spec, replace(self.cfg, batch_size=b), self.gpu)
+        return self.exact[b]
+
+    def prepare(self) -> None:
+        self.sizes = Sizes.affine(self.traced(2), self.traced(3))
+        self.layout = model_layout(self.spec, self.cfg.precision)
+
+    def estimate(self, st: Strategy, b: int, k: int, budget: Budget, alloc: AllocatorConfig
+                 ) -> StrategyEstimate:
+        """``st`` at micro-batch ``b`` and ``k`` accumulation steps."""
+        if self.sizes is not None and b >= 2:
+            return estimate_strategy(self.exact[2], self.layout, st, budget, alloc, self.sizes,
+                                     batch=b, grad_accum=k)
+        return estimate_strategy(self.traced(b), self.layout, st, budget, alloc, grad_accum=k)
 
 
 _WORKER: tuple | None = None     # (spec, ...) inherited by forked workers
@@ -201,7 +227,7 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         except ValueError as e:
             errors.append(str(e))
         if detail and reference is not None:
-            by_strategy = _every_strategy(*reference, budget, alloc, strats)
+            by_strategy = _every_strategy(*reference, budget, alloc, strats, spec)
             per_sample = _seconds_per_sample(gpu, p, ck, reference[1].flops_per_sample)
         if not detail:
             ref = ""
@@ -440,9 +466,10 @@ def _verified(spec: ModelSpec, candidates: list[Candidate], hw: Hardware, budget
         progress(f"checking {c.strategy} {c.precision} micro-batch {c.micro_batch} with a trace")
         cfg = replace(base, batch_size=c.micro_batch, precision=c.precision,
                       checkpointing=c.checkpointing)
-        e = estimate_strategy(trace_for(spec, cfg, hw.gpu), model_layout(spec, c.precision),
-                              Strategy(c.strategy, c.num_gpus, nodes=c.nodes), budget, alloc,
-                              grad_accum=c.grad_accum)
+        st = default_policy(Strategy(c.strategy, c.num_gpus, nodes=c.nodes), c.precision)
+        cfg = replace(cfg, precision=trace_precision(st, c.precision))
+        e = estimate_strategy(trace_for(spec, cfg, hw.gpu), model_layout(spec, cfg.precision),
+                              st, budget, alloc, grad_accum=c.grad_accum)
         if e.fits:
             out.insert(0, replace(c, peak_device_bytes=e.peak_device_bytes,
                                   per_gpu_bytes=tuple(g.device_peak_bytes for g in e.gpus),
@@ -459,12 +486,18 @@ def _traced(spec: ModelSpec, cfg: TraceConfig, hw: Hardware) -> tuple[Trace, Lay
 
 
 def _every_strategy(trace: Trace, layout: Layout, budget: Budget, alloc: AllocatorConfig,
-                    strats: list[Strategy]) -> tuple[StrategyEstimate, ...]:
-    """Every strategy's estimate at one traced configuration."""
+                    strats: list[Strategy], spec: ModelSpec) -> tuple[StrategyEstimate, ...]:
+    """Every strategy's estimate at one traced configuration (FSDP's bf16 under its
+    mixed-precision policy, from a pure-bf16 trace of the same step)."""
     out = []
     for st in strats:
+        st = default_policy(st, trace.config.precision)
+        tr, lay = trace, layout
+        if st.mixed_precision:
+            cfg = replace(trace.config, precision=trace_precision(st, trace.config.precision))
+            tr, lay = trace_for(spec, cfg, budget.gpu), model_layout(spec, cfg.precision)
         try:
-            out.append(estimate_strategy(trace, layout, st, budget, alloc,
+            out.append(estimate_strategy(tr, lay, st, budget, alloc,
                                          grad_accum=trace.config.grad_accum))
         except ValueError:
             continue
