@@ -6,6 +6,11 @@ PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure", "fp16-pure")
 # autocast, no GradScaler; the optimizer's state takes the weights' dtype. The value is the
 # torch dtype's name (this module imports no torch; oomdoctor.models.casting.pure_dtype maps it).
 PURE_PRECISIONS = {"bf16-pure": "bfloat16", "fp16-pure": "float16"}
+# Which precision every command prefers when two fit equally well: bf16 AMP where the card has
+# it (fp16's range needs a GradScaler and can still overflow), then fp16 AMP, fp32, and the pure
+# 16-bit ones whose numerics are not neutral. probe's recommendation and recommend's ranking
+# both follow it.
+PRECISION_PREFERENCE = ("bf16", "fp16", "fp32", "bf16-pure", "fp16-pure")
 
 # What a pure precision costs in quality. bf16 keeps fp32's 8 exponent bits and 8 bits of
 # mantissa; fp16 has 11 bits of mantissa (finer steps: updates down to ~1/2048 of a weight

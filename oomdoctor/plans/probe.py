@@ -467,6 +467,7 @@ def checkpointing_effect(r: ProbeResult) -> CheckpointingEffect | None:
 # checkpointing costs about a third more compute; pure bf16 changes numerics (bf16 weights and
 # optimizer state) and comes last but one; pure fp16 (no loss scaling, fp16's narrow range)
 # is the riskiest and comes last.
+# configs.PRECISION_PREFERENCE, without checkpointing before with it (for the 16-bit AMPs)
 _PREFERENCE = [("bf16", False), ("fp16", False), ("bf16", True), ("fp16", True),
                ("fp32", False), ("fp32", True), ("bf16-pure", False), ("bf16-pure", True),
                ("fp16-pure", False), ("fp16-pure", True)]

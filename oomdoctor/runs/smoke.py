@@ -474,6 +474,11 @@ def host_bytes_needed(spec: ModelSpec, cfg: SmokeConfig) -> int:
     n = sum(seen.values())
     width = param_width(cfg.precision)
     procs = cfg.num_gpus if cfg.strategy in DISTRIBUTED else 1
+    if spec.adapters is not None:
+        # a frozen base: its weights only (4-bit: half a byte each, int8: one); the adapters'
+        # gradients and optimizer state are a fraction of a percent of it
+        per = {"nf4": 0.5, "fp4": 0.5, "int8": 1}.get(spec.adapters.quantize or "", width)
+        return procs * int(n * per)
     return procs * n * width * 4
 
 

@@ -138,7 +138,9 @@ def estimate_strategy(trace: Trace, layout: Layout, strategy: Strategy, budget: 
     floor = model_state_floor(trace.parameter_bytes * master, trace.gradient_bytes * master,
                               trace.optimizer_state_bytes * master, strategy)
     ds = None
-    if strategy.name == "zero2":
+    if layout.num_trainable < layout.num_parameters:
+        pass        # DeepSpeed's estimators count every parameter trained: not a LoRA run's
+    elif strategy.name == "zero2":
         ds = deepspeed_zero2_gpu_bytes(layout.num_parameters, strategy.num_gpus)
     elif strategy.name in ("zero3", "hsdp"):
         ds = deepspeed_zero3_gpu_bytes(layout.num_parameters, layout.largest_leaf_params,

@@ -39,8 +39,14 @@ def render_report(r: ParallelReport) -> str:
     table = tabulate(rows, headers=("strategy", "GPU", "fits", "peak", "params", "grads",
                                     "optim", "activ", "temp", "comm", "peak in", "samples/step"),
                      colalign=("left", "left", "left") + ("right",) * 7 + ("left", "right"))
-    lines = [head, verdict, "", table, f"({unit} per GPU at its peak; peak = max_memory_reserved + CUDA "
-             "context)"]
+    conf = (f"PYTORCH_CUDA_ALLOC_CONF={r.allocator}" if r.allocator
+            else "PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's defaults)")
+    lines = [head, f"allocator: {conf}", verdict, "", table,
+             f"({unit} per GPU at its peak; peak = max_memory_reserved + CUDA context)"]
+    for s, peak in r.expandable_fits:
+        lines.append(f"{s}: would fit with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                     f"({prose_size(peak)} on the fullest GPU; less fragmentation): set it in "
+                     "the training run's environment, as `oomdoctor recommend`'s launch line does")
     for e in r.estimates:
         if e.deepspeed_bytes is not None:
             rest = max(g.resting_state_bytes for g in e.gpus)

@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable
 
 from oomdoctor.configs import needs_bf16, no_bf16_fix
 from oomdoctor.sim.allocator import AllocatorConfig
-from oomdoctor.plans.estimate import Budget, trace_for
+from oomdoctor.plans.estimate import Budget, allocator_conf_string, trace_for
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel.estimator import estimate_strategy
 from oomdoctor.plans.parallel.layout import model_layout
@@ -39,6 +39,10 @@ class ParallelReport:
     num_parameters: int
     estimates: tuple[StrategyEstimate, ...]
     errors: tuple[tuple[str, str], ...] = ()
+    allocator: str = ""            # the PYTORCH_CUDA_ALLOC_CONF assumed ("": PyTorch's defaults)
+    # strategies that do not fit as assumed but would with expandable segments: (strategy,
+    # the fullest GPU's peak there)
+    expandable_fits: tuple[tuple[str, int], ...] = ()
 
     @property
     def fitting(self) -> tuple[str, ...]:
@@ -66,6 +70,9 @@ class ParallelReport:
                 "checkpointing": self.checkpointing, "num_parameters": self.num_parameters,
                 "strategies": [e.to_json() for e in self.estimates],
                 "errors": [{"strategy": s, "error": m} for s, m in self.errors],
+                "allocator": self.allocator,
+                "fits_with_expandable_segments": [{"strategy": s, "peak_device_bytes": b}
+                                                  for s, b in self.expandable_fits],
                 "fits": list(self.fitting), "does_not_fit": list(self.not_fitting),
                 "best": self.best}
 
@@ -109,9 +116,33 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
                                          alloc, sizes, grad_accum=cfg.grad_accum))
         except ValueError as e:
             errors.append((name, str(e)))
+    expandable = _expandable_fits(out, spec, cfg, budget, alloc, (trace, layout, sizes), policy)
     return ParallelReport(spec.name, budget.gpu.name, num_gpus, budget.gpu.total_bytes,
                           budget.limit_bytes, cfg.batch_size, cfg.precision, cfg.checkpointing,
-                          layout.num_parameters, tuple(out), tuple(errors))
+                          layout.num_parameters, tuple(out), tuple(errors),
+                          allocator_conf_string(alloc), expandable)
+
+
+def _expandable_fits(out: list[StrategyEstimate], spec: ModelSpec, cfg: TraceConfig,
+                     budget: Budget, alloc: AllocatorConfig, traced: tuple, policy: tuple | None
+                     ) -> tuple[tuple[str, int], ...]:
+    """The strategies that do not fit under ``alloc`` but would with expandable segments (the
+    setting `recommend` launches with), each replayed again from the same traces."""
+    if alloc.expandable_segments:
+        return ()
+    roomy = replace(alloc, expandable_segments=True)
+    found = []
+    for e in out:
+        if e.fits or e.strategy == "pipeline2":
+            continue
+        st = Strategy(e.strategy, e.num_gpus, mixed_precision=policy is not None
+                      and e.strategy == "zero3")
+        trace, layout, sizes = policy + (None,) if st.mixed_precision else traced
+        again = estimate_strategy(trace, layout, st, budget, roomy, sizes,
+                                  grad_accum=cfg.grad_accum)
+        if again.fits:
+            found.append((e.strategy, again.peak_device_bytes))
+    return tuple(found)
 
 
 def _policy_inputs(spec: ModelSpec, cfg: TraceConfig, budget: Budget, progress: Progress

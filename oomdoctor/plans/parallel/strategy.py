@@ -127,6 +127,6 @@ def trace_precision(strategy: Strategy, precision: str) -> str:
 
 
 POLICY_NOTE = ("FSDP2 MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch."
-               "float32) on an fp32 model: fp32 parameters, gradients and AdamW state sharded, "
-               "each block all-gathered and computed in bf16 (no autocast), gradients "
-               "reduce-scattered in fp32")
+               "float32): trainable parameters, their gradients and AdamW state sharded in fp32, "
+               "frozen ones in the dtype they were loaded in; each block all-gathered and "
+               "computed in bf16 (no autocast), gradients reduce-scattered in fp32")

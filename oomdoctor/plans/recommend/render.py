@@ -65,7 +65,7 @@ def _candidates_table(r: Recommendation) -> list[str]:
     rows = [(i + 1, _label(r, c.strategy, c.num_gpus), c.precision,
              "yes" if c.checkpointing else "no", c.micro_batch, c.grad_accum,
              _gib(c.peak_device_bytes), _duration(c.step_seconds),
-             f"{c.samples_per_second:,.0f}", c.numerics.split(":")[0])
+             _rate(c.samples_per_second), c.numerics.split(":")[0])
             for i, c in enumerate(r.candidates)]
     return ["configurations that fit, best first:",
             tabulate(rows, headers=("#", "strategy", "precision", "ckpt", "micro", "accum",
@@ -225,3 +225,12 @@ def _offload_way_out(r) -> str:
     host = "" if fit[0].host_fits else ", given enough host RAM"
     return (f" in GPU memory alone; with CPU offload it does ({fit[0].name}, below{host}), "
             "slower per step")
+
+
+def _rate(samples_per_second: float) -> str:
+    """Samples per second with three significant digits: 0.329 for an LLM's minutes-long step,
+    where a whole number read 0."""
+    if samples_per_second >= 100:
+        return f"{samples_per_second:,.0f}"
+    return f"{samples_per_second:.3g}"
+

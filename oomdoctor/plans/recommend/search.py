@@ -6,7 +6,7 @@ import multiprocessing
 from dataclasses import replace
 from typing import Callable
 
-from oomdoctor.configs import leanest_precision, needs_bf16
+from oomdoctor.configs import PRECISION_PREFERENCE, leanest_precision, needs_bf16
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.plans.estimate import Budget, allocator_conf_string, trace_for
 from oomdoctor.sim.gpus import GpuProfile
@@ -431,10 +431,12 @@ def rank(candidates: list[Candidate], no_p2p: bool = False) -> list[Candidate]:
     # Step times equal to the three digits the table shows (typically: compute hides all
     # communication) are a tie - the estimate is not finer than that. Ties go to the plan that
     # moves fewer bytes, then to the simpler strategy (DDP before the ZeRO stages: fewer
-    # moving parts, plain checkpoints), then to the one with more headroom.
+    # moving parts, plain checkpoints), then to the preferred precision (bf16 before fp16, as
+    # probe recommends), then to the one with more headroom.
     return sorted(candidates, key=lambda c: (no_p2p and c.strategy == "dp",
                                              NUMERICS[c.precision], float(f"{c.score:.3g}"),
                                              c.traffic_bytes, SIMPLICITY.index(c.strategy),
+                                             PRECISION_PREFERENCE.index(c.precision),
                                              c.peak_device_bytes))
 
 

@@ -1,0 +1,81 @@
+"""One set of assumptions across the planning commands, and the smaller wrong answers of issue
+#32: the precision preference, the samples/s column, DeepSpeed's estimator kept to the runs it
+describes, and the host memory a LoRA smoke needs."""
+import dataclasses
+import json
+import os
+
+from click.testing import CliRunner
+
+from oomdoctor.cli import cli
+from oomdoctor.configs import PRECISION_PREFERENCE
+from oomdoctor.models.adapters import Adapters
+from oomdoctor.models.loader import load_model_file
+from oomdoctor.plans.recommend.records import Candidate
+from oomdoctor.plans.recommend.render import _rate
+from oomdoctor.plans.recommend.search import rank
+from oomdoctor.runs.smoke import SmokeConfig, host_bytes_needed
+
+HERE = os.path.dirname(__file__)
+DEEP = os.path.join(HERE, "models", "deep_mlp.py")
+
+
+def _candidate(precision: str, peak: int) -> Candidate:
+    return Candidate("zero3", 2, precision, True, 2, 64, 256, peak, (peak, peak), 779.3, 700.0,
+                     79.3, 0.33, "", 779.3)
+
+
+def test_a_tie_goes_to_bf16_as_probe_recommends_it():
+    """fp16 AMP and bf16 AMP step alike on a 3090; recommend used to pick fp16 by 10 MiB of
+    headroom where probe picks bf16. Both now follow configs.PRECISION_PREFERENCE."""
+    ranked = rank([_candidate("fp16", 19 * 2**30), _candidate("bf16", 19 * 2**30 + 10 * 2**20)])
+    assert ranked[0].precision == "bf16"
+    assert PRECISION_PREFERENCE.index("bf16") < PRECISION_PREFERENCE.index("fp16")
+
+
+def test_samples_per_second_keeps_three_digits():
+    assert _rate(0.3285) == "0.329" and _rate(1.234) == "1.23" and _rate(12345.6) == "12,346"
+
+
+def test_deepspeed_estimator_only_for_full_training(tmp_path):
+    """DeepSpeed's 18-bytes-per-parameter estimator assumes every parameter is trained; a LoRA
+    run's zero3 row does not quote it, a full run's does."""
+    def zero3(*extra):
+        r = CliRunner().invoke(cli, ["parallel", DEEP, "--gpus", "2", "-b", "8", "--strategy",
+                                     "zero3", "--gpu", "rtx3090", "--json", *extra])
+        assert r.exit_code == 0, r.output
+        [e] = json.loads(r.stdout)["strategies"]
+        return e
+    assert zero3()["deepspeed_bytes"] is not None
+    assert zero3("--lora", "4")["deepspeed_bytes"] is None
+
+
+def test_a_lora_smoke_needs_the_frozen_weights_only():
+    """The CPU smoke's host-memory refusal quoted full fine-tuning's weights, gradients and
+    AdamW state (4 x the weights) for a LoRA run, which holds the frozen weights and a small
+    adapter state."""
+    full = load_model_file(DEEP)
+    lora = dataclasses.replace(full, adapters=Adapters(lora_rank=4))
+    cfg = SmokeConfig(strategy="single", num_gpus=1, precision="fp32", checkpointing=False,
+                      micro_batch=8, grad_accum=1)
+    assert host_bytes_needed(lora, cfg) * 4 == host_bytes_needed(full, cfg)
+
+
+def test_parallel_states_its_allocator_and_what_expandable_segments_would_fit():
+    """`recommend` launches with expandable segments; `parallel` assumes PyTorch's defaults.
+    It says so, and names a strategy that only the setting would make fit: GPT-2 small under
+    zero3 at micro-batch 8 needs 12.21 GB reserved by default and 11.02 GB with it, and the
+    budget here sits between the two."""
+    gpt2 = os.path.join(HERE, "..", "sample_models", "gpt2_small.py")
+    args = ["parallel", gpt2, "--gpus", "2", "-b", "8", "--strategy", "zero3", "--memory",
+            "11.37GiB", "--overhead", "0"]
+    text = CliRunner().invoke(cli, args)
+    assert text.exit_code == 1, text.output
+    assert "allocator: PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's defaults)" in text.output
+    assert "zero3: would fit with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in text.output
+    payload = json.loads(CliRunner().invoke(cli, [*args, "--json"]).stdout)
+    [fix] = payload["fits_with_expandable_segments"]
+    assert fix["strategy"] == "zero3" and fix["peak_device_bytes"] < payload["budget_bytes"]
+    # with the setting given, it fits as assumed and nothing more is said
+    roomy = CliRunner().invoke(cli, [*args, "--alloc-conf", "expandable_segments:True"])
+    assert roomy.exit_code == 0 and "would fit" not in roomy.output
