@@ -79,3 +79,20 @@ def test_parallel_states_its_allocator_and_what_expandable_segments_would_fit():
     # with the setting given, it fits as assumed and nothing more is said
     roomy = CliRunner().invoke(cli, [*args, "--alloc-conf", "expandable_segments:True"])
     assert roomy.exit_code == 0 and "would fit" not in roomy.output
+
+
+def test_a_lora_device_map_names_the_base_model(tmp_path):
+    """`split --device-map` wrote peft's names (base_model.model.0), which
+    from_pretrained(device_map=...) cannot place; it writes the base model's, and smoke maps
+    them back onto the LoRA-wrapped model it dispatches."""
+    path = str(tmp_path / "map.json")
+    r = CliRunner().invoke(cli, ["split", DEEP, "--lora", "4", "-b", "4", "--gpus", "2",
+                                 "--gpu", "rtx3090", "--device-map", path])
+    assert r.exit_code == 0, r.output
+    with open(path) as f:
+        keys = json.load(f)["device_map"]
+    assert keys and not any(k.startswith("base_model") for k in keys)
+    assert set(keys) >= {str(i) for i in range(7)}
+    s = CliRunner().invoke(cli, ["smoke", DEEP, "--lora", "4", "--strategy", "pipeline2",
+                                 "--device-map", path, "-b", "4", "--steps", "2"])
+    assert s.exit_code == 0, s.output

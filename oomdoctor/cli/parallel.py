@@ -117,9 +117,12 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
         _die(e, debug, EXIT_USAGE)
     doc = plan.to_json()
     if device_map_path:
+        from oomdoctor.models.adapters import base_model_names
+        # the base model's names: from_pretrained(..., device_map=...) places them before
+        # get_peft_model wraps it (smoke maps them back onto the wrapped model)
         with open(device_map_path, "w", encoding="utf-8") as f:
             json.dump({"model": doc["model"], "main_device": doc["main_device"],
-                       "device_map": doc["device_map"]}, f, indent=2)
+                       "device_map": base_model_names(doc["device_map"])}, f, indent=2)
         click.echo(f"wrote the device map to {device_map_path}", err=True)
     click.echo(json.dumps(doc, indent=2) if as_json else par.render_split(plan))
     sys.exit(EXIT_OK if plan.estimate.fits else EXIT_PROBLEM)

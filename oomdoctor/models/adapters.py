@@ -411,3 +411,23 @@ def _quantize_linears(model: torch.nn.Module, adapters: Adapters, compute: torch
         raise AdapterError("--quantize found no nn.Linear layer to quantize")
     return done, kept
 
+
+
+# peft's PeftModel holds the base model as ``base_model.model``: every module name of a LoRA
+# model starts with it (peft/peft_model.py, peft/tuners/tuners_utils.py BaseTuner).
+PEFT_PREFIX = "base_model.model."
+
+
+def base_model_names(names: dict[str, int]) -> dict[str, int]:
+    """A device map of a peft-wrapped model with the base model's names, the ones
+    ``from_pretrained(..., device_map=...)`` places before ``get_peft_model`` wraps it."""
+    return {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v
+            for k, v in names.items()}
+
+
+def wrapped_model_names(model: torch.nn.Module, names: dict[str, int]) -> dict[str, int]:
+    """The inverse for a peft-wrapped ``model``: base-model names get peft's prefix (a map
+    written for ``from_pretrained`` used to dispatch the wrapped model); others pass."""
+    if not any(n.startswith(PEFT_PREFIX) for n, _ in model.named_modules()):
+        return names
+    return {k if k.startswith(PEFT_PREFIX) else PEFT_PREFIX + k: v for k, v in names.items()}

@@ -355,7 +355,8 @@ def dispatch_split(model: torch.nn.Module, device_map: dict[str, int], main_devi
     if not device_map:
         raise SmokeError("pipeline2 needs a device map: run `oomdoctor split model.py --gpus 2 "
                          "--device-map map.json` and pass --device-map map.json")
-    dmap = {name: dev(k) for name, k in device_map.items()}
+    from oomdoctor.models.adapters import wrapped_model_names
+    dmap = {name: dev(k) for name, k in wrapped_model_names(model, device_map).items()}
     main = dev(main_device)
     # With both stages on the CPU accelerate logs that parameters were "offloaded to the cpu";
     # nothing is offloaded (the main device is the CPU too), so keep that line out of the output.
