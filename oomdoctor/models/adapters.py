@@ -102,6 +102,8 @@ def adapt(model: torch.nn.Module, adapters: Adapters, precision: str
                                "emulation), not on fake CPU tensors")
         n, skipped = _quantize_linears(model, adapters, compute)
         int8 = adapters.quantize == "int8"
+        if not int8:
+            register_4bit_flops()
         if int8:
             # MatMul8bitLt logs a warning at every call whose input is not fp16 (all of them
             # under bf16 or fp32): the same line hundreds of times per trace, and about speed.
@@ -431,3 +433,22 @@ def wrapped_model_names(model: torch.nn.Module, names: dict[str, int]) -> dict[s
     if not any(n.startswith(PEFT_PREFIX) for n, _ in model.named_modules()):
         return names
     return {k if k.startswith(PEFT_PREFIX) else PEFT_PREFIX + k: v for k, v in names.items()}
+
+
+def register_4bit_flops() -> None:
+    """Give ``bitsandbytes::gemm_4bit`` its matmul FLOPs in torch's FLOP registry (what the
+    trace and the multi-GPU layout count by, oomdoctor.sim.flops): a custom op has no formula,
+    so a QLoRA step counted none of its base model's matmuls and ranked faster than LoRA. The
+    op multiplies the input (..., K) by the dequantized (N, K) weight: 2 x rows x N x K."""
+    from torch.utils import flop_counter
+    op = getattr(getattr(torch.ops, "bitsandbytes", None), "gemm_4bit", None)
+    if op is None or op in flop_counter.flop_registry:
+        return
+
+    def gemm_4bit_flop(a_shape, b_shape, shape_b, *args, out_shape=None, **kwargs) -> int:
+        rows = 1
+        for d in a_shape[:-1]:
+            rows *= d
+        return 2 * rows * int(shape_b[0]) * int(shape_b[1])
+    flop_counter.register_flop_formula(op)(gemm_4bit_flop)
+

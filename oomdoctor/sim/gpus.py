@@ -59,9 +59,26 @@ class GpuProfile:
         return 32 * MiB if self.compute_capability >= (9, 0) else 2 * 4096 * KiB + 8 * 16 * KiB
 
     @property
+    def memory_bytes_per_second(self) -> float:
+        """Datasheet memory bandwidth (MEMORY_GBPS), what a memory-bound kernel is held to."""
+        return MEMORY_GBPS.get(self.name, _DEFAULT_MEMORY_GBPS) * 1e9
+
+    @property
     def arch_name(self) -> str:
         """'gfx90a' for an AMD card, 'sm86' for a CUDA one (what notes and errors print)."""
         return self.arch or f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
+
+
+# Datasheet memory bandwidth, GB/s (NVIDIA's and AMD's product pages and whitepapers: GDDR6X
+# 936 on the 3090, 1008 on the 4090, 1792 GDDR7 on the 5090; HBM2e 1555 (A100 40 GB) and 2039
+# (A100 80 GB SXM4), HBM3 3350 (H100 SXM5), HBM3e 4800 (H200) and 8000 (B200); MI250 3277,
+# MI300X 5300).
+MEMORY_GBPS = {"rtx3060-12": 360, "rtx3090": 936, "rtx4090": 1008, "a10": 600, "l4": 300,
+               "t4": 320, "v100-16": 900, "v100-32": 900, "a100-40": 1555, "a100-80": 2039,
+               "h100-80": 3350, "l40s": 864, "rtx5090": 1792, "a6000": 768,
+               "rtx4060ti-16": 288, "rtx4070ti-super": 672, "rtx4080": 717, "h200": 4800,
+               "b200": 8000, "mi250": 3277, "mi300x": 5300}
+_DEFAULT_MEMORY_GBPS = 900       # a card given by --memory only: a 3090-class board
 
 
 def _gib(x: float) -> int:

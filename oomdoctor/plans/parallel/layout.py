@@ -55,6 +55,8 @@ class Layout:
     num_trainable: int
     largest_leaf_params: int                 # DeepSpeed's "largest layer" (direct params)
     has_batchnorm: bool
+    # weights stored 4-bit (bitsandbytes): each matmul dequantizes them to 16 bits first
+    dequantized_params: int = 0
 
     def block_of(self, module: str) -> int | None:
         """Execution index of the block a module path belongs to; MAIN for root-level code,
@@ -174,7 +176,8 @@ def _layout(spec: ModelSpec, precision: str, batch_size: int, min_blocks: int | 
         block_flops=tuple(block_flops), flops_per_sample=p2.total_flops / batch_size,
         num_parameters=sum(t.numel() for t in st.tensors.values()),
         num_trainable=sum(t.numel() for t in st.tensors.values() if t.requires_grad),
-        largest_leaf_params=st.largest_leaf, has_batchnorm=st.has_bn)
+        largest_leaf_params=st.largest_leaf, has_batchnorm=st.has_bn,
+        dequantized_params=st.four_bit)
 
 
 @contextlib.contextmanager
@@ -210,6 +213,7 @@ class _Storages:
     persistent_names: set[str]
     largest_leaf: int
     has_bn: bool
+    four_bit: int = 0                        # parameters of 4-bit weights (two per byte)
 
 
 def _storages(model: torch.nn.Module, defined: list[str]) -> _Storages:
@@ -265,8 +269,12 @@ def _storages(model: torch.nn.Module, defined: list[str]) -> _Storages:
     largest_leaf = max((sum(p.numel() for p in m.parameters(recurse=False))
                         for m in model.modules()), default=0)
     has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    from oomdoctor.models.adapters import logical_numel
+    four_bit = sum(logical_numel(t) for t in tensors.values()
+                   if getattr(t, "quant_state", None) is not None)
     return _Storages(param_keys, keys, tensors, names, owners_def, owner_by_key, tied_def,
-                     trainable, numel, block_numel, persistent_names, largest_leaf, has_bn)
+                     trainable, numel, block_numel, persistent_names, largest_leaf, has_bn,
+                     four_bit)
 
 
 def _saved_names(model: torch.nn.Module) -> set[str]:

@@ -14,6 +14,13 @@ from oomdoctor.sim.trace import Trace
 # the ranking of compute against communication is only indicative.
 COMPUTE_EFFICIENCY = 0.4
 CHECKPOINT_RECOMPUTE = 1 / 3      # the forward is about a third of forward + backward
+# A 4-bit matmul over many tokens first dequantizes the whole weight (bitsandbytes: read half a
+# byte per parameter, write the 16-bit copy the dense matmul then reads as a LoRA base's would):
+# 2.5 bytes per parameter more, once in the forward, once for the input gradient, and once more
+# when checkpointing recomputes the forward. Memory-bound, at this share of the datasheet
+# bandwidth (elementwise kernels reach 60-80% of it).
+DEQUANT_BYTES_PER_PARAM = 2.5
+MEMORY_EFFICIENCY = 0.7
 BACKWARD_SHARE = 2 / 3            # what an all-reduce can hide behind
 
 
@@ -42,12 +49,20 @@ def compute_seconds(flops: float, gpu: GpuProfile, precision: str) -> float:
     return flops / throughput(gpu, precision)
 
 
+def dequant_seconds(layout: Layout, gpu: GpuProfile, checkpointing: bool) -> float:
+    """Seconds per micro-batch spent dequantizing 4-bit weights (none without them)."""
+    passes = 3 if checkpointing else 2
+    return (layout.dequantized_params * DEQUANT_BYTES_PER_PARAM * passes
+            / (gpu.memory_bytes_per_second * MEMORY_EFFICIENCY))
+
+
 def step_time(layout: Layout, trace: Trace, strategy: Strategy, hw: Hardware, precision: str,
               checkpointing: bool, micro_batch: int, grad_accum: int,
               boundary_bytes: int = 0) -> StepTime:
     """Seconds per optimizer step (``micro_batch x grad_accum x data-parallel ranks`` samples)."""
     flops = layout.flops_per_sample * micro_batch * (1 + CHECKPOINT_RECOMPUTE * checkpointing)
-    t_micro = compute_seconds(flops, hw.gpu, precision)
+    t_micro = compute_seconds(flops, hw.gpu, precision) \
+        + dequant_seconds(layout, hw.gpu, checkpointing)
     bw = hw.link_gbps * 1e9
     n = strategy.num_gpus
     grads = trace.gradient_bytes

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from oomdoctor.plans.parallel import Layout, Strategy
 from oomdoctor.plans.recommend.cost import (BACKWARD_SHARE, CHECKPOINT_RECOMPUTE, StepTime,
-                                      throughput)
+                                      dequant_seconds, throughput)
 from oomdoctor.plans.recommend.machine import Hardware
 from oomdoctor.sim.trace import Trace
 
@@ -40,7 +40,8 @@ def node_step_time(layout: Layout, trace: Trace, strategy: Strategy, hw: Hardwar
                    ) -> StepTime:
     """Seconds per optimizer step on ``hw.nodes`` machines (``strategy.num_gpus`` in all)."""
     flops = layout.flops_per_sample * micro_batch * (1 + CHECKPOINT_RECOMPUTE * checkpointing)
-    t_micro = flops / throughput(hw.gpu, precision)
+    t_micro = flops / throughput(hw.gpu, precision) + dequant_seconds(layout, hw.gpu,
+                                                                      checkpointing)
     compute = grad_accum * t_micro
     n, g, nodes = strategy.num_gpus, strategy.per_node, strategy.nodes
     intra = hw.link_gbps * 1e9
