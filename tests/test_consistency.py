@@ -96,3 +96,19 @@ def test_a_lora_device_map_names_the_base_model(tmp_path):
     s = CliRunner().invoke(cli, ["smoke", DEEP, "--lora", "4", "--strategy", "pipeline2",
                                  "--device-map", path, "-b", "4", "--steps", "2"])
     assert s.exit_code == 0, s.output
+
+
+def test_link_is_an_option_wherever_gpus_are_planned():
+    """A user with NVLink-bridged 3090s could say so only to recommend: probe's multi-GPU plan
+    assumed no P2P for a GeForce card, and parallel never said what it assumed."""
+    tiny = os.path.join(HERE, "..", "sample_models", "tiny_mlp.py")
+    probe = CliRunner().invoke(cli, ["probe", tiny, "--gpu", "rtx3090", "--num-gpus", "2",
+                                     "--link", "nvlink", "--json", "-j", "1"])
+    assert probe.exit_code == 0, probe.output
+    assert json.loads(probe.stdout)["multi_gpu_plan"]["link"] == "nvlink"
+    base = ["parallel", DEEP, "--gpus", "2", "-b", "8", "--gpu", "rtx3090"]
+    geforce = CliRunner().invoke(cli, base)
+    assert "GPUs linked by pcie-no-p2p" in geforce.output
+    assert "dp: these GPUs have no peer-to-peer access" in geforce.output
+    bridged = CliRunner().invoke(cli, [*base, "--link", "nvlink", "--json"])
+    assert json.loads(bridged.stdout)["link"] == "nvlink"

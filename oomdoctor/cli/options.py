@@ -523,3 +523,16 @@ def _mp_policy(mp_policy: bool | None, precision: str, strategies) -> bool:
         raise click.UsageError("--mp-policy models FSDP2's bf16 MixedPrecisionPolicy: use it "
                                "with --precision bf16")
     return True
+
+
+# GPU-to-GPU links (oomdoctor.plans.recommend.LINKS; spelled out so --help never imports torch)
+LINKS = ("pcie-no-p2p", "pcie", "nvlink")
+
+
+def _link_option(f):
+    """--link: the GPU-to-GPU link every command that plans several GPUs assumes."""
+    return click.option(
+        "--link", type=click.Choice(LINKS),
+        help="GPU-to-GPU link (default: detected, else pcie-no-p2p for GeForce cards, whose "
+             "boards report P2P 'Not Supported'; --link nvlink for a bridged pair).")(f)
+

@@ -1,6 +1,7 @@
 """The multi-GPU commands: `oomdoctor parallel`, `split`, `recommend` and `smoke`."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -12,7 +13,7 @@ from oomdoctor.cli.script import model_source_only
 from oomdoctor.cli.options import (_alloc_config, _card_options, _check_plot_file, _detect_gpus,
                                    _die, _load_model, _make_budget, _mp_policy,
                                    _mp_policy_option, _num_gpus, _progress, _torch_config,
-                                   _checkpoint_config,
+                                   _checkpoint_config, _link_option, LINKS,
                                    _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
 from oomdoctor.configs import (MODEL_PROTOCOL, NODE_STRATEGY_CHOICES, PRECISIONS,
@@ -21,7 +22,7 @@ from oomdoctor.configs import (MODEL_PROTOCOL, NODE_STRATEGY_CHOICES, PRECISIONS
 # --- parallel, split, recommend, smoke (section owned by the multi-GPU modules' author) ---
 # Choices spelled out here so that --help never imports torch; tests/test_parallel.py checks
 # them against oomdoctor.plans.parallel.STRATEGIES and oomdoctor.plans.recommend.LINKS.
-LINK_CHOICES = ("pcie-no-p2p", "pcie", "nvlink")
+LINK_CHOICES = LINKS
 INTER_NODE_CHOICES = ("ib", "ethernet")          # oomdoctor.plans.recommend.INTER_NODE_GBPS
 _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default=True,
                       help="Machines, each with --num-gpus GPUs (plans and launch lines for "
@@ -42,10 +43,11 @@ _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default
 @click.option("--bucket-view", is_flag=True,
               help="DDP with gradient_as_bucket_view=True (no second copy of the gradients).")
 @_mp_policy_option
+@_link_option
 @_card_options
 def parallel_command(model_file, batch_size, precision, checkpointing, grad_accum, strategies,
-                     bucket_view, mp_policy, gpu_name, memory, num_gpus, overhead, other_mem,
-                     margin, alloc_conf, checkpoint_class, optimizer, as_json, debug):
+                     bucket_view, mp_policy, link, gpu_name, memory, num_gpus, overhead,
+                     other_mem, margin, alloc_conf, checkpoint_class, optimizer, as_json, debug):
     """Per-GPU memory of single, DDP, DataParallel, ZeRO-1/2/3 (FSDP) and a 2-GPU split.
 
     \b
@@ -71,8 +73,18 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
+    report = dataclasses.replace(report, link=_assumed_link(link, budget, gpu_name, memory, n))
     click.echo(json.dumps(report.to_json(), indent=2) if as_json else par.render_report(report))
     sys.exit(EXIT_OK if any(e.fits for e in report.estimates) else EXIT_PROBLEM)
+
+
+def _assumed_link(link, budget, gpu_name, memory, num_gpus) -> str:
+    """--link, else the detected GPUs' link, else the card's default (GeForce: no P2P)."""
+    from oomdoctor.plans.recommend.machine import default_link
+    if link:
+        return link
+    detected = _detect_gpus(gpu_name, memory, num_gpus)
+    return (detected[2] if detected and detected[2] else None) or default_link(budget.gpu)
 
 
 @cli.command("split", epilog=MODEL_PROTOCOL)

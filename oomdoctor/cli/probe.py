@@ -11,8 +11,8 @@ from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _check_plot_file,
                                    _checkpoint_config, _detect_gpus, _die, _load_model,
                                    _make_budget,
-                                   _modelled_torch, _mp_policy, _mp_policy_option, _progress,
-                                   _slow_trace_progress, _wants_longest_context,
+                                   _link_option, _modelled_torch, _mp_policy,
+                                   _mp_policy_option, _progress, _slow_trace_progress, _wants_longest_context,
                                    _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_run
 from oomdoctor.cli.script import input_options as script_input_options
@@ -241,11 +241,12 @@ def _write_snapshots(files, debug):
                    "against the budget, labelled with that batch: FILE.png, .svg or .html "
                    "(needs matplotlib: the plot extra).")
 @_mp_policy_option
+@_link_option
 @script_input_options
 @_budget_options
 def probe(model_words, precisions, checkpointing, max_batch_size, context_batch, jobs, strategy,
           num_gpus,
-          target_batch, run_smoke, device, snapshot_file, plot_file, mp_policy, cpus,
+          target_batch, run_smoke, device, snapshot_file, plot_file, mp_policy, link, cpus,
           skip_input, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
@@ -305,7 +306,7 @@ def probe(model_words, precisions, checkpointing, max_batch_size, context_batch,
     plan, failed = None, None
     if strategy == "single":
         plan, failed = _plan_if_several_gpus(spec, best, budget, alloc, base, gpu_name, memory,
-                                             num_gpus, target_batch, jobs)
+                                             link, num_gpus, target_batch, jobs)
     smoke = None
     if run_smoke and best is not None:
         smoke = _smoke_best(spec, best, checkpoint_class, grad_accum, optimizer, budget, alloc,
@@ -397,7 +398,7 @@ def _probe_matrix(model_file, precisions, checkpointing, max_batch_size, jobs, s
     return spec, base, result
 
 
-def _plan_if_several_gpus(spec, best, budget, alloc, base, gpu_name, memory, num_gpus,
+def _plan_if_several_gpus(spec, best, budget, alloc, base, gpu_name, memory, link, num_gpus,
                           target_batch, jobs):
     """The multi-GPU plan of a single-GPU probe, when --num-gpus or the detected GPUs make
     more than one, or why it failed as (error, exit code): a failure there never hides the
@@ -408,8 +409,8 @@ def _plan_if_several_gpus(spec, best, budget, alloc, base, gpu_name, memory, num
         return None, None
     from oomdoctor.models.spec import ModelFileError
     try:
-        return _multi_gpu_plan(spec, best, budget, alloc, base, n, detected, target_batch,
-                               jobs), None
+        return _multi_gpu_plan(spec, best, budget, alloc, base, n, detected, link,
+                               target_batch, jobs), None
     except ModelFileError as e:
         return None, (e, EXIT_MODEL)
     except ValueError as e:
@@ -484,7 +485,8 @@ def _render_probe(result, strategy, best, plan, smoke, as_json, snapshots=None, 
         click.echo(estimate_mod.traced_with_text(result.traced_with))
 
 
-def _multi_gpu_plan(spec, best, budget, alloc, base, num_gpus, detected, target_batch, jobs):
+def _multi_gpu_plan(spec, best, budget, alloc, base, num_gpus, detected, link, target_batch,
+                    jobs):
     """The end of a single-GPU probe on N > 1 GPUs: the recommended precision and
     checkpointing (``best``), planned across every strategy (recommend.recommend, restricted)."""
     from dataclasses import replace as dc_replace
@@ -495,7 +497,7 @@ def _multi_gpu_plan(spec, best, budget, alloc, base, num_gpus, detected, target_
     precisions = [best.precision] if best is not None else None
     checkpointing = [best.checkpointing] if best is not None else None
     click.echo(f"planning {num_gpus} GPUs for an effective batch of {target_batch}", err=True)
-    hw = rec.hardware(budget.gpu, num_gpus, detected[2] if detected else None,
+    hw = rec.hardware(budget.gpu, num_gpus, link or (detected[2] if detected else None),
                       detected is not None)
     return rec.recommend(spec, hw, target_batch, budget, precisions, None, alloc,
                          dc_replace(base, grad_accum=1), checkpointing,

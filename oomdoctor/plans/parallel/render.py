@@ -41,7 +41,8 @@ def render_report(r: ParallelReport) -> str:
                      colalign=("left", "left", "left") + ("right",) * 7 + ("left", "right"))
     conf = (f"PYTORCH_CUDA_ALLOC_CONF={r.allocator}" if r.allocator
             else "PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's defaults)")
-    lines = [head, f"allocator: {conf}", verdict, "", table,
+    link = f"; GPUs linked by {r.link}" if r.link else ""
+    lines = [head, f"allocator: {conf}{link}", verdict, "", table,
              f"({unit} per GPU at its peak; peak = max_memory_reserved + CUDA context)"]
     for s, peak in r.expandable_fits:
         lines.append(f"{s}: would fit with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
@@ -60,6 +61,10 @@ def render_report(r: ParallelReport) -> str:
             p = e.partition
             lines.append(f"{e.strategy}: GPU 0 runs {_span(p.stages[0])}, GPU 1 runs "
                          f"{_span(p.stages[1])}; {prose_size(p.boundary_bytes)} cross per micro-batch")
+    if r.link == "pcie-no-p2p" and any(e.strategy == "dp" for e in r.estimates):
+        lines.append("dp: these GPUs have no peer-to-peer access (--link pcie-no-p2p): "
+                     "DataParallel's per-step weight broadcast from GPU 0 hangs or crawls here; "
+                     "DDP needs no P2P")
     for s, m in r.errors:
         lines.append(f"{s}: not estimated - {m}")
     return "\n".join(lines)

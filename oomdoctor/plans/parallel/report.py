@@ -43,6 +43,7 @@ class ParallelReport:
     # strategies that do not fit as assumed but would with expandable segments: (strategy,
     # the fullest GPU's peak there)
     expandable_fits: tuple[tuple[str, int], ...] = ()
+    link: str = ""                 # the GPU-to-GPU link assumed (pcie-no-p2p | pcie | nvlink)
 
     @property
     def fitting(self) -> tuple[str, ...]:
@@ -70,7 +71,7 @@ class ParallelReport:
                 "checkpointing": self.checkpointing, "num_parameters": self.num_parameters,
                 "strategies": [e.to_json() for e in self.estimates],
                 "errors": [{"strategy": s, "error": m} for s, m in self.errors],
-                "allocator": self.allocator,
+                "allocator": self.allocator, "link": self.link,
                 "fits_with_expandable_segments": [{"strategy": s, "peak_device_bytes": b}
                                                   for s, b in self.expandable_fits],
                 "fits": list(self.fitting), "does_not_fit": list(self.not_fitting),
