@@ -203,3 +203,30 @@ def test_a_failed_multi_gpu_plan_never_hides_the_single_gpu_probe(monkeypatch):
     assert "max batch" in r.stdout and "recommended" in r.stdout
     assert "the 2-GPU plan could not be simulated (RuntimeError: _apply()" in r.stderr
     assert "single-GPU result above stands" in r.stderr
+
+
+def test_the_adapters_hint_on_several_gpus_runs_as_printed(tmp_path):
+    """Full fine-tuning fits nowhere, LoRA does not fit one card but fits the two under FSDP:
+    the hint says so (it offered one card only), and the command it prints gives its figure."""
+    import re
+    import shlex
+
+    from oomdoctor.cli import cli
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
+        "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 512,
+        "tie_word_embeddings": False}))
+    # an 80 MiB card (76 MiB budget): LoRA needs 84 MiB reserved on one, 70 MiB per GPU on two
+    args = ["recommend", str(d), "--seq-len", "64", "--num-gpus", "2", "--memory", "80MiB",
+            "--overhead", "0", "--json", "-j", "1"]
+    r = CliRunner().invoke(cli, args)
+    hint = next(a for a in json.loads(r.stdout)["alternatives"] if "adapters" in a)
+    assert "fits the 2 under FSDP (zero3)" in hint, hint
+    figure = float(re.search(r"([\d.]+) GiB on the fullest GPU", hint).group(1))
+    printed = re.search(r"`oomdoctor (parallel [^`]*)`", hint).group(1)
+    again = CliRunner().invoke(cli, [*shlex.split(printed), "--overhead", "0", "--json"])
+    [e] = json.loads(again.stdout)["strategies"]
+    assert round(e["gpus"][0]["device_peak_bytes"] / 2**30, 2) == figure
