@@ -25,10 +25,11 @@ def _spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable | No
           task: str | None, seq_len: int | None, lora: int | None,
           lora_targets: tuple[str, ...] | None, quantize: str | None,
           image_size: int | None = None, num_classes: int | None = None,
-          attn: str | None = None):
+          attn: str | None = None, weights_dtype: str | None = None):
     """The ModelSpec, trained with LoRA (QLoRA with ``quantize``) when ``lora`` is a rank."""
     import dataclasses
-    spec = _base_spec(model, batch, loss_fn, task, seq_len, image_size, num_classes, attn)
+    spec = _base_spec(model, batch, loss_fn, task, seq_len, image_size, num_classes, attn,
+                      weights_dtype)
     if lora is None:
         if quantize or lora_targets:
             raise ValueError("quantize= and lora_targets= need lora=RANK")
@@ -40,14 +41,15 @@ def _spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable | No
 
 def _base_spec(model: Any, batch: Callable[[int], Any] | None, loss_fn: Callable | None,
                task: str | None, seq_len: int | None, image_size: int | None,
-               num_classes: int | None, attn: str | None = None):
+               num_classes: int | None, attn: str | None = None,
+               weights_dtype: str | None = None):
     from oomdoctor.models.loader import load_model
     from oomdoctor.models.spec import ModelSpec
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, str):
         return load_model(model, task=task, seq_len=seq_len, image_size=image_size,
-                          num_classes=num_classes, attn=attn)
+                          num_classes=num_classes, attn=attn, weights_dtype=weights_dtype)
     if callable(model):
         if batch is None:
             raise ValueError("a model factory needs batch=, a function of the batch size that "
@@ -114,7 +116,7 @@ def estimate(model: Any = None, batch_size: int | None = None, *,
              quantize: str | None = None, arch: str | None = None,
              image_size: int | None = None, num_classes: int | None = None,
              torch: str | None = None, attn: str | None = None, checkpoint_every: int = 1,
-             checkpoint_policy: str = "full"):
+             checkpoint_policy: str = "full", weights_dtype: str | None = None):
     """Peak GPU memory of one training configuration (``oomdoctor estimate``): an
     :class:`oomdoctor.plans.estimate.Estimate`. ``gpu`` is a profile name (default rtx3090) or
     ``memory`` a card's capacity in bytes; ``overhead`` and ``other`` are bytes too.
@@ -126,7 +128,8 @@ def estimate(model: Any = None, batch_size: int | None = None, *,
     and the options of a model file's loop (precision, checkpointing, ...) do not apply.
     ``torch="2.3.1"`` models that release's CUDA facts (``--torch``; default: the installed
     torch), and ``zero_grad`` then defaults to what its ``optimizer.zero_grad()`` does.
-    ``attn`` sets a Hugging Face model's attention implementation (``--attn``).
+    ``attn`` sets a Hugging Face model's attention implementation (``--attn``),
+    ``weights_dtype`` the dtype its weights load in (``--weights-dtype``).
     ``checkpoint_every=N`` and ``checkpoint_policy="op"`` say how ``checkpointing=True``
     wraps the blocks (``--checkpoint-every``, ``--checkpoint-policy``)."""
     from oomdoctor.plans import estimate as estimate_mod
@@ -143,7 +146,7 @@ def estimate(model: Any = None, batch_size: int | None = None, *,
     if model is None or batch_size is None:
         raise ValueError("estimate() needs a model and batch_size=, or script=")
     spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize,
-                 image_size, num_classes, attn)
+                 image_size, num_classes, attn, weights_dtype)
     cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                       optimizer, zero_grad=zero_grad or _default_zero_grad(version),
                       steps=steps, torch=version,
@@ -164,14 +167,15 @@ def probe(model: Any = None, batch: Callable[[int], Any] | None = None, *,
           lora_targets: tuple[str, ...] | None = None, quantize: str | None = None,
           arch: str | None = None, image_size: int | None = None,
           num_classes: int | None = None, torch: str | None = None, attn: str | None = None,
-          checkpoint_every: int = 1, checkpoint_policy: str = "full"):
+          checkpoint_every: int = 1, checkpoint_policy: str = "full",
+          weights_dtype: str | None = None):
     """The largest batch that fits per precision x checkpointing (``oomdoctor probe``): a
     :class:`oomdoctor.plans.probe.ProbeResult`; ``oomdoctor.plans.probe.recommended(result)``
     picks the configuration to train with. ``progress`` hears one line per step of the search;
     ``lora=RANK`` (``lora_targets=``, ``quantize=``), ``image_size`` and ``num_classes`` as
     in :func:`estimate`. ``script=`` (with ``args=``): the largest batch a training script
     fits, by running it (a :class:`oomdoctor.plans.script_probe.ScriptProbe`). ``torch=``,
-    ``checkpoint_every=`` and ``checkpoint_policy=`` as in :func:`estimate` (the latter two
+    ``weights_dtype=``, ``checkpoint_every=`` and ``checkpoint_policy=`` as in :func:`estimate` (the latter two
     for the checkpointed configurations)."""
     from oomdoctor.plans import probe as probe_mod
     from oomdoctor.sim.allocator import AllocatorConfig
@@ -187,7 +191,7 @@ def probe(model: Any = None, batch: Callable[[int], Any] | None = None, *,
     if model is None:
         raise ValueError("probe() needs a model, or script=")
     spec = _spec(model, batch, loss_fn, task, seq_len, lora, lora_targets, quantize,
-                 image_size, num_classes, attn)
+                 image_size, num_classes, attn, weights_dtype)
     budget = _budget(gpu, memory, margin, overhead, other, arch)
     configs = probe_mod.matrix(budget.gpu, precisions or (), checkpointing)
     version = _version(torch)

@@ -56,6 +56,9 @@ CHECKPOINT_POLICIES = ("full", "op")
 QUANTIZATIONS = ("nf4", "fp4", "int8")
 # transformers' attention implementations a Hugging Face model can be built with (--attn)
 ATTENTIONS = ("eager", "sdpa", "flash_attention_2")
+# --weights-dtype: the dtype a Hugging Face model's weights are loaded in (auto: its config's, as
+# from_pretrained(dtype="auto") loads a checkpoint)
+WEIGHTS_DTYPES = {"auto": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 TASKS = ("causal-lm", "seq-cls", "masked-lm", "token-cls", "seq2seq-lm", "image-cls",
          "speech-seq2seq")
 STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2", "fsdp")

@@ -73,14 +73,16 @@ def test_grouped_query_lora_and_qlora(tmp_path, setup, adapters, batch, ckpt):
 
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_fsdp2_bf16_mixed_precision_policy(tmp_path, ckpt):
-    """`parallel CONFIG --strategy fsdp --gpus 1 --precision bf16 --mp-policy` on the fp32
-    model: allocated within 2% (1-2% low: about 68 MB of the real run are not modelled). The
-    autocast reading of the same run is 10% high, pure bf16 20% low (issue #31)."""
+    """`parallel CONFIG --strategy fsdp --gpus 1 --precision bf16` (the policy is bf16's
+    default under FSDP) on the fp32 model: allocated +0.03% and +0.001% (with checkpointing).
+    Before FSDP2's own allocations were modelled (plans/parallel/fsdp.py: the forward's
+    all-gather output held to the next copy-out, the reduce-scatter input to the next
+    post_backward) it was 1-2% low, about 68 MB missing. The autocast reading of the same run is
+    10% high, pure bf16 20% low (issue #31)."""
     spec = load_model(_config_dir(tmp_path, None), seq_len=4096)
     st = par.Strategy("zero3", 1, mixed_precision=True)
     pure = par.trace_precision(st, "bf16")
     trace = trace_for(spec, TraceConfig(1, pure, ckpt), H200.gpu)
     e = par.estimate_strategy(trace, par.model_layout(spec, pure), st, H200)
     measured = _record("fsdp2-bf16-mp", 1, ckpt)["max_memory_allocated"]
-    _close(e.gpus[0].peak_allocated_bytes, measured, 0.02)
-    assert e.gpus[0].peak_allocated_bytes < measured          # what is missing is missing
+    _close(e.gpus[0].peak_allocated_bytes, measured, 0.002)

@@ -8,7 +8,7 @@ import click
 from oomdoctor.cli.group import EXIT_USAGE
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.configs import (ATTENTIONS, CHECKPOINT_POLICIES, OPTIMIZERS, QUANTIZATIONS, TASKS,
-                               ZERO_GRAD_MODES)
+                               WEIGHTS_DTYPES, ZERO_GRAD_MODES)
 from oomdoctor.sim.gpus import PROFILES, card_for_arch, custom_profile, get_profile, parse_size
 
 
@@ -75,6 +75,11 @@ def _source_options(f):
                           "implementation (attn_implementation; default sdpa where the "
                           "architecture has it, else eager). eager keeps every layer's "
                           "attention probabilities for the backward."),
+        click.option("--weights-dtype", type=click.Choice(list(WEIGHTS_DTYPES)),
+                     expose_value=False, callback=_remember, is_eager=True,
+                     help="For a Hugging Face id or config: the dtype its weights load in "
+                          "(default: what the installed transformers' from_pretrained loads - "
+                          "the config's dtype since 5.0, float32 before; auto: the config's)."),
         click.option("--image-size", type=click.IntRange(1), metavar="PIXELS",
                      expose_value=False, callback=_remember, is_eager=True,
                      help="For timm:NAME / torchvision:NAME or a Hugging Face image classifier: "
@@ -130,7 +135,8 @@ def _load_model(source: str, longest: bool = False):
         seq_len = None
     return load_model(source, task=opts.get("task"), seq_len=seq_len, adapters=_adapters(opts),
                       image_size=opts.get("image_size"), num_classes=opts.get("num_classes"),
-                      keep_outputs=bool(opts.get("keep_outputs")), attn=opts.get("attn"))
+                      keep_outputs=bool(opts.get("keep_outputs")), attn=opts.get("attn"),
+                      weights_dtype=opts.get("weights_dtype"))
 
 
 def _wants_longest_context() -> bool:

@@ -15,6 +15,8 @@ log-mel window and label tokens. Needs ``pip install oomdoctor[hf]``.
 """
 from __future__ import annotations
 
+import re
+
 import os
 from typing import Any
 
@@ -44,9 +46,11 @@ def is_model_file(source: str) -> bool:
 
 def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
             image_size: int | None = None, num_classes: int | None = None,
-            attn: str | None = None) -> ModelSpec:
+            attn: str | None = None, weights_dtype: str | None = None) -> ModelSpec:
     """A :class:`ModelSpec` for a Hugging Face id, config folder or ``config.json``; ``attn``:
-    transformers' ``attn_implementation`` (default: SDPA where the architecture has it)."""
+    transformers' ``attn_implementation`` (default: SDPA where the architecture has it);
+    ``weights_dtype`` (configs.WEIGHTS_DTYPES): the dtype the weights load in (default: what the
+    installed release's ``from_pretrained`` loads, :func:`loaded_dtype`)."""
     try:
         import transformers
     except ImportError:
@@ -57,18 +61,20 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
     # around every estimate. Only its errors are let through from here on in this process.
     transformers.utils.logging.set_verbosity_error()
     config = _config(transformers, source)
+    dtype = loaded_dtype(transformers, config, weights_dtype)
     task = task or _task_of(config, source)
     auto_name, _ = TASKS[task]
     auto = getattr(transformers, auto_name)
     if task in IMAGE_TASKS or image_size or num_classes:
-        return _hf_images(source, config, task, auto, seq_len, image_size, num_classes, attn)
+        return _hf_images(source, config, task, auto, seq_len, image_size, num_classes, attn,
+                          dtype)
     if task == "speech-seq2seq":
-        return _hf_speech(source, config, auto, seq_len, attn)
+        return _hf_speech(source, config, auto, seq_len, attn, dtype)
     tokens = _tokens(source, config, seq_len)
     vocab = config.vocab_size
     num_labels = getattr(config, "num_labels", 2)
 
-    build_model = _builder(source, auto, config, attn)
+    build_model = _builder(source, auto, config, attn, dtype)
 
     def make_batch(batch_size: int) -> dict[str, Any]:
         import torch
@@ -88,7 +94,8 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
 
 
 def _hf_images(source: str, config: Any, task: str, auto: Any, seq_len: int | None,
-               image_size: int | None, num_classes: int | None, attn: str | None) -> ModelSpec:
+               image_size: int | None, num_classes: int | None, attn: str | None,
+               dtype: tuple[dict, str]) -> ModelSpec:
     """An image classifier from its config (ViT, ConvNeXt, Swin, ...): ``pixel_values`` at the
     config's ``image_size`` (or the one asked for) and class ``labels``; the model's own loss."""
     if task not in IMAGE_TASKS:
@@ -106,7 +113,7 @@ def _hf_images(source: str, config: Any, task: str, auto: Any, seq_len: int | No
     if num_classes:
         config.num_labels = num_classes       # the head to train, as from_pretrained(num_labels=)
     classes = config.num_labels
-    build_model = _builder(source, auto, config, attn)
+    build_model = _builder(source, auto, config, attn, dtype)
 
     def make_batch(batch_size: int) -> dict[str, Any]:
         import torch
@@ -117,8 +124,8 @@ def _hf_images(source: str, config: Any, task: str, auto: Any, seq_len: int | No
                      label=f"{_label(source)} ({task}, {size}x{size}, {classes} classes)")
 
 
-def _hf_speech(source: str, config: Any, auto: Any, seq_len: int | None, attn: str | None
-               ) -> ModelSpec:
+def _hf_speech(source: str, config: Any, auto: Any, seq_len: int | None, attn: str | None,
+               dtype: tuple[dict, str]) -> ModelSpec:
     """Whisper-style speech-to-text: ``input_features``, the log-mel spectrogram of a 30 s
     window (``num_mel_bins`` x twice ``max_source_positions`` frames: the encoder's strided
     convolution halves them), and ``labels`` of ``seq_len`` tokens (default and at most
@@ -135,30 +142,35 @@ def _hf_speech(source: str, config: Any, auto: Any, seq_len: int | None, attn: s
         import torch
         return {"input_features": torch.randn(batch_size, mels, 2 * frames),
                 "labels": torch.randint(0, config.vocab_size, (batch_size, tokens))}
-    return ModelSpec(path=source, build_model=_builder(source, auto, config, attn),
+    return ModelSpec(path=source, build_model=_builder(source, auto, config, attn, dtype),
                      make_batch=make_batch,
                      loss_fn=None, make_optimizer=None,
                      label=f"{_label(source)} (speech-seq2seq, {2 * frames} frames, "
                            f"{tokens} tokens)")
 
 
-def _builder(source: str, auto: Any, config: Any, attn: str | None):
+def _builder(source: str, auto: Any, config: Any, attn: str | None,
+             dtype: tuple[dict, str] = ({}, "")):
     def build_model():
+        kwargs, note = dtype
         if attn is not None:
-            return _with_attention(source, auto, config, attn)
-        # SDPA where the architecture has it (what transformers picks on a GPU), else eager.
-        try:
-            return auto.from_config(config, attn_implementation="sdpa")
-        except (ValueError, ImportError):
-            # named: the refused attempt has already written "sdpa" into the config
-            return auto.from_config(config, attn_implementation="eager")
+            model = _with_attention(source, auto, config, attn, kwargs)
+        else:
+            # SDPA where the architecture has it (what transformers picks on a GPU), else eager.
+            try:
+                model = auto.from_config(config, attn_implementation="sdpa", **kwargs)
+            except (ValueError, ImportError):
+                # named: the refused attempt has already written "sdpa" into the config
+                model = auto.from_config(config, attn_implementation="eager", **kwargs)
+        model._oomdoctor_weights_note = note      # read by oomdoctor.sim.libraries
+        return model
     return build_model
 
 
-def _with_attention(source: str, auto: Any, config: Any, attn: str) -> Any:
+def _with_attention(source: str, auto: Any, config: Any, attn: str, kwargs: dict) -> Any:
     """The model with the attention implementation asked for, or a one-line refusal."""
     try:
-        return auto.from_config(config, attn_implementation=attn)
+        return auto.from_config(config, attn_implementation=attn, **kwargs)
     except (ValueError, ImportError) as e:
         why = str(e).strip().splitlines()[0]
         fix = ("flash-attn is not importable here; --attn sdpa traces CUDA's flash kernel, "
@@ -166,6 +178,42 @@ def _with_attention(source: str, auto: Any, config: Any, attn: str) -> Any:
                if attn == "flash_attention_2" else "pass --attn eager or sdpa")
         raise ModelFileError(f"{source}: transformers cannot build it with "
                              f"attn_implementation={attn!r} ({why}); {fix}") from None
+
+
+def loaded_dtype(transformers: Any, config: Any, weights_dtype: str | None
+                 ) -> tuple[dict, str]:
+    """(from_config's dtype keyword, the note saying which dtype the weights load in and why).
+
+    ``from_pretrained`` loads a checkpoint in its config's dtype by default since transformers
+    5 (``dtype="auto"``) and in float32 before it (modeling_utils.py); ``from_config`` follows
+    the same rule in each release, so the default passes nothing. ``weights_dtype`` names one
+    (``auto``: the config's, as ``dtype="auto"`` does)."""
+    import torch
+    release = transformers.__version__
+    major_minor = tuple(int(x) for x in re.findall(r"\d+", release)[:2])
+    keyword = "dtype" if major_minor >= (4, 56) else "torch_dtype"   # renamed in 4.56
+    own = getattr(config, "dtype", None) if major_minor >= (4, 56) else None
+    own = own or getattr(config, "torch_dtype", None)
+    named = str(own).removeprefix("torch.") if own is not None else None
+    change = "; --weights-dtype fp32|bf16|fp16|auto sets it"
+    if weights_dtype is None:
+        if major_minor >= (5, 0):
+            loaded = named or "float32"
+            why = (f"its config's dtype, which transformers {release}'s from_pretrained loads "
+                   "by default (dtype='auto')" if named else
+                   f"its config names no dtype, and transformers {release} loads float32")
+        else:
+            loaded = "float32"
+            why = (f"transformers {release}'s from_pretrained loads float32 unless given "
+                   f"torch_dtype" + (f" (the config's is {named})" if named else ""))
+        return {}, f"weights loaded as {loaded}: {why}{change}"
+    if weights_dtype not in configs.WEIGHTS_DTYPES:
+        raise ModelFileError(f"unknown --weights-dtype {weights_dtype!r}; choose one of "
+                             f"{', '.join(configs.WEIGHTS_DTYPES)}")
+    loaded = configs.WEIGHTS_DTYPES[weights_dtype] or named or "float32"
+    why = ("its config's dtype (--weights-dtype auto, from_pretrained(dtype='auto'))"
+           if weights_dtype == "auto" else f"--weights-dtype {weights_dtype}")
+    return {keyword: getattr(torch, loaded)}, f"weights loaded as {loaded}: {why}"
 
 
 def _label(source: str) -> str:

@@ -36,7 +36,7 @@ from oomdoctor.models.spec import ModelFileError, ModelSpec, first_line, moves_t
 def load_model(source: str, *, task: str | None = None, seq_len: int | None = None,
                adapters: Any = None, image_size: int | None = None,
                num_classes: int | None = None, keep_outputs: bool = False,
-               attn: str | None = None) -> ModelSpec:
+               attn: str | None = None, weights_dtype: str | None = None) -> ModelSpec:
     """A model file (``.py``), a Hugging Face id / config folder / ``config.json`` (``task``
     and ``seq_len`` apply to those; ``image_size`` and ``num_classes`` to its image
     classifiers), or ``timm:NAME`` / ``torchvision:NAME`` (``image_size``, ``num_classes``);
@@ -44,12 +44,17 @@ def load_model(source: str, *, task: str | None = None, seq_len: int | None = No
     (:class:`oomdoctor.models.adapters.Adapters`): train it with LoRA / on 4-bit weights.
     ``keep_outputs``: the loop keeps last step's outputs (as the file's KEEP_OUTPUTS does).
     ``attn``: a Hugging Face model's attention implementation (eager, sdpa,
-    flash_attention_2)."""
+    flash_attention_2); ``weights_dtype``: the dtype its weights load in (configs.WEIGHTS_DTYPES;
+    default: what the installed transformers loads)."""
     is_vision = vision.is_vision(source)
     if attn is not None and (is_vision or source.endswith(".py")):
         raise ModelFileError(f"{source}: --attn sets a Hugging Face model's attention "
                              "implementation; a model file or a timm/torchvision model builds "
                              "its own")
+    if weights_dtype is not None and (is_vision or source.endswith(".py")):
+        raise ModelFileError(f"{source}: --weights-dtype sets the dtype a Hugging Face model "
+                             "loads in; a model file or a timm/torchvision model builds its own "
+                             "(cast it in build_model, or train with --precision bf16-pure)")
     if (task or seq_len) and is_vision:
         raise ModelFileError(f"{source}: --task and --seq-len apply to Hugging Face models; "
                              "an image model takes --image-size and --num-classes")
@@ -65,11 +70,12 @@ def load_model(source: str, *, task: str | None = None, seq_len: int | None = No
                                  "a model file makes its own batch in make_batch(batch_size)")
         spec = load_model_file(source)
     else:
-        spec = huggingface.load_hf(source, task, seq_len, image_size, num_classes, attn)
+        spec = huggingface.load_hf(source, task, seq_len, image_size, num_classes, attn,
+                                   weights_dtype)
     keep = spec.keep_outputs or keep_outputs
     return dataclasses.replace(spec, adapters=adapters, keep_outputs=keep,
                                origin=(source, task, seq_len, image_size, num_classes, keep,
-                                       attn))
+                                       attn, weights_dtype))
 
 
 def for_process(spec: ModelSpec, start_method: str) -> ModelSpec | tuple:
@@ -90,9 +96,9 @@ def command_line(spec: ModelSpec) -> str:
     says its own)."""
     if spec.origin is None:
         return spec.path
-    source, task, seq_len, image_size, num_classes, keep, attn = spec.origin
+    source, task, seq_len, image_size, num_classes, keep, attn, dtype = spec.origin
     flags = [("--task", task), ("--seq-len", seq_len), ("--image-size", image_size),
-             ("--num-classes", num_classes), ("--attn", attn)]
+             ("--num-classes", num_classes), ("--attn", attn), ("--weights-dtype", dtype)]
     return " ".join([shlex.quote(source)] + [f"{k} {v}" for k, v in flags if v is not None]
                     + (["--keep-outputs"] if keep else []))
 
@@ -101,10 +107,10 @@ def in_process(source: ModelSpec | tuple) -> ModelSpec:
     """The spec in a child process, from :func:`for_process`."""
     if isinstance(source, ModelSpec):
         return source
-    (path, task, seq_len, image_size, num_classes, keep, attn), adapters = source
+    (path, task, seq_len, image_size, num_classes, keep, attn, dtype), adapters = source
     return load_model(path, task=task, seq_len=seq_len, adapters=adapters,
                       image_size=image_size, num_classes=num_classes, keep_outputs=keep,
-                      attn=attn)
+                      attn=attn, weights_dtype=dtype)
 
 
 def load_model_file(path: str) -> ModelSpec:

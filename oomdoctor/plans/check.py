@@ -92,6 +92,7 @@ class Case:
     attn: str | None = None          # a Hugging Face model's attention implementation (--attn)
     checkpoint_every: int | None = None   # with checkpointing: every N-th block ...
     checkpoint_policy: str | None = None  # ... whole or per op (--checkpoint-every/-policy)
+    weights_dtype: str | None = None # a Hugging Face model's load dtype (--weights-dtype)
 
     def config(self) -> dict[str, Any]:
         """What defines the numbers: a change here makes the baseline stale. (task, seq_len and
@@ -107,7 +108,7 @@ class Case:
                 del d["batch_size"]
         for key in ("task", "seq_len", "lora", "lora_targets", "quantize", "image_size",
                     "num_classes", "command", "torch", "attn", "checkpoint_every",
-                    "checkpoint_policy"):
+                    "checkpoint_policy", "weights_dtype"):
             if d[key] is None:
                 del d[key]
         return d
@@ -228,7 +229,7 @@ def load_config(path: str | None = None) -> CheckConfig:
         known = {"model", "batch_size", "precision", "checkpointing", "grad_accum", "optimizer",
                  "strategy", "gpu", "budget", "margin", "tolerance", "task", "seq_len",
                  "lora", "lora_targets", "quantize", "image_size", "num_classes", "command",
-                 "torch", "attn", "checkpoint_every", "checkpoint_policy"}
+                 "torch", "attn", "checkpoint_every", "checkpoint_policy", "weights_dtype"}
         unknown = set(s) - known
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: "
@@ -272,6 +273,8 @@ def load_config(path: str | None = None) -> CheckConfig:
         cases[-1] = _with_checkpointing(_with_torch(cases[-1], s, where), s, where)
         if "attn" in s:
             cases[-1] = replace(cases[-1], attn=s["attn"])
+        if "weights_dtype" in s:
+            cases[-1] = replace(cases[-1], weights_dtype=s["weights_dtype"])
         if lora is None and (s.get("quantize") or s.get("lora_targets")):
             raise ConfigError(f"{where}: quantize and lora_targets need lora = RANK")
         try:
@@ -333,7 +336,7 @@ def _command_case(name: str, s: Any, where: str, tolerance: float) -> Case:
     loop_keys = set(s) & {"model", "precision", "checkpointing", "checkpoint_every",
                           "checkpoint_policy", "grad_accum", "optimizer",
                           "strategy", "task", "lora", "lora_targets", "quantize", "image_size",
-                          "num_classes", "attn"}
+                          "num_classes", "attn", "weights_dtype"}
     if loop_keys:
         raise ConfigError(f"{where}: {', '.join(sorted(loop_keys))} describe a model file's "
                           "loop; a `command` case's script decides them itself")
@@ -379,7 +382,7 @@ def measure_case(case: Case, root: str) -> Measured:
             # a path relative to the config's folder, else a Hugging Face id as written
             local = os.path.join(root, case.model)
             spec = load_model(local if os.path.exists(local) else case.model, task=case.task,
-                              attn=case.attn,
+                              attn=case.attn, weights_dtype=case.weights_dtype,
                               seq_len=case.seq_len, adapters=case.adapters(),
                               image_size=case.image_size, num_classes=case.num_classes)
             e = estimate(spec, _trace_config(case, case.batch_size), Budget(gpu, case.margin))

@@ -69,7 +69,7 @@ def longest_context(spec: ModelSpec, base: TraceConfig, budget: Budget,
     if spec.origin is None or spec.origin[0].endswith(".py") or vision.is_vision(spec.origin[0]):
         raise ModelFileError(f"{spec.name}: --seq-len max needs a Hugging Face id or config; "
                              "a model file makes its own batch (probe it at its length)")
-    source, task, attn = spec.origin[0], spec.origin[1], spec.origin[6]
+    source, task, attn, dtype = spec.origin[0], spec.origin[1], spec.origin[6], spec.origin[7]
     cap = huggingface.max_tokens(source)
     results = []
     for precision, ckpt in configs:
@@ -78,7 +78,7 @@ def longest_context(spec: ModelSpec, base: TraceConfig, budget: Budget,
 
         def trial(tokens: int) -> tuple[bool, int]:
             at = load_model(source, task=task, seq_len=tokens, adapters=spec.adapters,
-                            attn=attn)
+                            attn=attn, weights_dtype=dtype)
             progress(f"{label}: tracing {tokens} tokens")
             e = estimate(at, cfg, budget, alloc)
             return e.fits, e.peak_reserved_bytes

@@ -54,3 +54,11 @@ def attention_note(model: Any) -> str | None:
         return None
     return (f"attention: {attn} (transformers' attn_implementation; --attn "
             "eager|sdpa|flash_attention_2 for a Hugging Face id or config)")
+
+
+def weights_note(model: Any) -> str | None:
+    """Which dtype a Hugging Face model's weights were loaded in, and why (the note its builder
+    left: oomdoctor.models.huggingface.loaded_dtype). None for other models."""
+    note = getattr(model, "_oomdoctor_weights_note", None) if model is not None else None
+    return note if isinstance(note, str) and note else None
+

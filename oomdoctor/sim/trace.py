@@ -43,7 +43,7 @@ from oomdoctor.sim.stepping import (compile_notes, every_step, foreach_adam_befo
 from oomdoctor.sim.eager import fake_trace
 from oomdoctor.sim.labels import (allocator_events, label_activations, label_gradients,
                                   label_state)
-from oomdoctor.sim.libraries import attention_note, traced_versions
+from oomdoctor.sim.libraries import attention_note, traced_versions, weights_note
 from oomdoctor.sim.unroll import UnrollError
 from oomdoctor.sim.versions import TorchVersion
 from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec
@@ -582,8 +582,8 @@ def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
              if m.phase is Phase.OPTIMIZER and m.start < len(ends)]
     notes = foreach_measured(notes, defaults, steps, events, param_bytes,  # as traced
                              lambda h: rec.storages[h].category is Category.TEMPORARIES)
-    attention = attention_note(model)
-    notes = notes if attention is None else [attention, *notes]
+    said = [n for n in (weights_note(model), attention_note(model)) if n]
+    notes = [*said, *notes]
     return Trace(
         config=loop.cfg, events=events, storages=rec.storages, marks=tuple(marks),
         parameter_bytes=param_bytes,

@@ -42,7 +42,7 @@ def render_report(r: ParallelReport) -> str:
     conf = (f"PYTORCH_CUDA_ALLOC_CONF={r.allocator}" if r.allocator
             else "PYTORCH_CUDA_ALLOC_CONF unset (PyTorch's defaults)")
     link = f"; GPUs linked by {r.link}" if r.link else ""
-    lines = [head, f"allocator: {conf}{link}", verdict, "", table,
+    lines = [head, verdict, f"allocator: {conf}{link}", "", table,
              f"({unit} per GPU at its peak; peak = max_memory_reserved + CUDA context)"]
     for s, peak in r.expandable_fits:
         lines.append(f"{s}: would fit with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
