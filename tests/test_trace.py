@@ -401,6 +401,7 @@ from oomdoctor.models.loader import load_model_file
 from oomdoctor.sim.trace import TraceConfig, trace_training
 
 def cached_identity():
+    gc.unfreeze()        # the trace freezes what survives its collection (sim/trace._collect)
     return sum(1 for o in gc.get_objects() if callable(o) and
                getattr(o, "__dict__", {}).get("__dynamo_disable") is o)
 
@@ -427,6 +428,7 @@ opt.step()
 out["left_behind_after_real_step"] = cached_identity()
 # a trace now swaps those real wrappers for the function itself, and puts them back after
 def real_wrappers():
+    gc.unfreeze()
     return {id(o): id(o.__dict__["__dynamo_disable"]) for o in gc.get_objects() if callable(o) and
             getattr(o, "__dict__", {}).get("__dynamo_disable") not in (None, o)}
 before = real_wrappers()

@@ -10,6 +10,7 @@ peak to categories. The card's CUDA context lives outside the allocator and is a
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -236,10 +237,28 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
 
 def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
               optimizer_from: Trace | None = None, progress=None) -> Trace:
-    """Trace with the SDPA kernel choice of the target card."""
-    return trace_training(spec, replace(cfg, compute_capability=gpu.compute_capability,
-                                        gpu_arch=gpu.arch),
-                          optimizer_from=optimizer_from, progress=progress)
+    """Trace with the SDPA kernel choice of the target card. A trace depends on nothing but
+    its spec and configuration, so the last few of each spec are kept while the spec lives:
+    recommend asks again for the same pure-bf16 step (FSDP's bf16 policy and pure bf16 both
+    compute it) and for the configuration it verifies."""
+    cfg = replace(cfg, compute_capability=gpu.compute_capability, gpu_arch=gpu.arch)
+    if optimizer_from is not None:
+        return trace_training(spec, cfg, optimizer_from=optimizer_from, progress=progress)
+    kept = _TRACES.get(id(spec))
+    if kept is None or kept[0]() is not spec:
+        kept = (weakref.ref(spec, lambda _, i=id(spec): _TRACES.pop(i, None)), {})
+        _TRACES[id(spec)] = kept
+    traces = kept[1]
+    if cfg not in traces:
+        traces[cfg] = trace_training(spec, cfg, progress=progress)
+        while len(traces) > _KEEP_TRACES:
+            traces.pop(next(iter(traces)))
+    return traces[cfg]
+
+
+# id(spec) -> (a weak reference to it, its last traces by configuration, oldest first)
+_TRACES: dict[int, tuple[weakref.ref, dict[TraceConfig, Trace]]] = {}
+_KEEP_TRACES = 6
 
 
 def estimate(spec: ModelSpec, cfg: TraceConfig, budget: Budget,

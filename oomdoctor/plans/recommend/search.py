@@ -250,10 +250,15 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         else None,
         by_strategy, ref, tuple(floors), tuple(alternatives),
         tuple(_notes(best, candidates, names, hw, by_strategy, floors)
-              + [n for n in [other_process_note(budget)] if n]), tuple(errors),
+              + [n for n in [other_process_note(budget)] if n]
+              + ([FP16_SKIPPED] if gpu.bf16 and not precisions else [])), tuple(errors),
         _speedup(best, candidates), hw.nodes, hw.inter_node, hw.inter_node_gbps,
         _tensor_parallel(facts, hw, budget, allowed) if hw.nodes > 1 else (), offload,
         host_ram, host_ram_source, allocator_conf_string(alloc))
+
+
+FP16_SKIPPED = ("fp16 AMP not searched: on this card bf16 AMP takes the same memory, steps as "
+                "fast and needs no GradScaler (--precision fp16 to search it too)")
 
 
 def _allowed_precisions(gpu: GpuProfile, precisions: list[str] | None) -> list[str]:
@@ -261,7 +266,11 @@ def _allowed_precisions(gpu: GpuProfile, precisions: list[str] | None) -> list[s
     # fp16-pure only when asked for: where bf16 exists bf16-pure holds the same bytes with
     # fp32's range, and without it pure fp16 with no loss scaling is a risk the user takes
     # knowingly (see quality_notes), not one a search volunteers.
-    allowed = precisions or (["fp32", "fp16", "bf16", "bf16-pure"] if gpu.bf16
+    # fp16 AMP too only where there is no bf16: on a card with it, bf16 AMP holds the same
+    # bytes (fp16 adds its GradScaler's few), steps as fast, needs no loss scaling and wins
+    # every tie (configs.PRECISION_PREFERENCE) - searching it doubled the work for rows that
+    # always ranked second (FP16_SKIPPED says so; --precision fp16 searches it).
+    allowed = precisions or (["fp32", "bf16", "bf16-pure"] if gpu.bf16
                              else ["fp32", "fp16"])
     bad = [p for p in allowed if needs_bf16(p) and not gpu.bf16]
     if bad:
@@ -362,10 +371,28 @@ def _search_forked(spec: ModelSpec, hw: Hardware, budget: Budget, alloc: Allocat
     _WORKER = (spec, hw, budget, alloc, target, base)
     try:
         with forked_pool(processes) as pool:
-            futures = [pool.submit(_worker, p, ck, feasible[p]) for p, ck in configs]
-            return [f.result() for f in futures]
+            futures = {tuple(group): pool.submit(_worker_group, group, feasible)
+                       for group in _shared_traces(configs)}
+            done = {c: r for group, f in futures.items() for c, r in zip(group, f.result())}
+            return [done[c] for c in configs]
     finally:
         _WORKER = None
+
+
+def _shared_traces(configs: list[tuple[str, bool]]) -> list[list[tuple[str, bool]]]:
+    """The configurations in groups that one worker searches in turn: bf16 and bf16-pure at
+    the same checkpointing share their pure-bf16 traces (FSDP's bf16 policy computes the pure
+    step; trace_for keeps it), every other configuration alone. Largest groups first."""
+    groups: dict[tuple, list[tuple[str, bool]]] = {}
+    for p, ck in configs:
+        key = ("bf16", ck) if p in ("bf16", "bf16-pure") else (p, ck)
+        groups.setdefault(key, []).append((p, ck))
+    return sorted(groups.values(), key=len, reverse=True)
+
+
+def _worker_group(group: list[tuple[str, bool]], feasible: dict[str, list[Strategy]]
+                  ) -> list[tuple[list[Candidate], list[str]]]:
+    return [_worker(p, ck, feasible[p]) for p, ck in group]
 
 
 def _reference_point(best: Candidate | None, allowed: list[str], floors: list[Floor],
