@@ -62,3 +62,11 @@ def weights_note(model: Any) -> str | None:
     note = getattr(model, "_oomdoctor_weights_note", None) if model is not None else None
     return note if isinstance(note, str) and note else None
 
+
+def weight_dtypes(params) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The dtypes of the trainable and of the frozen weights (bitsandbytes' packed 4-bit
+    storage reads as its container dtype, uint8 by default)."""
+    seen: tuple[dict, dict] = ({}, {})
+    for p in params:
+        seen[0 if p.requires_grad else 1][str(p.dtype).removeprefix("torch.")] = None
+    return tuple(seen[0]), tuple(seen[1])

@@ -39,10 +39,10 @@ from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError, first_line, user_frame
 from oomdoctor.sim import ddp, eager, emulate, fakecuda, values, versions
 from oomdoctor.sim.labels import allocator_events, label_activations, label_state
-from oomdoctor.sim.libraries import attention_note, traced_versions
+from oomdoctor.sim.libraries import attention_note, traced_versions, weight_dtypes
 from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
 from oomdoctor.sim.stepping import every_step, host_state, in_step, state_bytes, unique_storages
-from oomdoctor.sim.trace import Trace, TraceConfig, weight_dtypes
+from oomdoctor.sim.trace import Trace, TraceConfig
 
 
 class ScriptError(ModelFileError):

@@ -43,7 +43,7 @@ from oomdoctor.sim.stepping import (compile_notes, every_step, foreach_adam_befo
 from oomdoctor.sim.eager import fake_trace
 from oomdoctor.sim.labels import (allocator_events, label_activations, label_gradients,
                                   label_state)
-from oomdoctor.sim.libraries import attention_note, traced_versions, weights_note
+from oomdoctor.sim.libraries import attention_note, traced_versions, weight_dtypes, weights_note
 from oomdoctor.sim.unroll import UnrollError
 from oomdoctor.sim.versions import TorchVersion
 from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec
@@ -566,15 +566,6 @@ def _loop_notes(loop: _Loop, notes: list[str], defaults: list[str],
                      "the attention mask has padding) answered from the batch's real "
                      "values, as on the GPU")
     return notes
-
-
-def weight_dtypes(params) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The dtypes of the trainable and of the frozen weights (bitsandbytes' packed 4-bit
-    storage reads as its container dtype, uint8 by default)."""
-    seen: tuple[dict, dict] = ({}, {})
-    for p in params:
-        seen[0 if p.requires_grad else 1][str(p.dtype).removeprefix("torch.")] = None
-    return tuple(seen[0]), tuple(seen[1])
 
 
 def _result(loop: _Loop, model_state: tuple[dict[int, torch.Tensor], ...],
