@@ -112,3 +112,42 @@ def test_link_is_an_option_wherever_gpus_are_planned():
     assert "dp: these GPUs have no peer-to-peer access" in geforce.output
     bridged = CliRunner().invoke(cli, [*base, "--link", "nvlink", "--json"])
     assert json.loads(bridged.stdout)["link"] == "nvlink"
+
+
+def test_one_configuration_one_answer_in_every_command(tmp_path):
+    """zero3 on two GPUs in bf16 (FSDP's policy), a 26M-parameter Llama, as recommend plans it
+    (micro-batch 16 x 2 accumulation for an effective 64) and as parallel, estimate and probe see
+    the same configuration with the same allocator setting. recommend checks its plan with the
+    accumulation its launch line sets (before, it quoted one micro-batch's peak: 428 MB where
+    the run holds 484 MB); parallel and estimate agree to the byte; recommend is within one
+    2 MiB page of them (its traces come after others in the same process; the cause of that
+    page is not found); probe's largest batch is the largest one recommend could choose."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
+        "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 512,
+        "tie_word_embeddings": False}))
+    card = [str(folder), "--seq-len", "64", "--memory", "600MiB", "--overhead", "0",
+            "--precision", "bf16"]
+    rec = json.loads(CliRunner().invoke(cli, [
+        "recommend", *card, "--num-gpus", "2", "--strategy", "zero3", "--target-batch", "64",
+        "--json", "-j", "1"]).stdout)["best"]
+    assert (rec["strategy"], rec["checkpointing"], rec["micro_batch"], rec["grad_accum"]) == \
+        ("zero3", False, 16, 2)
+    same = [*card, "--alloc-conf", "expandable_segments:True", "-b", "16", "--grad-accum", "2",
+            "--json"]
+    par = json.loads(CliRunner().invoke(cli, ["parallel", *same, "--gpus", "2", "--strategy",
+                                              "zero3"]).stdout)
+    est = json.loads(CliRunner().invoke(cli, ["estimate", *same, "--strategy", "fsdp",
+                                              "--num-gpus", "2"]).stdout)
+    peak = par["strategies"][0]["gpus"][0]["device_peak_bytes"]
+    assert est["strategies"][0]["gpus"][0]["device_peak_bytes"] == peak
+    assert abs(rec["peak_device_bytes"] - peak) <= 2 * 2**20
+    probe = json.loads(CliRunner().invoke(cli, [
+        "probe", *card, "--alloc-conf", "expandable_segments:True", "--strategy", "fsdp",
+        "--num-gpus", "2", "--no-checkpointing", "--grad-accum", "2", "--json", "-j", "1"]).stdout)
+    [row] = probe["results"]
+    largest = row["max_batch_size"]
+    assert 16 <= largest < 32          # recommend's choices are the divisors of 64 / 2

@@ -485,16 +485,20 @@ def faster_pure_bf16_note(best: Candidate | None, candidates: list[Candidate]) -
 
 def _verified(spec: ModelSpec, candidates: list[Candidate], hw: Hardware, budget: Budget,
               alloc: AllocatorConfig, base: TraceConfig, progress: Progress) -> list[Candidate]:
-    """The ranking with its head checked by a direct trace at its micro-batch when the sizes were
-    extrapolated (as the probe checks its maximum); candidates that fail the check are dropped."""
+    """The ranking with its head checked by a direct trace at its micro-batch and accumulation
+    when the search's sizes were extrapolated or traced without accumulation (as the probe
+    checks its maximum); candidates that fail the check are dropped."""
     out = list(candidates)
     for _ in range(3):
-        if not out or not out[0].extrapolated:
+        if not out or not (out[0].extrapolated or out[0].grad_accum > 1):
             break
         c = out.pop(0)
         progress(f"checking {c.strategy} {c.precision} micro-batch {c.micro_batch} with a trace")
+        # with the plan's accumulation: from the second micro-batch on, the gradients (or
+        # their shards) of the first are alive through the forward and backward (two
+        # micro-batches show all of it; the launch line's --grad-accum K repeats it)
         cfg = replace(base, batch_size=c.micro_batch, precision=c.precision,
-                      checkpointing=c.checkpointing)
+                      checkpointing=c.checkpointing, grad_accum=min(c.grad_accum, 2))
         st = default_policy(Strategy(c.strategy, c.num_gpus, nodes=c.nodes), c.precision)
         cfg = replace(cfg, precision=trace_precision(st, c.precision))
         e = estimate_strategy(trace_for(spec, cfg, hw.gpu), model_layout(spec, cfg.precision),
