@@ -221,9 +221,12 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         ref = f"{p}{' + checkpointing' if ck else ''}, micro-batch {b} per GPU"
         progress(f"per-GPU memory of every strategy at {ref}" if detail
                  else f"tracing {ref} to count the GPUs that would fit")
+        # with the plan's accumulation, as _verified checks it: the table shows what the
+        # recommended run holds (and reuses that check's trace)
+        k = min(best.grad_accum, 2) if best is not None else 1
         try:
-            reference = _traced(spec, replace(base, batch_size=b, precision=p, checkpointing=ck),
-                                hw)
+            reference = _traced(spec, replace(base, batch_size=b, precision=p, checkpointing=ck,
+                                              grad_accum=k), hw)
         except ValueError as e:
             errors.append(str(e))
         if detail and reference is not None:
