@@ -292,10 +292,9 @@ _ASKS_ABOUT_VALUES: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _collect() -> None:
-    """gc.collect(), then freeze what survived: the imported libraries, the spec, the traces a
-    caller keeps are scanned once, not at every trace (recommend traces dozens of
-    configurations; with transformers loaded each full collection took 0.25 s). Garbage made
-    after the freeze - the previous trace's model and tensors - is still collected here."""
+    """gc.collect(), then freeze the survivors (libraries, spec, kept traces): scanned once, not
+    at every trace (each full collection took 0.25 s with transformers loaded). Later garbage is
+    still collected; what a freeze saw is freed by reference counts only."""
     gc.collect()
     gc.freeze()
 
