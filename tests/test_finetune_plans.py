@@ -230,3 +230,30 @@ def test_the_adapters_hint_on_several_gpus_runs_as_printed(tmp_path):
     again = CliRunner().invoke(cli, [*shlex.split(printed), "--overhead", "0", "--json"])
     [e] = json.loads(again.stdout)["strategies"]
     assert round(e["gpus"][0]["device_peak_bytes"] / 2**30, 2) == figure
+
+
+def test_the_one_card_adapters_hint_names_the_command_that_gives_its_figure(tmp_path):
+    """The hint said LoRA "needs 12.1 GiB" where `estimate` of what it suggested said 12.72 GiB
+    reserved (issue #32): it now names the estimate command of its own configuration
+    (precision, checkpointing, micro-batch 1, the allocator setting), and that command prints
+    the same figure."""
+    import re
+    import shlex
+
+    from oomdoctor.cli import cli
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
+        "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 512,
+        "tie_word_embeddings": False}))
+    # a 150 MiB card: full fine-tuning (420 MB of fp32 states) fits nowhere, LoRA fits one
+    r = CliRunner().invoke(cli, ["recommend", str(d), "--seq-len", "64", "--num-gpus", "2",
+                                 "--memory", "150MiB", "--overhead", "0", "--json", "-j", "1"])
+    hint = next(a for a in json.loads(r.stdout)["alternatives"] if "adapters" in a)
+    assert "on one custom" in hint, hint
+    figure = float(re.search(r"needs ([\d.]+) GiB reserved", hint).group(1))
+    printed = re.search(r"`oomdoctor (estimate [^`]*)`", hint).group(1)
+    again = CliRunner().invoke(cli, [*shlex.split(printed), "--overhead", "0", "--json"])
+    assert round(json.loads(again.stdout)["peak_reserved_bytes"] / 2**30, 2) == figure
