@@ -15,6 +15,7 @@ from oomdoctor.plans.recommend.records import Candidate
 from oomdoctor.plans.recommend.render import _rate
 from oomdoctor.plans.recommend.search import rank
 from oomdoctor.runs.smoke import SmokeConfig, host_bytes_needed
+from tiny_configs import LLAMA_26M, config_folder
 
 HERE = os.path.dirname(__file__)
 DEEP = os.path.join(HERE, "models", "deep_mlp.py")
@@ -122,14 +123,7 @@ def test_one_configuration_one_answer_in_every_command(tmp_path):
     the run holds 484 MB); parallel and estimate agree to the byte; recommend is within one
     2 MiB page of them (its traces come after others in the same process; the cause of that
     page is not found); probe's largest batch is the largest one recommend could choose."""
-    folder = tmp_path / "llama"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
-        "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
-        "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 512,
-        "tie_word_embeddings": False}))
-    card = [str(folder), "--seq-len", "64", "--memory", "600MiB", "--overhead", "0",
+    card = [config_folder(tmp_path, LLAMA_26M), "--seq-len", "64", "--memory", "600MiB", "--overhead", "0",
             "--precision", "bf16"]
     rec = json.loads(CliRunner().invoke(cli, [
         "recommend", *card, "--num-gpus", "2", "--strategy", "zero3", "--target-batch", "64",

@@ -26,6 +26,7 @@ import pytest
 from click.testing import CliRunner
 
 from oomdoctor.cli import EXIT_OK, cli
+from tiny_configs import LLAMA_26M, config_folder
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("transformers", "peft", "bitsandbytes")),
@@ -212,15 +213,9 @@ def test_the_adapters_hint_on_several_gpus_runs_as_printed(tmp_path):
     import shlex
 
     from oomdoctor.cli import cli
-    d = tmp_path / "llama"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
-        "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
-        "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 512,
-        "tie_word_embeddings": False}))
+    d = config_folder(tmp_path, LLAMA_26M)
     # an 80 MiB card (76 MiB budget): LoRA needs 84 MiB reserved on one, 70 MiB per GPU on two
-    args = ["recommend", str(d), "--seq-len", "64", "--num-gpus", "2", "--memory", "80MiB",
+    args = ["recommend", d, "--seq-len", "64", "--num-gpus", "2", "--memory", "80MiB",
             "--overhead", "0", "--json", "-j", "1"]
     r = CliRunner().invoke(cli, args)
     hint = next(a for a in json.loads(r.stdout)["alternatives"] if "adapters" in a)
@@ -241,15 +236,9 @@ def test_the_one_card_adapters_hint_names_the_command_that_gives_its_figure(tmp_
     import shlex
 
     from oomdoctor.cli import cli
-    d = tmp_path / "llama"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
-        "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
-        "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 512,
-        "tie_word_embeddings": False}))
+    d = config_folder(tmp_path, LLAMA_26M)
     # a 150 MiB card: full fine-tuning (420 MB of fp32 states) fits nowhere, LoRA fits one
-    r = CliRunner().invoke(cli, ["recommend", str(d), "--seq-len", "64", "--num-gpus", "2",
+    r = CliRunner().invoke(cli, ["recommend", d, "--seq-len", "64", "--num-gpus", "2",
                                  "--memory", "150MiB", "--overhead", "0", "--json", "-j", "1"])
     hint = next(a for a in json.loads(r.stdout)["alternatives"] if "adapters" in a)
     assert "on one custom" in hint, hint

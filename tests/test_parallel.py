@@ -21,21 +21,10 @@ from reference import allocator_peak
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 MLP_PATH = os.path.join(ROOT, "sample_models", "tiny_mlp.py")
+DEEP_MLP = os.path.join(ROOT, "tests", "models", "deep_mlp.py")   # seven Linear layers
 MLP = load_model_file(MLP_PATH)
 MLP_PARAMS = 399_370          # sample_models/README.md
 GPU = get_profile("rtx3090")
-
-DEEP_MLP = '''
-import torch, torch.nn as nn, torch.nn.functional as F
-WIDTH = 256
-def build_model():
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(6)], nn.Linear(WIDTH, 10))
-def make_batch(batch_size):
-    return torch.randn(batch_size, WIDTH), torch.randint(0, 10, (batch_size,))
-def loss_fn(model, batch):
-    x, y = batch
-    return F.cross_entropy(model(x), y)
-'''
 
 # DeepSpeed's layout for the ZeRO cross-check: 16-bit weights and gradients on the GPU, the
 # optimizer keeping fp32 master weights, both Adam moments and an fp32 gradient copy (the
@@ -78,9 +67,8 @@ def make_optimizer(params):
 @pytest.fixture(scope="module")
 def model_dir():
     with tempfile.TemporaryDirectory() as tmp:
-        for name, text in (("deep_mlp.py", DEEP_MLP), ("master_weights.py", MASTER_WEIGHTS)):
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
+        with open(os.path.join(tmp, "master_weights.py"), "w") as f:
+            f.write(MASTER_WEIGHTS)
         yield tmp
 
 
@@ -147,9 +135,9 @@ def _real_rank(rank, world, init, results, jobs):
 
 
 @pytest.fixture(scope="module")
-def real_runs(model_dir):
+def real_runs():
     """{job: [rank 0 peak, rank 1 peak]} from real 2-process CPU runs."""
-    deep = os.path.join(model_dir, "deep_mlp.py")
+    deep = DEEP_MLP
     jobs = [("ddp", MLP_PATH, "ddp", 64), ("zero1", MLP_PATH, "zero1", 64),
             ("zero2", deep, "zero2", 8), ("zero3", deep, "zero3", 8)]
     # spawn, not fork: a child forked from a pytest process that already ran many tests
@@ -200,14 +188,14 @@ def test_zero1_matches_zero_redundancy_optimizer_per_rank(real_runs):
 
 @pytest.mark.serial   # real 2-process gloo runs: their peaks move when the cores are shared
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_zero2_zero3_match_a_real_fsdp2_run(real_runs, model_dir, stage):
+def test_zero2_zero3_match_a_real_fsdp2_run(real_runs, stage):
     """FSDP2 on a CPU mesh over gloo. The real peak is noisy: gloo's collectives copy their
     full-size buffers on the CPU in gloo's own threads (NCCL works in place), at times that vary
     from run to run. ZeRO-2 (reshard_after_forward=False) was 0.91-1.03 of the measured peak
     over repeated runs: within 10%, two-sided. ZeRO-3 is FSDP2's own allocations to 100 bytes
     (tests/test_fsdp.py, over a process group that moves no data), so here it may only sit below
     gloo's peak (0.88-1.0 of it seen), never above. Both far below the single-GPU peak."""
-    path = os.path.join(model_dir, "deep_mlp.py")
+    path = DEEP_MLP
     [pred] = _predicted(path, stage, 8)
     [single] = _predicted(path, "single", 8)
     for measured in real_runs[stage]:

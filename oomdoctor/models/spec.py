@@ -7,6 +7,7 @@ file, the function and the fix (the CLI exits 3 on them).
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -95,3 +96,15 @@ def library_frame(e: BaseException) -> tuple[str, str] | None:
     package = f.filename.split(marker, 1)[1].split(os.sep, 1)[0]
     where = f"{os.path.basename(f.filename)}:{f.lineno}"
     return package, (f"{where} ({f.line.strip()})" if f.line else where)
+
+
+def kept_for(store: dict[int, tuple], spec: ModelSpec) -> dict:
+    """The dict of results ``store`` keeps for ``spec`` while it lives: a spec's traces and
+    layouts depend on nothing else, so repeated questions about it are answered once. The entry
+    goes when the spec is garbage collected (keyed by id, checked through a weak reference)."""
+    kept = store.get(id(spec))
+    if kept is None or kept[0]() is not spec:
+        kept = (weakref.ref(spec, lambda _, i=id(spec): store.pop(i, None)), {})
+        store[id(spec)] = kept
+    return kept[1]
+

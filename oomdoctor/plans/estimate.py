@@ -10,7 +10,6 @@ peak to categories. The card's CUDA context lives outside the allocator and is a
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -20,7 +19,7 @@ from oomdoctor.sim.allocator import AllocatorConfig, ReplayResult, replay
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.sim.libraries import versions_text
 from oomdoctor.models.script import ScriptSpec
-from oomdoctor.models.spec import ModelSpec
+from oomdoctor.models.spec import ModelSpec, kept_for
 from oomdoctor.sim.trace import Category, Trace, TraceConfig, trace_training
 from oomdoctor.sim.versions import TorchVersion
 from oomdoctor.sim.workspaces import workspace_marks
@@ -244,11 +243,7 @@ def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
     cfg = replace(cfg, compute_capability=gpu.compute_capability, gpu_arch=gpu.arch)
     if optimizer_from is not None:
         return trace_training(spec, cfg, optimizer_from=optimizer_from, progress=progress)
-    kept = _TRACES.get(id(spec))
-    if kept is None or kept[0]() is not spec:
-        kept = (weakref.ref(spec, lambda _, i=id(spec): _TRACES.pop(i, None)), {})
-        _TRACES[id(spec)] = kept
-    traces = kept[1]
+    traces = kept_for(_TRACES, spec)
     if cfg not in traces:
         traces[cfg] = trace_training(spec, cfg, progress=progress)
         while len(traces) > _KEEP_TRACES:
@@ -257,7 +252,7 @@ def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
 
 
 # id(spec) -> (a weak reference to it, its last traces by configuration, oldest first)
-_TRACES: dict[int, tuple[weakref.ref, dict[TraceConfig, Trace]]] = {}
+_TRACES: dict[int, tuple] = {}
 _KEEP_TRACES = 6
 
 

@@ -37,7 +37,8 @@ from oomdoctor.models.training import build_checked_model, compute_loss
 from oomdoctor.runs.ranks import collect_ranks
 # TOLERANCE, MemoryCheck and render_text are this module's too (smoke.X: the CLI, the tests).
 from oomdoctor.runs.smoke_result import TOLERANCE, MemoryCheck, SmokeResult, judge, render_text
-from oomdoctor.plans.parallel import NODE_STRATEGIES, STRATEGIES, StrategyEstimate, execution_blocks
+from oomdoctor.plans.parallel import (NODE_STRATEGIES, STRATEGIES, StrategyEstimate,
+                                      execution_blocks, policy_applies)
 
 DISTRIBUTED = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 Progress = Callable[[str], None]
@@ -226,7 +227,7 @@ def _fully_shard(model: torch.nn.Module, cfg: SmokeConfig, cuda: bool, world: in
                             mesh_dim_names=("replicate", "shard") if hsdp else None)
     reshard = strategy != "zero2"
     extra = {}
-    if _policy(cfg):              # the plan's bf16 (oomdoctor.plans.parallel.default_policy)
+    if _policy(cfg):              # the plan's bf16 (oomdoctor.plans.parallel.policy_applies)
         from torch.distributed.fsdp import MixedPrecisionPolicy
         extra["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                   reduce_dtype=torch.float32)
@@ -239,7 +240,7 @@ def _fully_shard(model: torch.nn.Module, cfg: SmokeConfig, cuda: bool, world: in
 
 def _policy(cfg: SmokeConfig) -> bool:
     """bf16 under FSDP (zero3, hsdp) runs as FSDP2's MixedPrecisionPolicy, as its plan does."""
-    return cfg.precision == "bf16" and cfg.strategy in ("zero3", "hsdp")
+    return policy_applies(cfg.strategy, cfg.precision)
 
 
 def _optimizer(spec: ModelSpec, cfg: SmokeConfig, model: torch.nn.Module) -> Any:

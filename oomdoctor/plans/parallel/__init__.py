@@ -70,12 +70,12 @@ from oomdoctor.plans.parallel.report import (ParallelReport, Progress, SplitPlan
 from oomdoctor.plans.parallel.results import BREAKDOWN_KEYS, GpuMemory, Partition, StrategyEstimate
 from oomdoctor.plans.parallel.strategy import (ALIASES, DESCRIPTIONS, NODE_STRATEGIES, STRATEGIES,
                                          Strategy, default_policy, parse_strategy,
-                                         trace_precision)
+                                         policy_applies, trace_precision)
 from oomdoctor.plans.parallel.timeline import Sizes
 
 __all__ = [
     "STRATEGIES", "NODE_STRATEGIES", "ALIASES", "DESCRIPTIONS", "parse_strategy", "Strategy",
-    "trace_precision", "default_policy",
+    "trace_precision", "default_policy", "policy_applies",
     "MAIN", "BlockInput", "Layout", "execution_blocks", "model_layout",
     "Sizes",
     "BREAKDOWN_KEYS", "GpuMemory", "Partition", "StrategyEstimate",

@@ -8,7 +8,7 @@ from collections import defaultdict
 from oomdoctor.sim.ddp import (DDP_BROADCAST_BUCKET_BYTES, DDP_BUCKET_BYTES,  # noqa: F401
                                DDP_FIRST_BUCKET_BYTES, chunks as _chunks, ddp_buckets)
 from oomdoctor.plans.parallel.events import _base, _Context, _Gpu
-from oomdoctor.plans.parallel.fsdp import fsdp
+from oomdoctor.plans.parallel.fsdp import _shard, fsdp
 from oomdoctor.plans.parallel.results import prose_size
 from oomdoctor.plans.parallel.strategy import Strategy
 from oomdoctor.sim.trace import Category, Phase
@@ -130,10 +130,6 @@ def zero_partition(numels: list[int], world: int) -> list[int]:
         rank[i] = r
         sizes[r] += numels[i]
     return rank
-
-
-def _shard(n: int, world: int) -> int:
-    return -(-n // world)
 
 
 def _zero(ctx: _Context, strategy: Strategy, stage: int) -> tuple[list[_Gpu], list[str]]:

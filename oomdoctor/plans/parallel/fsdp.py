@@ -59,8 +59,10 @@ class _Params:
         self.trainable = lay.param_trainable
         self.handle = {i: h for h, i in ctx.param_index.items() if i < lay.num_param_storages}
         self.traced: dict[int, float] = {}
+        self._units: dict[int, list[int]] = defaultdict(list)     # block -> its parameters
         for i, h in self.handle.items():
             self.traced[i] = ctx.trace.storages[h].nbytes / max(1, self.numel[i])
+            self._units[self.owner[i]].append(i)
         self.policy = strategy.mixed_precision
 
     def stored(self, i: int) -> float:
@@ -80,7 +82,7 @@ class _Params:
         return _shard(self.numel[i], self.world)
 
     def unit(self, block: int) -> list[int]:
-        return [i for i in self.handle if self.owner[i] == block]
+        return self._units.get(block, [])
 
     def gather_bytes(self, block: int) -> tuple[int, int, int]:
         """(unsharded parameters, flat all-gather output, cast copy-in buffer) of a block."""

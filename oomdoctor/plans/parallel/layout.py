@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
-from oomdoctor.models.spec import ModelSpec
+from oomdoctor.models.spec import ModelSpec, kept_for
 from oomdoctor.plans.parallel.passes import MAIN, Pass, run_pass
 from oomdoctor.plans.parallel.stack import cut_passes, span_of
 from oomdoctor.sim.repeat import MIN_BLOCKS
@@ -128,17 +127,14 @@ def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2, 
     own while it lives: `recommend` asks for the same one for each checkpointing setting and
     each candidate it checks."""
     key = (precision, batch_size, min_blocks)
-    kept = _KEPT.get(id(spec))
-    if kept is None or kept[0]() is not spec:
-        kept = (weakref.ref(spec, lambda _, i=id(spec): _KEPT.pop(i, None)), {})
-        _KEPT[id(spec)] = kept
-    if key not in kept[1]:
-        kept[1][key] = _layout(spec, precision, batch_size, min_blocks)
-    return kept[1][key]
+    layouts = kept_for(_KEPT, spec)
+    if key not in layouts:
+        layouts[key] = _layout(spec, precision, batch_size, min_blocks)
+    return layouts[key]
 
 
 # id(spec) -> (a weak reference to it, its layouts by (precision, batch size, min_blocks))
-_KEPT: dict[int, tuple[weakref.ref, dict[tuple, "Layout"]]] = {}
+_KEPT: dict[int, tuple] = {}
 
 
 def _layout(spec: ModelSpec, precision: str, batch_size: int, min_blocks: int | None

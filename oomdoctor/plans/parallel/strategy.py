@@ -105,12 +105,16 @@ class Strategy:
 MASTER_SCALE = 2            # fp32 / bf16
 
 
+def policy_applies(strategy: str, precision: str) -> bool:
+    """Whether the frameworks run ``precision`` under ``strategy`` as FSDP2's
+    MixedPrecisionPolicy: bf16 under zero3/hsdp (torchtitan, accelerate's FSDP plugin, the
+    Trainer's fsdp + bf16). The plan's code, its smoke run and its estimate all ask this."""
+    return precision == "bf16" and strategy in ("zero3", "hsdp")
+
+
 def default_policy(strategy: Strategy, precision: str) -> Strategy:
-    """``strategy`` as the frameworks run ``precision`` on it: bf16 under zero3/hsdp (FSDP) is
-    FSDP2's MixedPrecisionPolicy (torchtitan, accelerate's FSDP plugin, the Trainer's fsdp +
-    bf16), every other pairing as given."""
-    if precision == "bf16" and strategy.name in ("zero3", "hsdp") \
-            and not strategy.mixed_precision:
+    """``strategy`` as the frameworks run ``precision`` on it (:func:`policy_applies`)."""
+    if policy_applies(strategy.name, precision) and not strategy.mixed_precision:
         return replace(strategy, mixed_precision=True)
     return strategy
 

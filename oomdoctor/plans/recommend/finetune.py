@@ -82,8 +82,8 @@ def adapter_alternative(spec: ModelSpec, facts: _Facts, hw: Hardware, budget: Bu
 def _sharded(adapted: ModelSpec, cfg: TraceConfig, hw: Hardware, budget: Budget,
              alloc: AllocatorConfig, progress):
     """The adapted model under zero3 (FSDP) over every GPU, as `parallel` estimates it."""
-    from oomdoctor.plans.parallel import estimate_strategies
+    from oomdoctor.plans.parallel import estimate_strategies, policy_applies
     progress(f"tracing it under FSDP on {hw.num_gpus} GPUs")
     report = estimate_strategies(adapted, cfg, budget, hw.num_gpus, ["zero3"], alloc,
-                                 mixed_precision=cfg.precision == "bf16")
+                                 mixed_precision=policy_applies("zero3", cfg.precision))
     return report.estimates[0] if report.estimates else None

@@ -5,7 +5,7 @@ from typing import Any
 
 from oomdoctor.configs import PURE_QUALITY
 from oomdoctor.models.spec import ModelSpec
-from oomdoctor.plans.parallel import Strategy
+from oomdoctor.plans.parallel import Strategy, policy_applies
 from oomdoctor.plans.recommend.facts import _Facts
 from oomdoctor.plans.recommend.machine import Hardware
 from oomdoctor.plans.recommend.node_launch import sbatch_script, torchrun_lines
@@ -241,8 +241,8 @@ _POLICY = ["mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=t
 
 
 def uses_policy(c: Candidate) -> bool:
-    """bf16 under FSDP runs as FSDP2's MixedPrecisionPolicy, not autocast (default_policy)."""
-    return c.precision == "bf16" and c.strategy in ("zero3", "hsdp")
+    """bf16 under FSDP runs as FSDP2's MixedPrecisionPolicy, not autocast."""
+    return policy_applies(c.strategy, c.precision)
 
 
 def _data_parallel_lines(no_p2p: bool) -> list[str]:

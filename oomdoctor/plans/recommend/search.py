@@ -504,8 +504,8 @@ def _verified(spec: ModelSpec, candidates: list[Candidate], hw: Hardware, budget
                       checkpointing=c.checkpointing, grad_accum=min(c.grad_accum, 2))
         st = default_policy(Strategy(c.strategy, c.num_gpus, nodes=c.nodes), c.precision)
         cfg = replace(cfg, precision=trace_precision(st, c.precision))
-        e = estimate_strategy(trace_for(spec, cfg, hw.gpu), model_layout(spec, cfg.precision),
-                              st, budget, alloc, grad_accum=c.grad_accum)
+        e = estimate_strategy(*_traced(spec, cfg, hw), st, budget, alloc,
+                              grad_accum=c.grad_accum)
         if e.fits:
             out.insert(0, replace(c, peak_device_bytes=e.peak_device_bytes,
                                   per_gpu_bytes=tuple(g.device_peak_bytes for g in e.gpus),
