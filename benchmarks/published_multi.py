@@ -21,7 +21,7 @@ def main() -> None:
     print(f"{'run':<40} {'stat':<10} {'predicted GiB':>14} {'published GiB':>14} {'error':>8}")
     for row in ROWS:
         os.environ.update(row.env)
-        r = CliRunner().invoke(cli, row.command(model_path(row, root)))
+        r = CliRunner().invoke(cli, row.command(model_path(row, root), root))
         for key in row.env:
             os.environ.pop(key)
         if r.exit_code not in (0, 1):

@@ -65,6 +65,9 @@ STRATEGY_CHOICES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2
 # recommend and smoke also take hsdp (hybrid sharding, oomdoctor.plans.parallel.NODE_STRATEGIES), a
 # plan for several nodes (--nodes N).
 NODE_STRATEGY_CHOICES = STRATEGY_CHOICES + ("hsdp",)
+# parallel also takes DeepSpeed's ZeRO stages as DeepSpeed runs them
+# (oomdoctor.plans.parallel.DEEPSPEED_STRATEGIES), named on request or by --ds-config.
+DEEPSPEED_CHOICES = ("ds0", "ds1", "ds2", "ds3")
 
 # The model-file protocol, as `--help` prints it (the errors of oomdoctor.models.loader point here).
 MODEL_PROTOCOL = """\b

@@ -18,6 +18,21 @@ with its known gap.
    ``max_memory_allocated`` on rank 0 (the peak is the optimizer step's in both). Its LoRA and QLoRA rows on the same two GPUs are reported,
    not asserted: 6-8% above the trace, 0.38 GiB per sample more than the same benchmark's
    one-GPU rows, which oomdoctor meets within 0.5% (cause not found).
+4. DeepSpeedExamples training/bf16_master_weight (README at 516082c, PR #994; train.py rebuilt
+   as tests/models/ds_simple_transformer.py, its configs/baseline.json as DS_BASELINE): ZeRO-3
+   with DeepSpeed's bf16 mode (16-bit model, fp32 master weights and AdamW state in the
+   optimizer), ``max_memory_allocated`` per GPU since before the model was built (GiB: the
+   script divides by 1024**3). The 6.86B model (hidden 4096, 32 layers, 32 heads, micro-batch
+   1 x 512) on 4 GPUs with activation checkpointing: 31.38 GiB, asserted (the optimizer step's
+   peak). Without checkpointing 41.28 GiB, reported: the trace's backward holds 10 GiB less, about
+   the whole 16-bit model (12.8 GiB) gathered at once; why DeepSpeed keeps it gathered there
+   was not found. The 254M model (hidden 1024, 12 layers, 16 heads, micro-batch 4): 5.93 GiB on
+   one GPU, asserted; 3.57 GiB per GPU on four, reported (-7%).
+5. DeepSpeed-Chat step 1 (DeepSpeedExamples 3a77097, training_log_output/opt-1.3b-
+   globalBatchSize128.log): facebook/opt-1.3b, ZeRO-2 with fp16, micro-batch 8 x 512 padded
+   tokens, 16 GPUs (global batch 128 / 8), FusedAdam, eager attention (transformers of April
+   2023): MaxMemAllocated 22.95 GiB. Reported (-10%): the peak includes an evaluation pass, and
+   DeepSpeed 0.9 and transformers 4.28 differ from the releases modelled.
 3. torchtitan's Llama 3.1 8B benchmark (benchmarks/llama3_h100_202412_torchtitan.md, torchtitan
    9dec370): 8 x H100, local batch 2 x 8192 tokens, per-op checkpointing, policy bf16/fp32;
    *reserved* 82.4 GiB. Reported: reserved only, and FSDP's all-gather and reduce-scatter
@@ -25,6 +40,7 @@ with its known gap.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -41,6 +57,28 @@ TITAN_7B = {"TITAN_DIM": "4096", "TITAN_LAYERS": "32", "TITAN_HEADS": "32",
 TITAN_8B = {"TITAN_DIM": "4096", "TITAN_LAYERS": "32", "TITAN_HEADS": "32",
             "TITAN_KV_HEADS": "8", "TITAN_FFN": "14336", "TITAN_VOCAB": "128256",
             "TITAN_SEQ": "8192", "TITAN_LOSS_FP32": "1", "TITAN_HOLD_PRED": "0"}
+# DeepSpeedExamples training/bf16_master_weight/configs/baseline.json (its memory settings)
+DS_BASELINE = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+               "zero_optimization": {"stage": 3, "overlap_comm": True,
+                                     "contiguous_gradients": True, "reduce_bucket_size": 5e7,
+                                     "stage3_param_persistence_threshold": 0}}
+DS_7B = {"DS_HIDDEN": "4096", "DS_LAYERS": "32", "DS_HEADS": "32"}
+DS_254M = {"DS_HIDDEN": "1024", "DS_LAYERS": "12", "DS_HEADS": "16"}
+DS_SIMPLE = os.path.join(HERE, "models", "ds_simple_transformer.py")
+# DeepSpeed-Chat's get_train_ds_config at 3a77097, stage 2
+DS_CHAT_ZERO2 = {"train_batch_size": 128, "train_micro_batch_size_per_gpu": 8,
+                 "zero_optimization": {"stage": 2, "offload_param": {"device": "none"},
+                                       "offload_optimizer": {"device": "none"}},
+                 "fp16": {"enabled": True, "loss_scale_window": 100}, "gradient_clipping": 1.0}
+# facebook/opt-1.3b's config.json
+OPT_1_3B = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "activation_dropout": 0.0,
+            "activation_function": "relu", "attention_dropout": 0.0, "bos_token_id": 2,
+            "do_layer_norm_before": True, "dropout": 0.1, "eos_token_id": 2, "ffn_dim": 8192,
+            "hidden_size": 2048, "init_std": 0.02, "layerdrop": 0.0,
+            "max_position_embeddings": 2048, "num_attention_heads": 32,
+            "num_hidden_layers": 24, "pad_token_id": 1, "torch_dtype": "float16",
+            "use_cache": True, "vocab_size": 50272, "word_embed_proj_dim": 2048}
 FMS_LORA = ("--lora", "16", "--lora-targets", "q_proj,k_proj,v_proj,o_proj", "--lora-dropout",
             "0.1")
 
@@ -54,9 +92,18 @@ class Row:
     stat: str = "allocated"        # allocated | reserved (which peak the source published)
     env: dict = field(default_factory=dict)
     within: bool = True            # asserted within 5%; else reported with its known gap
+    ds_config: dict | None = None  # a DeepSpeed run's config (--ds-config); else FSDP
 
-    def command(self, model_path: str) -> list[str]:
-        return ["parallel", model_path, *self.options, "--strategy", "fsdp", "--json"]
+    def command(self, model_path: str, root: str) -> list[str]:
+        """The `parallel` command a user would type (the DeepSpeed config written to
+        ``root``)."""
+        if self.ds_config is None:
+            return ["parallel", model_path, *self.options, "--strategy", "fsdp", "--json"]
+        path = os.path.join(root, "".join(c if c.isalnum() else "_" for c in self.name)
+                            + ".json")
+        with open(path, "w") as f:
+            json.dump(self.ds_config, f)
+        return ["parallel", model_path, *self.options, "--ds-config", path, "--json"]
 
 
 ROWS = (
@@ -84,6 +131,21 @@ ROWS = (
         ("--gpus", "8", "--gpu", "h100", "-b", "2", "--precision", "bf16", "--checkpointing",
          "--checkpoint-policy", "op"),
         round(82.4 * GIB), stat="reserved", env=TITAN_8B, within=False),
+    Row("DeepSpeed ZeRO-3 bf16 6.86B AC", DS_SIMPLE,
+        ("--gpus", "4", "--gpu", "h100", "-b", "1", "--checkpointing"),
+        round(31.38 * GIB), env=DS_7B, ds_config=DS_BASELINE),
+    Row("DeepSpeed ZeRO-3 bf16 6.86B", DS_SIMPLE, ("--gpus", "4", "--gpu", "h100", "-b", "1"),
+        round(41.28 * GIB), env=DS_7B, ds_config=DS_BASELINE, within=False),
+    Row("DeepSpeed ZeRO-3 bf16 254M 1 GPU", DS_SIMPLE,
+        ("--gpus", "1", "--gpu", "h100", "-b", "4"),
+        round(5.93 * GIB), env=DS_254M, ds_config=DS_BASELINE),
+    Row("DeepSpeed ZeRO-3 bf16 254M 4 GPUs", DS_SIMPLE,
+        ("--gpus", "4", "--gpu", "h100", "-b", "4"),
+        round(3.57 * GIB), env=DS_254M, ds_config=DS_BASELINE, within=False),
+    Row("DeepSpeed-Chat OPT-1.3b ZeRO-2 fp16", "opt-1.3b",
+        ("--gpus", "16", "--gpu", "a100-40", "-b", "8", "--seq-len", "512", "--attn", "eager",
+         "--optimizer", "adamw-fused"),
+        round(22.95 * GIB), ds_config=DS_CHAT_ZERO2, within=False),
 )
 
 
@@ -95,8 +157,7 @@ def model_path(row: Row, root: str) -> str:
     folder = os.path.join(root, row.model)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        import json
-        json.dump(CONFIGS[row.model], f)
+        json.dump({**CONFIGS, "opt-1.3b": OPT_1_3B}[row.model], f)
     return folder
 
 

@@ -13,11 +13,12 @@ from oomdoctor.cli.script import model_source_only
 from oomdoctor.cli.options import (_alloc_config, _card_options, _check_plot_file, _detect_gpus,
                                    _die, _load_model, _make_budget, _mp_policy,
                                    _mp_policy_option, _num_gpus, _progress, _torch_config,
-                                   _checkpoint_config, _link_option, LINKS,
+                                   _checkpoint_config, _deepspeed_run, _ds_config_option,
+                                   _link_option, LINKS,
                                    _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
-from oomdoctor.configs import (MODEL_PROTOCOL, NODE_STRATEGY_CHOICES, PRECISIONS,
-                               STRATEGY_CHOICES)
+from oomdoctor.configs import (DEEPSPEED_CHOICES, MODEL_PROTOCOL, NODE_STRATEGY_CHOICES,
+                               PRECISIONS, STRATEGY_CHOICES)
 
 # --- parallel, split, recommend, smoke (section owned by the multi-GPU modules' author) ---
 # Choices spelled out here so that --help never imports torch; tests/test_parallel.py checks
@@ -38,21 +39,29 @@ _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default
 @click.option("--checkpointing", is_flag=True, help="Checkpoint the repeated blocks.")
 @click.option("--grad-accum", default=1, show_default=True, type=click.IntRange(1),
               help="Micro-batches per optimizer step.")
-@click.option("--strategy", "strategies", multiple=True, type=click.Choice(STRATEGY_CHOICES),
-              help="Only these strategies (repeatable; default: all).")
+@click.option("--strategy", "strategies", multiple=True,
+              type=click.Choice(STRATEGY_CHOICES + DEEPSPEED_CHOICES),
+              help="Only these strategies (repeatable; default: all of PyTorch's). ds0..ds3: "
+                   "DeepSpeed's ZeRO stages as DeepSpeed runs them (fp16/bf16 in its own mode: "
+                   "16-bit model, fp32 master weights in the optimizer).")
+@_ds_config_option
 @click.option("--bucket-view", is_flag=True,
               help="DDP with gradient_as_bucket_view=True (no second copy of the gradients).")
 @_mp_policy_option
 @_link_option
 @_card_options
-def parallel_command(model_file, batch_size, precision, checkpointing, grad_accum, strategies,
-                     bucket_view, mp_policy, link, gpu_name, memory, num_gpus, overhead,
-                     other_mem, margin, alloc_conf, checkpoint_class, optimizer, as_json, debug):
-    """Per-GPU memory of single, DDP, DataParallel, ZeRO-1/2/3 (FSDP) and a 2-GPU split.
+@click.pass_context
+def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad_accum,
+                     strategies, ds_config, bucket_view, mp_policy, link, gpu_name, memory,
+                     num_gpus, overhead, other_mem, margin, alloc_conf, checkpoint_class,
+                     optimizer, as_json, debug):
+    """Per-GPU memory of single, DDP, DataParallel, ZeRO-1/2/3 (FSDP) and a 2-GPU split; and
+    of DeepSpeed's ZeRO stages on request.
 
     \b
     oomdoctor parallel sample_models/gpt2_small.py --gpus 2 --gpu rtx3090 -b 8 --precision bf16
     oomdoctor parallel sample_models/llama7b.py --gpus 2 --precision bf16-pure --checkpointing
+    oomdoctor parallel sample_models/gpt2_small.py --gpus 4 --strategy ds2 --precision fp16
 
     Exit codes: 0 some strategy fits, 1 none fits, 2 usage error, 3 model file error.
     """
@@ -62,13 +71,18 @@ def parallel_command(model_file, batch_size, precision, checkpointing, grad_accu
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     n = _num_gpus(num_gpus)
+    ds = None
+    if ds_config:
+        precision, strategies, ds = _deepspeed_run(ctx, ds_config, precision, strategies)
     try:
         spec = _load_model(model_file)
         cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
                           optimizer, **_torch_config(), **_checkpoint_config(checkpointing))
         report = par.estimate_strategies(spec, cfg, budget, n, strategies or par.STRATEGIES,
                                          alloc, bucket_view, progress=_progress,
-                                         mixed_precision=_mp_policy(mp_policy, precision, ()))
+                                         mixed_precision=_mp_policy(mp_policy, precision,
+                                                                    strategies),
+                                         deepspeed=ds)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:

@@ -9,15 +9,15 @@ import click
 from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                               EXIT_USAGE, cli)
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _check_plot_file,
-                                   _checkpoint_config, _detect_gpus, _die, _load_model,
-                                   _make_budget,
+                                   _checkpoint_config, _deepspeed_run, _detect_gpus, _die,
+                                   _ds_config_option, _load_model, _make_budget,
                                    _link_option, _modelled_torch, _mp_policy,
                                    _mp_policy_option, _progress, _slow_trace_progress, _wants_longest_context,
                                    _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_run
 from oomdoctor.cli.script import input_options as script_input_options
-from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_CHOICES,
-                               needs_bf16, no_bf16_fix)
+from oomdoctor.configs import (DEEPSPEED_CHOICES, MAX_BATCH, MODEL_PROTOCOL, PRECISIONS,
+                               STRATEGY_CHOICES, needs_bf16, no_bf16_fix)
 
 
 @cli.command(epilog=MODEL_PROTOCOL)
@@ -29,10 +29,12 @@ from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_C
               help="fp16/bf16: autocast AMP (fp16 with GradScaler); bf16-pure / fp16-pure: "
                    "model.to(bf16) / model.half(), no autocast, no GradScaler.")
 @click.option("--checkpointing", is_flag=True, help="Checkpoint the repeated blocks.")
-@click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), default="single",
-              show_default=True,
+@click.option("--strategy", type=click.Choice(STRATEGY_CHOICES + DEEPSPEED_CHOICES),
+              default="single", show_default=True,
               help="Multi-GPU strategy: per-GPU memory of DDP, DataParallel, ZeRO-1/2/3 (fsdp) "
-                   "or the naive two-GPU split (pipeline2) on --num-gpus cards.")
+                   "or the naive two-GPU split (pipeline2) on --num-gpus cards; ds0..ds3: "
+                   "DeepSpeed's ZeRO stages as DeepSpeed runs them.")
+@_ds_config_option
 @click.option("--num-gpus", type=click.IntRange(1), default=2, show_default=True,
               help="GPUs for --strategy (ignored for single).")
 @click.option("--snapshot", "snapshot_file", type=click.Path(dir_okay=False), metavar="FILE",
@@ -47,8 +49,10 @@ from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_C
 @_mp_policy_option
 @script_input_options
 @_budget_options
-def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gpus,
-             snapshot_file, plot_file, steps, mp_policy, cpus, skip_input, gpu_name, memory,
+@click.pass_context
+def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, ds_config,
+             num_gpus, snapshot_file, plot_file, steps, mp_policy, cpus, skip_input, gpu_name,
+             memory,
              overhead,
              other_mem, margin, alloc_conf, checkpoint_class, grad_accum, optimizer, zero_grad,
              no_cuda_emulation, as_json, debug):
@@ -72,6 +76,7 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
         script_cli.refuse_input_options(cpus, skip_input)
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
+    precision, strategy, ds = _estimate_deepspeed(ctx, ds_config, script, precision, strategy)
 
     def _cfg():
         return TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
@@ -101,7 +106,8 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
                                              [strategy], alloc,
                                              progress=lambda m: click.echo(m, err=True),
                                              mixed_precision=_mp_policy(mp_policy, precision,
-                                                                        [strategy]))
+                                                                        [strategy]),
+                                             deepspeed=ds)
             if report.errors:
                 raise ValueError(report.errors[0][1])
         else:
@@ -119,6 +125,18 @@ def estimate(model_words, batch_size, precision, checkpointing, strategy, num_gp
     _print_estimate(result, checked if script is not None else False, snapshot, series,
                     snapshot_file, plot_file, as_json, debug)
     sys.exit(EXIT_OK if result.fits else EXIT_PROBLEM)
+
+
+def _estimate_deepspeed(ctx, ds_config, script, precision, strategy):
+    """(precision, strategy, DeepSpeedConfig or None) as --ds-config sets them."""
+    if not ds_config:
+        return precision, strategy, None
+    if script is not None:
+        raise click.UsageError("--ds-config plans a model source; a script's own "
+                               "deepspeed.initialize is not followed yet")
+    precision, (strategy,), ds = _deepspeed_run(
+        ctx, ds_config, precision, () if strategy == "single" else (strategy,))
+    return precision, strategy, ds
 
 
 def _print_estimate(result, checked, snapshot, series, snapshot_file, plot_file, as_json,

@@ -47,6 +47,7 @@ The package, in dependency order:
 - :mod:`~oomdoctor.plans.parallel.results`: breakdown keys and the records an estimate returns;
 - :mod:`~oomdoctor.plans.parallel.events`: per-GPU event lists and the builders' shared context;
 - :mod:`~oomdoctor.plans.parallel.data_parallel`: DDP, DataParallel, ZeRO-1/2/3 (FSDP);
+- :mod:`~oomdoctor.plans.parallel.deepspeed`: DeepSpeed's ZeRO stages 0-3 and fp16/bf16 mode;
 - :mod:`~oomdoctor.plans.parallel.pipeline`: the naive two-GPU split;
 - :mod:`~oomdoctor.plans.parallel.model_states`: closed-form model states, DeepSpeed's estimators;
 - :mod:`~oomdoctor.plans.parallel.estimator`: one strategy's per-GPU estimate (allocator replay);
@@ -68,14 +69,17 @@ from oomdoctor.plans.parallel.render import render_report, render_split
 from oomdoctor.plans.parallel.report import (ParallelReport, Progress, SplitPlan, estimate_strategies,
                                       plan_split)
 from oomdoctor.plans.parallel.results import BREAKDOWN_KEYS, GpuMemory, Partition, StrategyEstimate
-from oomdoctor.plans.parallel.strategy import (ALIASES, DESCRIPTIONS, NODE_STRATEGIES, STRATEGIES,
-                                         Strategy, default_policy, parse_strategy,
-                                         policy_applies, trace_precision)
+from oomdoctor.plans.parallel.strategy import (ALIASES, DEEPSPEED_STRATEGIES, DESCRIPTIONS,
+                                              NODE_STRATEGIES, STRATEGIES, DeepSpeedConfig,
+                                              DeepSpeedRun, Strategy, default_policy,
+                                              parse_strategy, policy_applies,
+                                              read_deepspeed_config, trace_precision)
 from oomdoctor.plans.parallel.timeline import Sizes
 
 __all__ = [
     "STRATEGIES", "NODE_STRATEGIES", "ALIASES", "DESCRIPTIONS", "parse_strategy", "Strategy",
     "trace_precision", "default_policy", "policy_applies",
+    "DEEPSPEED_STRATEGIES", "DeepSpeedConfig", "DeepSpeedRun", "read_deepspeed_config",
     "MAIN", "BlockInput", "Layout", "execution_blocks", "model_layout",
     "Sizes",
     "BREAKDOWN_KEYS", "GpuMemory", "Partition", "StrategyEstimate",

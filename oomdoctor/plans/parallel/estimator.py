@@ -8,6 +8,7 @@ from typing import Callable
 from oomdoctor.sim.allocator import AllocatorConfig, replay
 from oomdoctor.plans.estimate import Budget
 from oomdoctor.sim.gpus import GpuProfile
+from oomdoctor.plans.parallel import deepspeed as ds_mod
 from oomdoctor.plans.parallel.data_parallel import _ddp, _dp, _zero
 from oomdoctor.plans.parallel.events import _Context, _Gpu, _single
 from oomdoctor.plans.parallel.layout import Layout
@@ -81,6 +82,8 @@ def _build(trace: Trace, layout: Layout, strategy: Strategy, gpu: GpuProfile,
         gpus, notes = _dp(ctx, strategy)
     elif strategy.name in ("zero1", "zero2", "zero3"):
         gpus, notes = _zero(ctx, strategy, int(strategy.name[-1]))
+    elif strategy.is_deepspeed:
+        gpus, notes = ds_mod.deepspeed(ctx, strategy)
     elif strategy.name == "hsdp":
         # Each node is one ZeRO-3 group; the cross-node all-reduce runs on the reduce-scattered
         # shard in place (FSDP HYBRID_SHARD), so a GPU's memory is ZeRO-3's over its node.
@@ -135,14 +138,18 @@ def estimate_strategy(trace: Trace, layout: Layout, strategy: Strategy, budget: 
     b = ctx.trace.config.batch_size
     cfg = trace.config
     master = strategy.state_scale                   # fp32 sharded state under a policy
-    floor = model_state_floor(trace.parameter_bytes * master, trace.gradient_bytes * master,
-                              trace.optimizer_state_bytes * master, strategy)
+    if strategy.is_deepspeed:
+        floor = ds_mod.model_state_floor(trace.parameter_bytes, trace.gradient_bytes,
+                                         trace.optimizer_state_bytes, strategy)
+    else:
+        floor = model_state_floor(trace.parameter_bytes * master, trace.gradient_bytes * master,
+                                  trace.optimizer_state_bytes * master, strategy)
     ds = None
     if layout.num_trainable < layout.num_parameters:
         pass        # DeepSpeed's estimators count every parameter trained: not a LoRA run's
-    elif strategy.name == "zero2":
+    elif strategy.name in ("zero2", "ds2"):
         ds = deepspeed_zero2_gpu_bytes(layout.num_parameters, strategy.num_gpus)
-    elif strategy.name in ("zero3", "hsdp"):
+    elif strategy.name in ("zero3", "hsdp", "ds3"):
         ds = deepspeed_zero3_gpu_bytes(layout.num_parameters, layout.largest_leaf_params,
                                        strategy.shard_group)
     d = strategy.data_parallel

@@ -11,8 +11,9 @@ from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel.estimator import estimate_strategy
 from oomdoctor.plans.parallel.layout import model_layout
 from oomdoctor.plans.parallel.results import Partition, StrategyEstimate
-from oomdoctor.plans.parallel.strategy import (STRATEGIES, Strategy, parse_strategy,
-                                              trace_precision)
+from oomdoctor.plans.parallel.strategy import (DEEPSPEED_STRATEGIES, STRATEGIES,
+                                              DeepSpeedConfig, Strategy, default_policy,
+                                              parse_strategy, trace_precision)
 from oomdoctor.plans.parallel.timeline import Sizes
 from oomdoctor.sim.trace import TraceConfig
 
@@ -82,50 +83,86 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
                         strategies: Iterable[str] = STRATEGIES,
                         alloc: AllocatorConfig = AllocatorConfig(), bucket_view: bool = False,
                         progress: Progress = lambda _: None,
-                        mixed_precision: bool = False) -> ParallelReport:
+                        mixed_precision: bool = False,
+                        deepspeed: DeepSpeedConfig | None = None) -> ParallelReport:
     """Trace ``cfg`` (its batch_size is the micro-batch per GPU) and estimate every strategy;
     ``mixed_precision``: zero3 under FSDP2's bf16 MixedPrecisionPolicy (strategy.py), traced
-    apart in pure bf16."""
+    apart in pure bf16; DeepSpeed's stages (ds0..ds3) run fp16/bf16 in DeepSpeed's own mode,
+    traced in pure 16 bits, with ``deepspeed``'s buffer sizes."""
     if needs_bf16(cfg.precision) and not budget.gpu.bf16:
         raise ValueError(f"{budget.gpu.name} has no bf16 support; {no_bf16_fix(cfg.precision)}")
     names = [parse_strategy(s) for s in strategies]
-    progress(f"tracing {spec.name} at micro-batch {cfg.batch_size} ({cfg.precision}"
-             f"{', checkpointing' if cfg.checkpointing else ''})")
-    trace = trace_for(spec, cfg, budget.gpu)
-    sizes = Sizes.of(trace)
+    plans = {name: _strategy(name, num_gpus, cfg.precision, bucket_view, mixed_precision,
+                             deepspeed) for name in names}
+    inputs = _Inputs(spec, cfg, budget, progress)
     if "dp" in names and num_gpus > 1:
-        progress(f"tracing micro-batch {cfg.batch_size * num_gpus} for DataParallel's GPU 0")
-        big = trace_for(spec, replace(cfg, batch_size=cfg.batch_size * num_gpus), budget.gpu)
-        sizes = Sizes.affine(trace, big) or sizes
-    progress("laying out blocks, block inputs and FLOPs")
-    layout = model_layout(spec, cfg.precision)
-    policy = _policy_inputs(spec, cfg, budget, progress) if mixed_precision and "zero3" in names \
-        else None
+        inputs.with_dataparallel(num_gpus)
     out, errors = [], []
-    for name in names:
+    for name, st in plans.items():
         if name == "pipeline2" and num_gpus != 2:
             errors.append((name, "the naive split uses exactly 2 GPUs"))
             continue
-        n = 1 if name == "single" else num_gpus
-        progress(f"{name}: replaying {n} GPU(s)")
         try:
-            if name == "zero3" and policy is not None:
-                out.append(estimate_strategy(*policy, Strategy(name, n, mixed_precision=True),
-                                             budget, alloc, grad_accum=cfg.grad_accum))
-                continue
-            out.append(estimate_strategy(trace, layout, Strategy(name, n, bucket_view), budget,
-                                         alloc, sizes, grad_accum=cfg.grad_accum))
+            trace, layout, sizes = inputs.of(trace_precision(st, cfg.precision))
+            progress(f"{name}: replaying {st.num_gpus} GPU(s)")
+            out.append(estimate_strategy(trace, layout, st, budget, alloc, sizes,
+                                         grad_accum=cfg.grad_accum))
         except ValueError as e:
             errors.append((name, str(e)))
-    expandable = _expandable_fits(out, spec, cfg, budget, alloc, (trace, layout, sizes), policy)
+    expandable = _expandable_fits(out, plans, cfg, budget, alloc, inputs)
+    # any traced precision's layout counts the same parameters
+    layouts = [layout for _, layout, _ in inputs.done.values()]
+    num_parameters = (layouts[0] if layouts else model_layout(spec, cfg.precision)).num_parameters
     return ParallelReport(spec.name, budget.gpu.name, num_gpus, budget.gpu.total_bytes,
                           budget.limit_bytes, cfg.batch_size, cfg.precision, cfg.checkpointing,
-                          layout.num_parameters, tuple(out), tuple(errors),
+                          num_parameters, tuple(out), tuple(errors),
                           allocator_conf_string(alloc), expandable)
 
 
-def _expandable_fits(out: list[StrategyEstimate], spec: ModelSpec, cfg: TraceConfig,
-                     budget: Budget, alloc: AllocatorConfig, traced: tuple, policy: tuple | None
+def _strategy(name: str, num_gpus: int, precision: str, bucket_view: bool,
+              mixed_precision: bool, deepspeed: DeepSpeedConfig | None) -> Strategy:
+    """One named strategy as it runs ``precision``: FSDP2's policy where asked (zero3),
+    DeepSpeed's fp16/bf16 mode on its stages."""
+    st = Strategy(name, 1 if name == "single" else num_gpus, bucket_view,
+                  mixed_precision=mixed_precision and name == "zero3",
+                  deepspeed=deepspeed if name in DEEPSPEED_STRATEGIES else None)
+    return default_policy(st, precision) if st.is_deepspeed else st
+
+
+class _Inputs:
+    """The traces, layouts and storage sizes the strategies replay, one set per traced
+    precision (the policy's and DeepSpeed's fp16/bf16 modes compute in pure 16 bits)."""
+
+    def __init__(self, spec: ModelSpec, cfg: TraceConfig, budget: Budget,
+                 progress: Progress) -> None:
+        self.spec, self.cfg, self.budget, self.progress = spec, cfg, budget, progress
+        self.done: dict[str, tuple] = {}
+        self.dataparallel = 0
+
+    def with_dataparallel(self, num_gpus: int) -> None:
+        """DataParallel's GPU 0 carries the whole batch: sizes from a second trace."""
+        self.dataparallel = num_gpus
+
+    def of(self, precision: str) -> tuple:
+        if precision not in self.done:
+            cfg = replace(self.cfg, precision=precision)
+            self.progress(f"tracing {self.spec.name} at micro-batch {cfg.batch_size} "
+                          f"({precision}{', checkpointing' if cfg.checkpointing else ''})")
+            trace = trace_for(self.spec, cfg, self.budget.gpu)
+            sizes = Sizes.of(trace)
+            if self.dataparallel and precision == self.cfg.precision:
+                self.progress(f"tracing micro-batch {cfg.batch_size * self.dataparallel} for "
+                              "DataParallel's GPU 0")
+                big = trace_for(self.spec, replace(cfg, batch_size=cfg.batch_size
+                                                   * self.dataparallel), self.budget.gpu)
+                sizes = Sizes.affine(trace, big) or sizes
+            self.progress("laying out blocks, block inputs and FLOPs")
+            self.done[precision] = (trace, model_layout(self.spec, precision), sizes)
+        return self.done[precision]
+
+
+def _expandable_fits(out: list[StrategyEstimate], plans: dict[str, Strategy], cfg: TraceConfig,
+                     budget: Budget, alloc: AllocatorConfig, inputs: _Inputs
                      ) -> tuple[tuple[str, int], ...]:
     """The strategies that do not fit under ``alloc`` but would with expandable segments (the
     setting `recommend` launches with), each replayed again from the same traces."""
@@ -136,24 +173,13 @@ def _expandable_fits(out: list[StrategyEstimate], spec: ModelSpec, cfg: TraceCon
     for e in out:
         if e.fits or e.strategy == "pipeline2":
             continue
-        st = Strategy(e.strategy, e.num_gpus, mixed_precision=policy is not None
-                      and e.strategy == "zero3")
-        trace, layout, sizes = policy + (None,) if st.mixed_precision else traced
+        st = plans[e.strategy]
+        trace, layout, sizes = inputs.of(trace_precision(st, cfg.precision))
         again = estimate_strategy(trace, layout, st, budget, roomy, sizes,
                                   grad_accum=cfg.grad_accum)
         if again.fits:
             found.append((e.strategy, again.peak_device_bytes))
     return tuple(found)
-
-
-def _policy_inputs(spec: ModelSpec, cfg: TraceConfig, budget: Budget, progress: Progress
-                   ) -> tuple:
-    """The trace and layout a mixed-precision policy's ZeRO-3 estimate replays: the step as it
-    computes, in pure bf16."""
-    pure = trace_precision(Strategy("zero3", 1, mixed_precision=True), cfg.precision)
-    progress(f"tracing the mixed-precision policy's bf16 compute at micro-batch "
-             f"{cfg.batch_size}")
-    return trace_for(spec, replace(cfg, precision=pure), budget.gpu), model_layout(spec, pure)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,14 @@ STRATEGIES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2")
 # Strategies that only mean something across several nodes (recommend/smoke --nodes N): kept out
 # of STRATEGIES so that the one-node commands (parallel, probe) list what they always did.
 NODE_STRATEGIES = ("hsdp",)
+# DeepSpeed's ZeRO stages as its engine runs them (oomdoctor.plans.parallel.deepspeed): named on
+# request only, as the frameworks' own plans are torch's.
+DEEPSPEED_STRATEGIES = ("ds0", "ds1", "ds2", "ds3")
 ALIASES = {"fsdp": "zero3", "dataparallel": "dp", "pipeline": "pipeline2", "split": "pipeline2",
            "naive-pipeline": "pipeline2", "zero": "zero3", "hybrid": "hsdp",
-           "hybridshard": "hsdp"}
+           "hybridshard": "hsdp",
+           **{f"{word}{k}": f"ds{k}" for k in range(4)
+              for word in ("deepspeed", "deepspeedzero", "dszero", "deepspeedstage")}}
 DESCRIPTIONS = {
     "single": "one GPU",
     "ddp": "DistributedDataParallel: full replica per GPU",
@@ -20,15 +25,20 @@ DESCRIPTIONS = {
     "zero3": "ZeRO-3 / FSDP FULL_SHARD: + parameters sharded",
     "pipeline2": "naive 2-GPU split: stages on cuda:0 and cuda:1",
     "hsdp": "hybrid sharding: ZeRO-3 within each node, replicas across nodes (FSDP HYBRID_SHARD)",
+    "ds0": "DeepSpeed, ZeRO disabled (stage 0): its fp16/bf16 optimizer, fp32 master replicated",
+    "ds1": "DeepSpeed ZeRO-1: fp32 master weights and optimizer state sharded",
+    "ds2": "DeepSpeed ZeRO-2: + gradients reduced into per-rank partitions",
+    "ds3": "DeepSpeed ZeRO-3: + 16-bit parameters partitioned, gathered per module",
 }
+ALL_STRATEGIES = STRATEGIES + NODE_STRATEGIES + DEEPSPEED_STRATEGIES
 
 
 def parse_strategy(name: str) -> str:
-    key = name.lower().replace("_", "").replace(" ", "")
+    key = name.lower().replace("_", "").replace(" ", "").replace("-", "")
     key = ALIASES.get(key, key)
-    if key not in STRATEGIES + NODE_STRATEGIES:
+    if key not in ALL_STRATEGIES:
         raise ValueError(f"unknown strategy {name!r}; choose one of "
-                         f"{', '.join(STRATEGIES + NODE_STRATEGIES)} (aliases: "
+                         f"{', '.join(ALL_STRATEGIES)} (aliases: "
                          f"{', '.join(ALIASES)})")
     return key
 
@@ -44,12 +54,17 @@ class Strategy:
     # FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) on a model built
     # in fp32 (zero3, hsdp): estimated from the pure-bf16 trace - what is gathered, computed and
     # kept for backward is bf16 - with the sharded parameters, gradients and optimizer state
-    # fp32 and the reduce-scatter in fp32 (mixed_precision_plan)
+    # fp32 and the reduce-scatter in fp32 (mixed_precision_plan). DeepSpeed (ds0..ds3): its
+    # fp16/bf16 mode, 16-bit model and gradients with fp32 master weights and optimizer state.
     mixed_precision: bool = False
+    # DeepSpeed's zero_optimization settings (ds0..ds3 only; DeepSpeed's defaults)
+    deepspeed: "DeepSpeedConfig | None" = None
 
     def __post_init__(self) -> None:
-        if self.name not in STRATEGIES + NODE_STRATEGIES:
+        if self.name not in ALL_STRATEGIES:
             raise ValueError(f"unknown strategy {self.name!r}")
+        if self.is_deepspeed and self.deepspeed is None:
+            object.__setattr__(self, "deepspeed", DeepSpeedConfig())
         if self.nodes < 1 or self.num_gpus % self.nodes:
             raise ValueError(f"{self.num_gpus} GPUs do not split evenly over {self.nodes} "
                              "nodes; give --num-gpus per node")
@@ -64,9 +79,19 @@ class Strategy:
                              "zero3 (FSDP)")
         if self.num_gpus < 1:
             raise ValueError(f"--num-gpus must be >= 1, got {self.num_gpus}")
-        if self.mixed_precision and self.name not in ("zero3", "hsdp"):
-            raise ValueError("a mixed-precision policy shards fp32 master weights: zero3 (FSDP) "
-                             "or hsdp only")
+        if self.mixed_precision and self.name not in ("zero3", "hsdp") \
+                and not self.is_deepspeed:
+            raise ValueError("a mixed-precision policy shards fp32 master weights: zero3 (FSDP), "
+                             "hsdp or DeepSpeed's stages (ds0..ds3) only")
+
+    @property
+    def is_deepspeed(self) -> bool:
+        return self.name in DEEPSPEED_STRATEGIES
+
+    @property
+    def zero_stage(self) -> int:
+        """DeepSpeed's ZeRO stage (ds0..ds3)."""
+        return int(self.name[-1]) if self.is_deepspeed else 0
 
     @property
     def state_scale(self) -> int:
@@ -93,7 +118,8 @@ class Strategy:
     @property
     def processes(self) -> int:
         """Processes the launcher starts (DataParallel and the split run in one process)."""
-        return self.num_gpus if self.name in ("ddp", "zero1", "zero2", "zero3", "hsdp") else 1
+        return self.num_gpus if self.name in ("ddp", "zero1", "zero2", "zero3", "hsdp",
+                                              *DEEPSPEED_STRATEGIES) else 1
 
 
 # What FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -113,7 +139,11 @@ def policy_applies(strategy: str, precision: str) -> bool:
 
 
 def default_policy(strategy: Strategy, precision: str) -> Strategy:
-    """``strategy`` as the frameworks run ``precision`` on it (:func:`policy_applies`)."""
+    """``strategy`` as the frameworks run ``precision`` on it (:func:`policy_applies`); DeepSpeed
+    runs fp16 and bf16 in its own mode, always (engine.py: ``fp16``/``bf16`` enabled casts the
+    model, the optimizer wrapper keeps fp32 master weights)."""
+    if strategy.is_deepspeed:
+        return replace(strategy, mixed_precision=precision in ("fp16", "bf16"))
     if policy_applies(strategy.name, precision) and not strategy.mixed_precision:
         return replace(strategy, mixed_precision=True)
     return strategy
@@ -121,7 +151,14 @@ def default_policy(strategy: Strategy, precision: str) -> Strategy:
 
 def trace_precision(strategy: Strategy, precision: str) -> str:
     """The precision to trace ``strategy`` at ``precision``: a mixed-precision policy computes
-    in pure bf16 (no autocast: the gathered weights are bf16)."""
+    in pure bf16 (no autocast: the gathered weights are bf16); DeepSpeed's fp16/bf16 mode in
+    pure 16 bits (the engine casts the model's parameters)."""
+    if strategy.is_deepspeed:
+        if precision in ("bf16-pure", "fp16-pure"):
+            raise ValueError(f"DeepSpeed's {precision[:4]} mode keeps fp32 master weights in its "
+                             f"optimizer: give --precision {precision[:4]} (its config's "
+                             f'"{precision[:4]}": {{"enabled": true}}), or fp32')
+        return f"{precision}-pure" if strategy.mixed_precision else precision
     if strategy.mixed_precision:
         if precision != "bf16":
             raise ValueError(f"the FSDP mixed-precision policy is modelled for bf16 (param_dtype "
@@ -134,3 +171,76 @@ POLICY_NOTE = ("FSDP2 MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dt
                "float32): trainable parameters, their gradients and AdamW state sharded in fp32, "
                "frozen ones in the dtype they were loaded in; each block all-gathered and "
                "computed in bf16 (no autocast), gradients reduce-scattered in fp32")
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """The ``zero_optimization`` settings that size DeepSpeed's buffers, with its defaults
+    (deepspeed/runtime/zero/config.py: DeepSpeedZeroConfig). Sizes are elements."""
+
+    reduce_bucket_size: int = 500_000_000
+    allreduce_bucket_size: int = 500_000_000     # stage 0's gradient all-reduce (engine)
+    overlap_comm: bool | None = None             # None: True at stage 3 only (overlap_comm_valid)
+    sub_group_size: int = 1_000_000_000
+    prefetch_bucket_size: int = 50_000_000       # stage3_prefetch_bucket_size
+    param_persistence_threshold: int = 100_000   # stage3_param_persistence_threshold
+    max_reuse_distance: int = 1_000_000_000      # stage3_max_reuse_distance
+    contiguous_gradients: bool = True
+    auto: tuple[str, ...] = ()                   # keys the config left "auto" (defaults used)
+
+    def overlap(self, stage: int) -> bool:
+        return stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+
+# zero_optimization keys -> DeepSpeedConfig fields
+_DS_KEYS = {"reduce_bucket_size": "reduce_bucket_size",
+            "allreduce_bucket_size": "allreduce_bucket_size",
+            "overlap_comm": "overlap_comm", "sub_group_size": "sub_group_size",
+            "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+            "stage3_param_persistence_threshold": "param_persistence_threshold",
+            "stage3_max_reuse_distance": "max_reuse_distance",
+            "contiguous_gradients": "contiguous_gradients"}
+
+
+@dataclass(frozen=True)
+class DeepSpeedRun:
+    """What a DeepSpeed config file says about memory: the ZeRO stage, the precision mode and
+    the buffer sizes."""
+
+    stage: int
+    precision: str | None          # fp16 | bf16 | None (neither enabled: fp32)
+    config: DeepSpeedConfig
+
+    @property
+    def strategy(self) -> str:
+        return f"ds{self.stage}"
+
+
+def read_deepspeed_config(doc: dict, source: str = "the DeepSpeed config") -> DeepSpeedRun:
+    """A DeepSpeed JSON config (as ``deepspeed.initialize(config=...)`` or the Trainer's
+    ``--deepspeed`` takes it). Offload is refused: it moves state to the CPU, which this model
+    does not follow. ``"auto"`` (the Trainer fills it in) keeps DeepSpeed's default, and says so."""
+    zero = doc.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    if stage == "auto" or stage not in (0, 1, 2, 3):
+        raise ValueError(f"{source}: zero_optimization.stage is {stage!r}; give 0, 1, 2 or 3")
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in ("none", None):
+            raise ValueError(f"{source}: zero_optimization.{key} puts state on {device!r}, "
+                             "which oomdoctor does not model; estimate without offload (the "
+                             "GPU's share is then an upper bound)")
+    enabled = [p for p in ("fp16", "bf16") if (doc.get(p) or {}).get("enabled") in (True, "auto")]
+    if len(enabled) > 1:
+        raise ValueError(f"{source}: both fp16 and bf16 are enabled; DeepSpeed allows one")
+    values, auto = {}, []
+    for key, field in _DS_KEYS.items():
+        if key in zero:
+            if zero[key] == "auto":
+                auto.append(key)
+            else:
+                values[field] = bool(zero[key]) if field in ("overlap_comm",
+                                                              "contiguous_gradients") \
+                    else int(float(zero[key]))
+    return DeepSpeedRun(stage, enabled[0] if enabled else None,
+                        DeepSpeedConfig(**values, auto=tuple(auto)))
