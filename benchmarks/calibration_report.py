@@ -34,12 +34,21 @@ def budget_of(gpu: dict):
     return Budget(profile, margin=0.0, context_bytes=context)
 
 
-def estimate_record(spec, rec: dict, budget):
-    """oomdoctor's estimate of the configuration one record measured."""
+def torch_of(gpu: dict):
+    """The torch release a results file measured (its CUDA facts are the ones to model,
+    oomdoctor.sim.versions), or None (the installed torch's) where the file does not say."""
+    from oomdoctor.sim.versions import parse_version
+    return parse_version(gpu["torch"]) if gpu.get("torch") else None
+
+
+def estimate_record(spec, rec: dict, budget, torch_version=None):
+    """oomdoctor's estimate of the configuration one record measured, with the CUDA facts of
+    ``torch_version`` (:func:`torch_of`; None: the installed torch's)."""
     from oomdoctor.plans.estimate import estimate
     from oomdoctor.sim.trace import TraceConfig
     return estimate(spec, TraceConfig(rec["batch_size"], precision=rec["precision"],
-                                      checkpointing=rec["checkpointing"]), budget)
+                                      checkpointing=rec["checkpointing"], torch=torch_version),
+                    budget)
 
 
 def report(path: str) -> list[float]:
@@ -61,7 +70,7 @@ def report(path: str) -> list[float]:
         name = rec["model"]
         if name not in specs:
             specs[name] = load_model_file(os.path.join(ROOT, "sample_models", f"{name}.py"))
-        e = estimate_record(specs[name], rec, budget)
+        e = estimate_record(specs[name], rec, budget, torch_of(gpu))
         row = f"{name:<11} {rec['precision']:<9} {'y' if rec['checkpointing'] else 'n':>2} " \
               f"{rec['batch_size']:>5}"
         if rec["oom"]:

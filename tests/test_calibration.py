@@ -19,7 +19,7 @@ from oomdoctor.sim.trace import TraceConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from calibration_report import budget_of, estimate_record  # noqa: E402  (the report's own rule)
+from calibration_report import budget_of, estimate_record, torch_of  # noqa: E402  (the report's own rule)
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 ALLOCATED_TOL, RESERVED_TOL = 0.03, 0.05
@@ -49,10 +49,11 @@ def check_file(path: str, models_dir: str = os.path.join(ROOT, "sample_models"),
         doc = json.load(f)
     assert doc["schema"] == 1, f"{path}: unknown schema {doc['schema']}"
     budget = budget_of(doc["gpu"])
+    release = torch_of(doc["gpu"])      # the measured torch's CUDA facts (sim.versions)
     records = doc["records"]
     specs = {m: load_model_file(os.path.join(models_dir, f"{m}.py"))
              for m in dict.fromkeys(r["model"] for r in records)}
-    _WORK = (records, specs, budget)
+    _WORK = (records, specs, budget, release)
     try:
         if jobs > 1 and len(records) > 4:
             from oomdoctor.plans.workers import forked_pool
@@ -73,10 +74,10 @@ _WORK: tuple | None = None
 
 def _check_record(i: int) -> list[tuple[str, str]]:
     """(kind, what) for each way record ``i`` of the file in _WORK leaves the tolerances."""
-    records, specs, budget = _WORK
+    records, specs, budget, release = _WORK
     rec = records[i]
     spec = specs[rec["model"]]
-    e = estimate_record(spec, rec, budget)
+    e = estimate_record(spec, rec, budget, release)
     bad = []
     if rec["oom"]:
         if e.fits:
@@ -92,7 +93,7 @@ def _check_record(i: int) -> list[tuple[str, str]]:
                                                 f"tolerance {100 * tol:.0f}%)"))
     if rec.get("measured_max_batch") is not None:
         got = probe_config(spec, TraceConfig(1, precision=rec["precision"],
-                                             checkpointing=rec["checkpointing"]),
+                                             checkpointing=rec["checkpointing"], torch=release),
                            budget, AllocatorConfig()).max_batch_size
         if got not in (rec["measured_max_batch"], rec["measured_max_batch"] - 1):
             bad.append(("max batch", f"max batch: measured {rec['measured_max_batch']}, "
@@ -161,17 +162,15 @@ KNOWN_DEVIATIONS: dict[str, list[tuple]] = {
         for p, ck in (("fp32", False), ("fp32", True), ("fp16", False), ("fp16", True),
                       ("bf16", False), ("bf16", True), ("bf16-pure", False), ("bf16-pure", True))
     ],
-    # 10-14 MiB more allocated than simulated where the step's own tensors are small; perhaps a
-    # workspace of Hopper's GEMM path (cuBLASLt) that the simulator does not size; not confirmed.
-    "small models: a GEMM workspace the simulator misses": [
+    # ResNet at batch 4, fp32 only: 12 MiB (10 with checkpointing) more allocated than
+    # simulated, where the 16-bit runs of the same model match. The GEMM side is modelled now
+    # (tiny_mlp is exact: cuBLASLt's own 1 MiB workspace in torch 2.11 and Reduce.cuh's
+    # global-reduction buffer, sim.versions CUBLASLT_WORKSPACE_SHARED and sim.reductions); what
+    # is left is most likely a cuDNN fp32 convolution workspace (chosen by cuDNN at run time,
+    # not modelled); not confirmed.
+    "ResNet fp32 at batch 4: a convolution workspace": [
         (_H200, "resnet_cnn", "fp32", False, 4, "allocated"),
         (_H200, "resnet_cnn", "fp32", True, 4, "allocated"),
-        (_H200, "tiny_mlp", "fp32", False, 4096, "allocated"),
-        (_H200, "tiny_mlp", "fp32", False, 4096, "reserved"),
-        (_H200, "tiny_mlp", "fp16", False, 4096, "allocated"),
-        (_H200, "tiny_mlp", "bf16", False, 4096, "allocated"),
-        (_H200, "tiny_mlp", "bf16-pure", False, 4096, "allocated"),
-        (_H200, "tiny_mlp", "bf16-pure", False, 4096, "reserved"),
     ],
     # The -search file's own search, with the grown context: the simulator says 433 where 441
     # trained. Its reserved peak is not monotonic there (443: 147,512 MiB, 444: 142,504 MiB in

@@ -235,8 +235,13 @@ def test_probe_agrees_with_the_model_file_at_its_edges():
     for batch in (found.max_batch_size, found.max_batch_size + 1, ref, ref + 1):
         by_file = estimate(load_model(path), TraceConfig(batch), budget)
         by_script = estimate_script(script, TraceConfig(1), budget, batch_size=batch)
-        assert (by_script.fits, by_script.peak_reserved_bytes) == (by_file.fits,
-                                                                  by_file.peak_reserved_bytes)
+        assert (by_script.fits, by_script.peak_allocated_bytes) == (
+            by_file.fits, by_file.peak_allocated_bytes)
+        # The script's loop divides its loss by its accumulation (`loss / args.accum`: a
+        # 4-byte tensor the model file's loop does not make), so the small pool's segments can
+        # fall one 2 MiB segment apart where the step does not fit (the unlimited replay)
+        assert abs(by_script.peak_reserved_bytes - by_file.peak_reserved_bytes) <= (
+            0 if by_file.fits else 2 * MiB)
 
 
 def test_probe_says_when_the_data_bounds_the_batch():

@@ -178,7 +178,9 @@ def test_foreach_adamw_second_intermediate_until_2_1(before, after):
     # in the allocator, each tensor's copy rounded to 512 B
     blocks = sum(round_size(p.numel() * p.element_size()) for p in model.parameters())
     assert old.peak_allocated_bytes - new.peak_allocated_bytes == blocks
-    assert new.peak_allocated_bytes == _estimate(None).peak_allocated_bytes
+    # the same as the installed torch's, but for cuBLASLt's own 1 MiB workspace (until 2.12,
+    # sim.versions CUBLASLT_WORKSPACE_SHARED): tiny_mlp's linear layers run addmm with a bias
+    assert new.peak_allocated_bytes == _estimate(None).peak_allocated_bytes + 2**20
 
 
 def test_foreach_adam_change_leaves_the_for_loop_alone():

@@ -22,7 +22,8 @@ from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelSpec, kept_for
 from oomdoctor.sim.trace import Category, Trace, TraceConfig, trace_training
 from oomdoctor.sim.versions import TorchVersion
-from oomdoctor.sim.workspaces import workspace_marks
+from oomdoctor.sim.workspaces import (CUBLASLT_WORKSPACE_BYTES, reduction_scratch,
+                                      workspace_marks)
 
 # The JSON contract's breakdown keys, in display order.
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
@@ -127,36 +128,62 @@ def allocator_conf_string(cfg: AllocatorConfig) -> str:
 
 @dataclass(frozen=True)
 class DeviceEvents:
-    """The trace's events as the CUDA allocator sees them, with cuBLAS workspaces added."""
+    """The trace's events as the CUDA allocator sees them, with cuBLAS workspaces and
+    reductions' scratch buffers added."""
 
     events: list[tuple[bool, int, int]]
     trace_index: list[int]          # for each device event, the trace event index it follows
     workspace_handles: frozenset[int] = field(default_factory=frozenset)
+    scratch_handles: frozenset[int] = field(default_factory=frozenset)
 
 
 def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None) -> DeviceEvents:
     """Insert one BLAS workspace before the first forward and one before the first backward
     that run a matmul (each thread's handle gets its own, kept for the process's life; see
-    :mod:`oomdoctor.sim.workspaces`). ``sizes`` replaces the trace's event sizes (the probe's
-    extrapolation)."""
-    insert_at = {}
+    :mod:`oomdoctor.sim.workspaces` and :func:`blas_workspaces`), and after each reduction
+    whose CUDA kernel stages partial sums in global memory its buffer and semaphores, allocated
+    and freed (semaphores first: gpu_reduce_kernel's DataPtr locals, Reduce.cuh). ``sizes`` replaces the trace's event sizes
+    (the probe's extrapolation; the scratch keeps the traced batch's geometry)."""
+    insert_at: dict[int, list[tuple[int, int]]] = {}
     next_handle = max((h for _, h, _ in trace.events), default=-1) + 1
-    for mark in workspace_marks(trace):
-        insert_at[mark.start] = next_handle
+    for start, size in blas_workspaces(trace, gpu):
+        insert_at.setdefault(start, []).append((next_handle, size))
         next_handle += 1
-    ws = workspace_bytes(gpu, trace.config.torch)
-    if not ws:                  # a release whose BLAS kept its workspace outside the allocator
-        insert_at = {}
+    scratch = reduction_scratch(trace, gpu)
+    scratch_handles: list[int] = []
     events: list[tuple[bool, int, int]] = []
     index: list[int] = []
     for i, (is_alloc, handle, nbytes) in enumerate(trace.events):
-        h = insert_at.get(i)
-        if h is not None:
-            events.append((True, h, ws))
+        for h, ws_bytes in insert_at.get(i, ()):
+            events.append((True, h, ws_bytes))
             index.append(max(i - 1, 0))
         events.append((is_alloc, handle, nbytes if sizes is None else sizes[i]))
         index.append(i)
-    return DeviceEvents(events, index, frozenset(insert_at.values()))
+        if i in scratch:
+            buf, sem = next_handle, next_handle + 1
+            next_handle += 2
+            scratch_handles += (buf, sem)
+            events += [(True, buf, scratch[i][0]), (True, sem, scratch[i][1]),
+                       (False, sem, scratch[i][1]), (False, buf, scratch[i][0])]
+            index += [i] * 4
+    return DeviceEvents(events, index, frozenset(h for hs in insert_at.values() for h, _ in hs),
+                        frozenset(scratch_handles))
+
+
+def blas_workspaces(trace: Trace, gpu: GpuProfile) -> list[tuple[int, int]]:
+    """(trace event index, bytes) of each BLAS workspace the step allocates: one cuBLAS
+    workspace per thread's handle, and until torch 2.12 cuBLASLt's own where a phase runs a
+    GEMM through cuBLASLt (getCUDABlasLtWorkspace, CublasHandlePool.cpp). None for a release
+    whose BLAS kept its workspace outside the allocator."""
+    ws = workspace_bytes(gpu, trace.config.torch)
+    if not ws:
+        return []
+    out = [(mark.start, ws) for mark in workspace_marks(trace)]
+    if not gpu.is_rocm and not versions.has(trace.config.torch,
+                                            versions.CUBLASLT_WORKSPACE_SHARED):
+        out += [(mark.start, CUBLASLT_WORKSPACE_BYTES)
+                for mark in workspace_marks(trace, lt=True)]
+    return sorted(out, key=lambda x: x[0])
 
 
 def workspace_bytes(gpu: GpuProfile, torch_version: TorchVersion | None) -> int:
@@ -185,7 +212,7 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
             live.pop(h, None)
     by_module: dict[str, int] = {}
     for h, n in live.items():
-        if h in dev.workspace_handles:
+        if h in dev.workspace_handles or h in dev.scratch_handles:
             breakdown["temporaries"] += n
             continue
         s = trace.storages[h]

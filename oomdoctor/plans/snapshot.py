@@ -47,11 +47,14 @@ class _Namer:
     trace: Trace
     workspaces: frozenset[int]
     trace_index: list[int]       # device event -> trace event (estimate.DeviceEvents)
+    scratch: frozenset[int] = frozenset()   # reductions' global buffers (sim.reductions)
 
     def frames(self, handle: int, event: int) -> list[dict[str, Any]]:
-        if handle in self.workspaces:
+        if handle in self.workspaces or handle in self.scratch:
             mark = self.trace.phase_at(self.trace_index[event])
-            return [_frame("cuBLAS", "workspace"),
+            what = (_frame("cuBLAS", "workspace") if handle in self.workspaces
+                    else _frame("Reduce.cuh", "gpu_reduce_kernel"))
+            return [what,
                     _frame(f"{MARKER}:{mark.iteration + 1}:{mark.phase.value}", "temporaries")]
         s = self.trace.storages[handle]
         return [*_where(s), _frame(f"{MARKER}:{s.iteration + 1}:{s.phase.value}",
@@ -127,7 +130,7 @@ def build_snapshot(trace: Trace, budget: Budget,
     plain dicts, lists, tuples, str, int and bool, as torch pickles it."""
     dev = device_events(trace, budget.gpu)
     history = replay_history(dev.events, alloc, budget.limit_bytes)
-    namer = _Namer(trace, dev.workspace_handles, dev.trace_index)
+    namer = _Namer(trace, dev.workspace_handles, dev.trace_index, dev.scratch_handles)
     end = history.oom_index if history.oom_index is not None else len(dev.events) - 1
     return {
         "segments": _segments(history, namer, max(end, 0)),

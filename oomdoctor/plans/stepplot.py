@@ -38,7 +38,7 @@ class StepSeries:
 def step_series(trace: Trace, budget: Budget,
                 alloc: AllocatorConfig = AllocatorConfig()) -> StepSeries:
     dev = device_events(trace, budget.gpu)
-    cat_of = {h: "temporaries" if h in dev.workspace_handles
+    cat_of = {h: "temporaries" if h in dev.workspace_handles or h in dev.scratch_handles
               else _CATEGORY_KEY[trace.storages[h].category]
               for is_alloc, h, _ in dev.events if is_alloc}
     cache = CachingAllocator(alloc, None)

@@ -59,6 +59,13 @@ class GpuProfile:
         return 32 * MiB if self.compute_capability >= (9, 0) else 2 * 4096 * KiB + 8 * 16 * KiB
 
     @property
+    def multiprocessors(self) -> tuple[int, int]:
+        """(multiProcessorCount, maxThreadsPerMultiProcessor): what bounds a CUDA reduction's
+        grid, and so its scratch buffer (oomdoctor.sim.reductions)."""
+        return (MULTIPROCESSORS.get(self.name, _DEFAULT_MULTIPROCESSORS),
+                _THREADS_PER_MP.get(self.compute_capability, 2048))
+
+    @property
     def memory_bytes_per_second(self) -> float:
         """Datasheet memory bandwidth (MEMORY_GBPS), what a memory-bound kernel is held to."""
         return MEMORY_GBPS.get(self.name, _DEFAULT_MEMORY_GBPS) * 1e9
@@ -79,6 +86,20 @@ MEMORY_GBPS = {"rtx3060-12": 360, "rtx3090": 936, "rtx4090": 1008, "a10": 600, "
                "rtx4060ti-16": 288, "rtx4070ti-super": 672, "rtx4080": 717, "h200": 4800,
                "b200": 8000, "mi250": 3277, "mi300x": 5300}
 _DEFAULT_MEMORY_GBPS = 900       # a card given by --memory only: a 3090-class board
+
+# Streaming multiprocessors (cudaDeviceProp.multiProcessorCount), from NVIDIA's datasheets and
+# architecture whitepapers (GA102: 82 on the 3090, 84 on the A6000, 72 on the A10, 28 on the
+# 3060; AD102/103/104/106: 128, 142 (L40S), 76, 66, 58 (L4), 34; TU104 T4 40; GV100 80;
+# GA100 108; GH100 SXM5 132 (H100 and H200); GB202 170; B200 148). CUDA cards only.
+MULTIPROCESSORS = {"rtx3060-12": 28, "rtx3090": 82, "rtx4090": 128, "a10": 72, "l4": 58,
+                   "t4": 40, "v100-16": 80, "v100-32": 80, "a100-40": 108, "a100-80": 108,
+                   "h100-80": 132, "l40s": 142, "rtx5090": 170, "a6000": 84,
+                   "rtx4060ti-16": 34, "rtx4070ti-super": 66, "rtx4080": 76, "h200": 132,
+                   "b200": 148}
+_DEFAULT_MULTIPROCESSORS = 108    # a card given by --memory only: an A100's
+# maxThreadsPerMultiProcessor by compute capability (CUDA C++ Programming Guide, "Technical
+# Specifications per Compute Capability"); 2048 elsewhere.
+_THREADS_PER_MP = {(7, 5): 1024, (8, 6): 1536, (8, 9): 1536, (12, 0): 1536}
 
 
 def _gib(x: float) -> int:

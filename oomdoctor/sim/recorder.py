@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from oomdoctor.sim import values
+from oomdoctor.sim import reductions, values
 from oomdoctor.sim.flops import op_flops
 from oomdoctor.sim.fusion import Fusion
 
@@ -54,6 +54,10 @@ class Storage:
     # What the model calls it, where known: a parameter's qualified name, "NAME.grad",
     # "AdamW.step: exp_avg of NAME" (for memory snapshots' frames, oomdoctor.plans.snapshot).
     name: str = ""
+    # A sum/mean's geometry: CUDA's kernel stages partial sums in scratch memory from the
+    # caching allocator, sized per card at replay (oomdoctor.sim.reductions)
+    reduce: Any = None
+    blas_lt: bool = False        # a GEMM through cuBLASLt (see cublaslt_call)
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,7 @@ class Recorder(TorchDispatchMode):
         if self.fusion.depth:
             self.fusion.note(func, args, kwargs or {}, len(self.raw), self.handle_of)
         fresh = self._fresh_outputs(func)
+        shape = reductions.reduce_shape(func.__name__, args, kwargs or {})
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for i, o in enumerate(outs):
             is_fresh = fresh[i] if i < len(fresh) else True
@@ -185,11 +190,29 @@ class Recorder(TorchDispatchMode):
                         self.add(st, None, func.__name__)
                     continue
                 if is_fresh:
-                    self.add(st, None, func.__name__)
+                    h = self.add(st, None, func.__name__)
+                    self.storages[h].reduce = shape
+                    self.storages[h].blas_lt = cublaslt_call(func.__name__, args, kwargs or {})
                 else:
                     # A view of a storage made before tracing began (not ours to count).
                     self.external.add(key)
         return out
+
+
+def cublaslt_call(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether CUDA runs this op through cuBLASLt (at::cuda::blas::gemm_and_bias): addmm with a
+    contiguous bias vector as wide as the output, beta 1, a floating dtype and both of mat2's
+    sizes over 1 (addmm_out_cuda_impl's useLtInterface in aten/src/ATen/native/cuda/Blas.cpp,
+    CUDA >= 12.1), and _addmm_activation, which exists for that path."""
+    if name == "_addmm_activation.default":
+        return True
+    if name != "addmm.default" or len(args) < 3 or kwargs.get("beta", 1) != 1:
+        return False
+    bias, mat2 = args[0], args[2]
+    return (isinstance(bias, torch.Tensor) and isinstance(mat2, torch.Tensor)
+            and bias.dim() == 1 and mat2.dim() == 2 and bias.is_contiguous()
+            and bias.shape[0] == mat2.shape[1] and min(mat2.shape) > 1
+            and bias.dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16))
 
 
 def module_hooks(model: torch.nn.Module, rec: Recorder) -> list:

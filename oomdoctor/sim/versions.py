@@ -67,6 +67,7 @@ FOREACH_ADAM_ONE_INTERMEDIATE = "foreach_adam_one_intermediate"
 HIPBLASLT_DEFAULT = "rocm_hipblaslt_default"
 HIPBLAS_WORKSPACE_IN_ALLOCATOR = "rocm_hipblas_workspace_in_allocator"
 HIPBLASLT_WORKSPACE_76MIB = "rocm_hipblaslt_workspace_76mib"
+CUBLASLT_WORKSPACE_SHARED = "cublaslt_workspace_shared"
 
 FACTS: tuple[Fact, ...] = (
     Fact(FOREACH_DEFAULT, (2, 0),
@@ -112,6 +113,18 @@ FACTS: tuple[Fact, ...] = (
          "hipBLAS's workspace is rocBLAS's own, outside the caching allocator",
          "hipBLAS's workspace (32 MiB; 128 MiB on gfx94x/95x) comes from the caching allocator",
          "github.com/pytorch/pytorch/pull/138791 (CublasHandlePool.cpp getNewWorkspace)"),
+    # 2.11 (branch cut 2026-02-16..19, github.com/pytorch/pytorch/pull/171832) has the size
+    # side unified by default but getCUDABlasLtWorkspace() unified only when the variable is
+    # set: a real H200 snapshot of torch 2.11 (tests/snapshots/tiny_mlp_b64_fp32.pickle) shows
+    # the forward's first linear take 32 MiB (cuBLAS) and then 1 MiB (cuBLASLt).
+    Fact(CUBLASLT_WORKSPACE_SHARED, (2, 12),
+         "cuBLASLt (addmm with a bias vector: at::cuda::blas::gemm_and_bias) takes its own 1 MiB "
+         "workspace from the caching allocator per handle and stream (CUBLASLT_WORKSPACE_SIZE's "
+         "default, 1024 KiB; TORCH_CUBLASLT_UNIFIED_WORKSPACE unset)",
+         "cuBLASLt works in its handle's cuBLAS workspace and allocates none of its own",
+         "github.com/pytorch/pytorch/pull/175879 (CublasHandlePool.cpp getCUDABlasLtWorkspace: "
+         "unified unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=0, merged 2026-03-02) and /pull/173002",
+         nightly=20260303),
 )
 _BY_NAME = {f.name: f for f in FACTS}
 

@@ -9,12 +9,21 @@ Python thread and the backward on autograd's device thread, so a step with matmu
 A network of convolutions, norms and activations calls cuDNN/MIOpen and elementwise kernels and
 never creates one. The size per handle is :attr:`oomdoctor.sim.gpus.GpuProfile.cublas_workspace_bytes`.
 
+Reductions take scratch memory from the caching allocator too, for the length of one kernel:
+:func:`reduction_scratch` says where and how much (:mod:`oomdoctor.sim.reductions`).
+
 Known limitation: only the ATen ops below are recognised; a GEMM inside a library's own kernel
 (cuDNN's, a Triton kernel) uses that library's memory, which no trace sees.
 """
 from __future__ import annotations
 
+from oomdoctor.sim.gpus import GpuProfile
+from oomdoctor.sim.reductions import scratch_bytes
 from oomdoctor.sim.trace import Phase, PhaseMark, Trace
+
+# getCUDABlasLtWorkspaceSize() in aten/src/ATen/cuda/CublasHandlePool.cpp: CUBLASLT_WORKSPACE_SIZE
+# (KiB) defaults to 1024 on CUDA, capped at the cuBLAS workspace's size.
+CUBLASLT_WORKSPACE_BYTES = 1024 * 1024
 
 # The ATen ops that reach at::cuda::blas (aten/src/ATen/native/cuda/Blas.cpp): matmuls, linear
 # layers (addmm), batched matmuls and matrix-vector products.
@@ -22,11 +31,13 @@ BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", 
                       "_addmm_activation", "_scaled_mm", "_int_mm"})
 
 
-def workspace_marks(trace: Trace) -> list[PhaseMark]:
+def workspace_marks(trace: Trace, lt: bool = False) -> list[PhaseMark]:
     """The first step's first forward and backward phases that run a BLAS op: a workspace is
-    allocated at the start of each (one per thread's handle, kept for the process's life)."""
+    allocated at the start of each (one per thread's handle, kept for the process's life).
+    ``lt``: those that run a cuBLASLt GEMM (its own workspace until torch 2.12, see
+    oomdoctor.sim.versions CUBLASLT_WORKSPACE_SHARED)."""
     blas_at = sorted(s.t_alloc for s in trace.storages.values()
-                     if s.op.split(".")[0] in BLAS_OPS)
+                     if (s.blas_lt if lt else s.op.split(".")[0] in BLAS_OPS))
     marks = list(trace.marks)
     out = []
     for i, mark in enumerate(marks):
@@ -35,4 +46,21 @@ def workspace_marks(trace: Trace) -> list[PhaseMark]:
         end = marks[i + 1].start if i + 1 < len(marks) else len(trace.events)
         if any(mark.start <= t < end for t in blas_at):
             out.append(mark)
+    return out
+
+
+def reduction_scratch(trace: Trace, gpu: GpuProfile) -> dict[int, tuple[int, int]]:
+    """Trace event index of each reduction output's allocation -> the (buffer, semaphores)
+    bytes its CUDA kernel then allocates and frees on ``gpu`` (gpu_reduce_kernel in
+    aten/src/ATen/native/cuda/Reduce.cuh). None on ROCm, whose grid rule differs."""
+    if gpu.is_rocm:
+        return {}
+    mps, threads = gpu.multiprocessors
+    out = {}
+    for i, (is_alloc, handle, _) in enumerate(trace.events):
+        s = trace.storages.get(handle) if is_alloc else None
+        if s is not None and s.reduce is not None:
+            scratch = scratch_bytes(s.reduce, mps, threads)
+            if scratch is not None:
+                out[i] = scratch
     return out

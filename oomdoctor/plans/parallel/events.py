@@ -8,7 +8,8 @@ from oomdoctor.plans.parallel.layout import Layout
 from oomdoctor.plans.parallel.results import _CATEGORY_KEY
 from oomdoctor.plans.parallel.timeline import _Timing
 from oomdoctor.sim.trace import Category, Phase, Trace
-from oomdoctor.sim.workspaces import workspace_marks
+from oomdoctor.plans.estimate import blas_workspaces
+from oomdoctor.sim.workspaces import reduction_scratch
 
 
 class _Gpu:
@@ -74,12 +75,16 @@ class _Context:
         return _CATEGORY_KEY[self.trace.storages[h].category]
 
     def workspaces(self, g: _Gpu) -> None:
-        # One BLAS workspace per thread's handle: the forward thread's and autograd's
-        # (see estimate.device_events), allocated before the first forward / backward matmul.
+        """What the device adds to the trace, as estimate.device_events does: the BLAS
+        workspaces (before the first forward / backward matmul, kept) and each reduction's
+        scratch buffer and semaphores, for the length of its kernel."""
         if not self.with_workspaces:
             return
-        for mark in workspace_marks(self.trace):
-            g.add("temporaries", self.gpu.cublas_workspace_bytes, mark.start - 0.5, None)
+        for start, nbytes in blas_workspaces(self.trace, self.gpu):
+            g.add("temporaries", nbytes, start - 0.5, None)
+        for i, (buf, sem) in reduction_scratch(self.trace, self.gpu).items():
+            g.add("temporaries", buf, i + 0.01, i + 0.04)
+            g.add("temporaries", sem, i + 0.02, i + 0.03)
 
     def param_bytes(self, owner: int | None = None) -> int:
         total = 0

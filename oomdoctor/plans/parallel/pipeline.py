@@ -5,7 +5,6 @@ from oomdoctor.plans.parallel.events import _Context, _Gpu
 from oomdoctor.plans.parallel.layout import MAIN
 from oomdoctor.plans.parallel.results import Partition
 from oomdoctor.sim.trace import Phase
-from oomdoctor.sim.workspaces import workspace_marks
 
 
 class _Pipeline:
@@ -62,9 +61,6 @@ class _Pipeline:
                     handle += 1
         self.rows = rows
         self.handle_end = handle
-        self.ws = []
-        for mark in workspace_marks(ctx.trace) if ctx.with_workspaces else ():
-            self.ws.append(mark.start - 0.5)
 
     def stages(self, cut: int) -> list[int]:
         """Stage of each block (index nblocks: MAIN) for a cut before execution index ``cut``;
@@ -108,9 +104,8 @@ class _Pipeline:
     def gpus(self, cut: int) -> list[_Gpu]:
         st = self.stages(cut)
         out = [_Gpu(f"GPU {k} (stage {k})", self.handle_end) for k in range(2)]
-        for g in out:
-            for pos in self.ws:
-                g.add("temporaries", self.ctx.gpu.cublas_workspace_bytes, pos, None)
+        for g in out:               # each process's BLAS workspaces; reductions' scratch on both
+            self.ctx.workspaces(g)
         for t0, t1, h, n, key, attr, prod in self.rows:
             if prod is not None and st[prod] == st[attr]:
                 continue
