@@ -9,7 +9,7 @@ import click
 
 from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
                                  cli)
-from oomdoctor.cli.script import model_source_only
+from oomdoctor.cli.script import model_or_script, model_source_only
 from oomdoctor.cli.options import (_alloc_config, _card_options, _check_plot_file, _detect_gpus,
                                    _die, _load_model, _make_budget, _mp_policy,
                                    _mp_policy_option, _num_gpus, _progress, _torch_config,
@@ -32,7 +32,7 @@ _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default
 
 @cli.command("parallel", epilog=MODEL_PROTOCOL)
 @click.argument("model_file", nargs=-1, required=True, metavar="MODEL",
-                callback=model_source_only)
+                callback=model_or_script)
 @click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
               help="Micro-batch per GPU (per data-parallel rank).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
@@ -62,6 +62,10 @@ def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad
     oomdoctor parallel sample_models/gpt2_small.py --gpus 2 --gpu rtx3090 -b 8 --precision bf16
     oomdoctor parallel sample_models/llama7b.py --gpus 2 --precision bf16-pure --checkpointing
     oomdoctor parallel sample_models/gpt2_small.py --gpus 4 --strategy ds2 --precision fp16
+    oomdoctor parallel --gpus 2 --gpu rtx3090 -- python train.py --lr 3e-4
+
+    After `--`, MODEL is a single-GPU training script's command line: it runs once on a fake
+    GPU (at -b per GPU when given) and its step is planned across the strategies.
 
     Exit codes: 0 some strategy fits, 1 none fits, 2 usage error, 3 model file error.
     """
@@ -71,6 +75,11 @@ def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     n = _num_gpus(num_gpus)
+    script = _planned_script(ctx, model_file, debug, ds_config, mp_policy)
+    if script is not None:
+        report = _parallel_script(ctx, script, budget, n, strategies, alloc, bucket_view, debug)
+        _print_parallel(report, link, budget, gpu_name, memory, n, as_json)
+    model_file = model_file[0]
     ds = None
     if ds_config:
         precision, strategies, ds = _deepspeed_run(ctx, ds_config, precision, strategies)
@@ -87,9 +96,52 @@ def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
-    report = dataclasses.replace(report, link=_assumed_link(link, budget, gpu_name, memory, n))
+    _print_parallel(report, link, budget, gpu_name, memory, n, as_json)
+
+
+def _print_parallel(report, link, budget, gpu_name, memory, num_gpus, as_json):
+    """Print parallel's report, with the link it assumed, and exit with its verdict."""
+    from oomdoctor.plans import parallel as par
+    report = dataclasses.replace(report, link=_assumed_link(link, budget, gpu_name, memory,
+                                                            num_gpus))
     click.echo(json.dumps(report.to_json(), indent=2) if as_json else par.render_report(report))
     sys.exit(EXIT_OK if any(e.fits for e in report.estimates) else EXIT_PROBLEM)
+
+
+def _planned_script(ctx, words, debug, ds_config, mp_policy):
+    """The ScriptSpec when MODEL is a command line (the options that describe a model file's
+    loop refused), else None."""
+    from oomdoctor.cli import script as script_cli
+    from oomdoctor.models.spec import ModelFileError
+    try:
+        script = script_cli.script_of(words)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    if script is None:
+        return None
+    script_cli.refuse_loop_options(ctx, allowed=("strategy", "strategies"))
+    if ds_config or mp_policy is not None:
+        raise click.UsageError(f"--{'ds-config' if ds_config else 'mp-policy'} describes how a "
+                               "framework runs a model's precision; a script decides its own")
+    return script
+
+
+def _parallel_script(ctx, script, budget, num_gpus, strategies, alloc, bucket_view, debug):
+    """`parallel -- python train.py`: the script's run, planned across strategies."""
+    from oomdoctor.cli.script import run_script, seq_len_option
+    from oomdoctor.plans import parallel as par
+    from oomdoctor.models.spec import ModelFileError
+    given = ctx.get_parameter_source("batch_size") is click.core.ParameterSource.COMMANDLINE
+    seq = seq_len_option(ctx)
+    try:
+        return run_script(lambda: par.estimate_script_strategies(
+            script, budget, num_gpus, strategies or par.STRATEGIES, alloc, bucket_view,
+            progress=_progress, batch_size=ctx.params["batch_size"] if given else None,
+            seq_len=seq))
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
 
 
 def _assumed_link(link, budget, gpu_name, memory, num_gpus) -> str:

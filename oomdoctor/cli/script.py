@@ -50,13 +50,29 @@ def model_source_only(ctx: click.Context, _param: click.Parameter, words: tuple[
         raise click.UsageError(f"`oomdoctor {ctx.command.name}` plans a model file, a Hugging "
                                "Face id or a timm:/torchvision: name; a training script runs "
                                "with `oomdoctor estimate|probe -- python train.py ARGS` (also "
-                               "under torchrun, for DDP), or as a `command =` case of check")
+                               "under torchrun, for DDP), is planned across strategies by "
+                               "`oomdoctor parallel -- python train.py ARGS`, or runs as a "
+                               "`command =` case of check")
     return one_source(words)
 
 
-def refuse_loop_options(ctx: click.Context) -> None:
-    """A usage error for an option given on the command line that a script decides itself."""
+def model_or_script(_ctx: click.Context, _param: click.Parameter, words: tuple[str, ...]
+                    ) -> tuple[str, ...]:
+    """The MODEL argument of a planner that also takes a script: the words as given (a command
+    line after ``--``, or one model source)."""
+    from oomdoctor.models.script import is_command
+    if not is_command(words):
+        one_source(words)
+    return words
+
+
+def refuse_loop_options(ctx: click.Context, allowed: tuple[str, ...] = ()) -> None:
+    """A usage error for an option given on the command line that a script decides itself
+    (``allowed``: options the command means otherwise for a script, as parallel's
+    --strategy picks the strategies to plan)."""
     for name, own in _LOOP_OPTIONS.items():
+        if name in allowed:
+            continue
         # (--checkpoint-every/-policy are remembered in ctx.meta, not parameters)
         given = name in ctx.params or name in ctx.meta.get("oomdoctor.checkpoint", {})
         if given and ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:

@@ -462,6 +462,8 @@ def _result(script: ScriptSpec, batch_size: int | None, cfg: TraceConfig, run: S
                                   run.optimizers[0] if run.optimizers else None),
         processes=script.world, weight_dtypes=weight_dtypes(on_gpu),
         flops=rec.flops // max(run.steps_done, 1), loaders=tuple(run.loaders),
+        model=max(run.roots.values(), key=lambda m: sum(p.numel() for p in m.parameters()),
+                  default=None),
         syncs_per_step=(device.reads.scalars + device.reads.copies) / max(run.steps_done, 1),
         autocast=("bfloat16" if torch.bfloat16 in device.autocast else "float16"
                   if device.autocast else ""))

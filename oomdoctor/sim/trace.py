@@ -125,8 +125,9 @@ class Trace:
     autocast: str = ""
     weight_dtypes: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     # A script's DataLoaders as it made them (sim.script.LoaderSeen), for the input-pipeline
-    # check to run again; not part of what the trace is
+    # check to run again, and its model (the planners lay it out); not part of what it is
     loaders: tuple = field(default=(), compare=False, repr=False)
+    model: object = field(default=None, compare=False, repr=False)
     # A script's reads of GPU values per step (loss.item(), .cpu()): each makes the host wait
     # for the GPU, so loading the next batch cannot overlap the step
     syncs_per_step: float = 0.0

@@ -66,8 +66,9 @@ from oomdoctor.plans.parallel.model_states import (deepspeed_zero2_gpu_bytes,
                                              deepspeed_zero3_gpu_bytes, model_state_floor)
 from oomdoctor.plans.parallel.pipeline import _Pipeline
 from oomdoctor.plans.parallel.render import render_report, render_split
-from oomdoctor.plans.parallel.report import (ParallelReport, Progress, SplitPlan, estimate_strategies,
-                                      plan_split)
+from oomdoctor.plans.parallel.report import (ParallelReport, Progress, SplitPlan,
+                                             estimate_script_strategies, estimate_strategies,
+                                             plan_split)
 from oomdoctor.plans.parallel.results import BREAKDOWN_KEYS, GpuMemory, Partition, StrategyEstimate
 from oomdoctor.plans.parallel.strategy import (ALIASES, DEEPSPEED_STRATEGIES, DESCRIPTIONS,
                                               NODE_STRATEGIES, STRATEGIES, DeepSpeedConfig,
@@ -87,7 +88,8 @@ __all__ = [
     "DP_COALESCE_BYTES", "ddp_buckets", "zero_partition",
     "deepspeed_zero2_gpu_bytes", "deepspeed_zero3_gpu_bytes", "model_state_floor",
     "strategy_events", "live_peak", "estimate_strategy",
-    "Progress", "ParallelReport", "estimate_strategies", "SplitPlan", "plan_split",
+    "Progress", "ParallelReport", "estimate_strategies", "estimate_script_strategies",
+    "SplitPlan", "plan_split",
     "render_report", "render_split",
     # used as par.X by the tests
     "AllocatorConfig", "_Context", "_Pipeline", "_measure",

@@ -6,7 +6,7 @@ from typing import Any, Callable
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.plans.parallel.layout import Layout
 from oomdoctor.plans.parallel.results import _CATEGORY_KEY
-from oomdoctor.plans.parallel.timeline import _Timing
+from oomdoctor.plans.parallel.timeline import _Timing, setup_storages
 from oomdoctor.sim.trace import Category, Phase, Trace
 from oomdoctor.plans.estimate import blas_workspaces
 from oomdoctor.sim.workspaces import reduction_scratch
@@ -60,8 +60,7 @@ class _Context:
         self.with_workspaces = workspaces
         # The model's parameters and buffers (fp16's GradScaler also makes its scale and growth
         # tracker during setup: 4-byte temporaries, not the model's).
-        setup = [s for s in self.storages if s.phase is Phase.SETUP
-                 and s.category in (Category.PARAMETERS, Category.BUFFERS)]
+        setup = setup_storages(trace, layout)
         if len(setup) != len(layout.param_owner):
             raise ValueError(f"{layout.model}: the trace registered {len(setup)} parameter/buffer "
                              f"storages, the layout {len(layout.param_owner)}; trace and layout "

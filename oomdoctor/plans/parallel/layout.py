@@ -13,6 +13,7 @@ from oomdoctor.models.spec import ModelSpec, kept_for
 from oomdoctor.plans.parallel.passes import MAIN, Pass, run_pass
 from oomdoctor.plans.parallel.stack import cut_passes, span_of
 from oomdoctor.sim.repeat import MIN_BLOCKS
+from oomdoctor.sim.trace import Phase, Trace
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,59 @@ def _layout(spec: ModelSpec, precision: str, batch_size: int, min_blocks: int | 
         num_trainable=sum(t.numel() for t in st.tensors.values() if t.requires_grad),
         largest_leaf_params=st.largest_leaf, has_batchnorm=st.has_bn,
         dequantized_params=st.four_bit)
+
+
+def script_layout(trace: Trace, name: str) -> Layout:
+    """The layout of a training script's model, from its run (``trace.model``, the module it
+    trained, and the trace's module labels): blocks, parameter ownership and execution order
+    as a model file's. A script runs once at its own batch, so the tensors handed between
+    blocks are not known (the split needs them) and the FLOPs per block are the step's shared
+    by the blocks' parameters."""
+    model = trace.model
+    if model is None:
+        raise ValueError(f"{name}: the run trained no module oomdoctor saw")
+    defined = execution_blocks(model)
+    st = _storages(model, defined)
+    first: dict[int, int] = {}
+    lookup = {n: i for i, n in enumerate(defined)}
+    for s in sorted(trace.storages.values(), key=lambda s: s.t_alloc):
+        if s.module and s.phase is Phase.FORWARD:
+            d = _defining_block(s.module, lookup)
+            if d is not None:
+                first.setdefault(d, s.t_alloc)
+    order = sorted(first, key=first.get)
+    exec_defs = _execution_order(len(defined), order, st.owner_by_key, {})
+    to_exec = {d: e for e, d in enumerate(exec_defs)}
+    batch = max(trace.config.batch_size * trace.config.grad_accum, 1)
+    per_sample = trace.flops / batch
+    total = max(sum(st.block_numel), 1)
+    return Layout(
+        model=name, precision=trace.config.precision, root=type(model).__name__,
+        blocks=tuple(defined[d] for d in exec_defs),
+        block_params=tuple(st.block_numel[d] for d in exec_defs),
+        param_names=tuple(st.names),
+        param_owner=tuple(MAIN if o < 0 else to_exec[o] for o in st.owners_def),
+        param_trainable=tuple(st.trainable), param_numel=tuple(st.numel),
+        num_param_storages=len(st.param_keys),
+        persistent=tuple(n in st.persistent_names for n in st.names),
+        tied=tuple(tuple(sorted(to_exec[i] for i in g)) for g in st.tied_def),
+        inputs=(), output_bytes_at_1=0, output_bytes_per_sample=0,
+        block_flops=tuple(per_sample * st.block_numel[d] / total for d in exec_defs),
+        flops_per_sample=per_sample,
+        num_parameters=sum(t.numel() for t in st.tensors.values()),
+        num_trainable=sum(t.numel() for t in st.tensors.values() if t.requires_grad),
+        largest_leaf_params=st.largest_leaf, has_batchnorm=st.has_bn,
+        dequantized_params=st.four_bit)
+
+
+def _defining_block(module: str, lookup: dict[str, int]) -> int | None:
+    """The block (definition index) a module path belongs to, if any."""
+    parts = module.split(".")
+    for k in range(len(parts), 0, -1):
+        i = lookup.get(".".join(parts[:k]))
+        if i is not None:
+            return i
+    return None
 
 
 @contextlib.contextmanager

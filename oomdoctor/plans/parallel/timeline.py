@@ -59,6 +59,21 @@ class Sizes:
 # Timing: phases, block forward spans, backward windows
 # ---------------------------------------------------------------------------------------------
 
+def setup_storages(trace: Trace, layout: Layout) -> list:
+    """The model's parameter and buffer storages in the layout's order: by their names where
+    the trace names each one as the layout does (a script moves them to the GPU module by
+    module, buffers among parameters), else in allocation order (a model file's trace
+    registers them in the layout's order)."""
+    setup = sorted((s for s in trace.storages.values() if s.phase is Phase.SETUP
+                    and s.category in (Category.PARAMETERS, Category.BUFFERS)),
+                   key=lambda s: s.t_alloc)
+    index = {n: i for i, n in enumerate(layout.param_names)}
+    names = [s.name for s in setup]
+    if len(setup) == len(index) and set(names) == set(index):
+        return sorted(setup, key=lambda s: index[s.name])
+    return setup
+
+
 class _Timing:
     """Where each block runs on the trace's timeline (raw event indices)."""
 
@@ -104,8 +119,7 @@ class _Timing:
         # Backward: a block's backward ends with its parameters' gradients (the weight gradient
         # of its first op comes last). Each gradient is matched to the latest-registered
         # trainable parameter of its size still without one: backward runs the blocks in reverse.
-        setup = sorted((s for s in self.trace.storages.values() if s.phase is Phase.SETUP),
-                       key=lambda s: s.t_alloc)
+        setup = setup_storages(self.trace, self.layout)
         self.grad_owner: dict[int, int] = {}        # gradient handle -> parameter index
         by_phase: dict[int, list] = defaultdict(list)
         for s in by_alloc:
