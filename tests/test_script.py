@@ -410,7 +410,7 @@ def test_hf_trainer_classifiers_give_the_hf_sources_peak(tmp_path, kind, precisi
     assert _close(run.peak_reserved_bytes, ref.peak_reserved_bytes, slack=2 * MiB)
 
 
-@pytest.mark.parametrize("command", ["recommend", "split", "smoke"])
+@pytest.mark.parametrize("command", ["recommend", "smoke"])
 def test_planning_commands_say_where_a_script_goes(command):
     r = _cli(command, "--", "python", "tests/scripts/mlp_loop.py")
     assert r.returncode == 2 and "estimate|probe -- python train.py" in r.stderr

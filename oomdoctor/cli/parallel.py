@@ -128,20 +128,25 @@ def _planned_script(ctx, words, debug, ds_config, mp_policy):
 
 def _parallel_script(ctx, script, budget, num_gpus, strategies, alloc, bucket_view, debug):
     """`parallel -- python train.py`: the script's run, planned across strategies."""
-    from oomdoctor.cli.script import run_script, seq_len_option
     from oomdoctor.plans import parallel as par
     from oomdoctor.models.spec import ModelFileError
-    given = ctx.get_parameter_source("batch_size") is click.core.ParameterSource.COMMANDLINE
-    seq = seq_len_option(ctx)
     try:
-        return run_script(lambda: par.estimate_script_strategies(
+        return _script_run(ctx, lambda batch, seq: par.estimate_script_strategies(
             script, budget, num_gpus, strategies or par.STRATEGIES, alloc, bucket_view,
-            progress=_progress, batch_size=ctx.params["batch_size"] if given else None,
-            seq_len=seq))
+            progress=_progress, batch_size=batch, seq_len=seq))
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
+
+
+def _script_run(ctx, plan):
+    """``plan(batch_size, seq_len)`` with the script's prints on stderr: -b when given on the
+    command line (every DataLoader's batch size, or {batch}), --seq-len for {seq}."""
+    from oomdoctor.cli.script import run_script, seq_len_option
+    given = ctx.get_parameter_source("batch_size") is click.core.ParameterSource.COMMANDLINE
+    seq = seq_len_option(ctx)
+    return run_script(lambda: plan(ctx.params["batch_size"] if given else None, seq))
 
 
 def _assumed_link(link, budget, gpu_name, memory, num_gpus) -> str:
@@ -155,7 +160,7 @@ def _assumed_link(link, budget, gpu_name, memory, num_gpus) -> str:
 
 @cli.command("split", epilog=MODEL_PROTOCOL)
 @click.argument("model_file", nargs=-1, required=True, metavar="MODEL",
-                callback=model_source_only)
+                callback=model_or_script)
 @click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
               help="Micro-batch (the whole batch: both GPUs see it in turn).")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
@@ -164,15 +169,17 @@ def _assumed_link(link, budget, gpu_name, memory, num_gpus) -> str:
 @click.option("--device-map", "device_map_path", type=click.Path(dir_okay=False),
               help="Write the partition as JSON for accelerate's dispatch_model (and smoke).")
 @_card_options
-def split_command(model_file, batch_size, precision, checkpointing, grad_accum, device_map_path,
-                  gpu_name, memory, num_gpus, overhead, other_mem, margin, alloc_conf,
-                  checkpoint_class, optimizer, as_json, debug):
+@click.pass_context
+def split_command(ctx, model_file, batch_size, precision, checkpointing, grad_accum,
+                  device_map_path, gpu_name, memory, num_gpus, overhead, other_mem, margin,
+                  alloc_conf, checkpoint_class, optimizer, as_json, debug):
     """A naive two-GPU split: which modules go on cuda:0 and cuda:1, each GPU's memory.
 
     \b
     oomdoctor split sample_models/llama7b.py --gpus 2 --gpu rtx3090 --precision bf16-pure
     oomdoctor split model.py --gpus 2 --device-map map.json && oomdoctor smoke model.py \\
         --strategy pipeline2 --device-map map.json
+    oomdoctor split --gpus 2 --gpu rtx3090 -- python train.py --lr 3e-4
 
     Exit codes: 0 both stages fit, 1 a stage does not fit, 2 usage error, 3 model file error.
     """
@@ -184,11 +191,17 @@ def split_command(model_file, batch_size, precision, checkpointing, grad_accum, 
                                "for more GPUs use `oomdoctor parallel --strategy zero3`")
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
+    script = _planned_script(ctx, model_file, debug, None, None)
     try:
-        spec = _load_model(model_file)
-        cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
-                          optimizer, **_torch_config(), **_checkpoint_config(checkpointing))
-        plan = par.plan_split(spec, cfg, budget, alloc, progress=_progress)
+        if script is not None:
+            plan = _script_run(ctx, lambda batch, seq: par.plan_script_split(
+                script, budget, alloc, progress=_progress, batch_size=batch, seq_len=seq))
+        else:
+            spec = _load_model(model_file[0])
+            cfg = TraceConfig(batch_size, precision, checkpointing, checkpoint_class,
+                              grad_accum, optimizer, **_torch_config(),
+                              **_checkpoint_config(checkpointing))
+            plan = par.plan_split(spec, cfg, budget, alloc, progress=_progress)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:

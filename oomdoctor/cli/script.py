@@ -50,8 +50,8 @@ def model_source_only(ctx: click.Context, _param: click.Parameter, words: tuple[
         raise click.UsageError(f"`oomdoctor {ctx.command.name}` plans a model file, a Hugging "
                                "Face id or a timm:/torchvision: name; a training script runs "
                                "with `oomdoctor estimate|probe -- python train.py ARGS` (also "
-                               "under torchrun, for DDP), is planned across strategies by "
-                               "`oomdoctor parallel -- python train.py ARGS`, or runs as a "
+                               "under torchrun, for DDP), is planned across GPUs by "
+                               "`oomdoctor parallel|split -- python train.py ARGS`, or runs as a "
                                "`command =` case of check")
     return one_source(words)
 

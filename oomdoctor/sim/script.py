@@ -35,6 +35,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 from torch.utils._pytree import tree_leaves
 
 from oomdoctor.models import adapters
+from oomdoctor.models.blocks import execution_blocks
 from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError, first_line, user_frame
 from oomdoctor.sim import ddp, eager, emulate, fakecuda, values, versions
@@ -82,6 +83,21 @@ class ScriptRun:
     micro_batches: list[int] = field(default_factory=list)   # backward passes per step
     ended: str = ""              # how the run ended: "steps", "script end"
     gradient_bytes: int = 0
+    # the first forward's calls of each root's blocks: root id -> [(block, [(storage handle,
+    # bytes, requires_grad) of each tensor argument])], for the split (plans.parallel.layout)
+    calls: dict[int, list] = field(default_factory=dict)
+    # the first dimension of the first forward's first tensor argument: the batch of a script
+    # that batches by hand (no DataLoader)
+    forward_batch: int = 0
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """The module a script trained, and what its blocks were handed in its first forward
+    (positional tensor arguments: a global forward pre-hook sees no keyword ones)."""
+
+    module: torch.nn.Module
+    calls: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -155,6 +171,7 @@ class _Phases:
         self.micro = self.depth = self.forwards = 0
         self.backwarded = False
         self.names: dict[int, str] = {}
+        self.blocks: dict[int, tuple[int, int]] = {}     # module id -> (root id, block)
         self.started = time.monotonic()
         self.mark(Phase.SETUP)
 
@@ -184,6 +201,10 @@ class _Phases:
         if self.depth == 0 and self.rec.phase is not Phase.BACKWARD:
             self._stop_if_done()
             self._root(module)
+            if not self.run.forward_batch:
+                first = next((t for t in tree_leaves(_args) if isinstance(t, torch.Tensor)
+                              and t.dim() >= 1), None)
+                self.run.forward_batch = int(first.shape[0]) if first is not None else 0
             if self.rec.phase is not Phase.FORWARD:
                 self.mark(Phase.FORWARD)
             self.forwards += 1
@@ -191,8 +212,23 @@ class _Phases:
                 raise ScriptError(f"{self.forwards - 1} forward passes without an optimizer "
                                   f"step (the script was at {script_frame()}); oomdoctor stops "
                                   "after its steps, so the script must reach optimizer.step()")
+        self._record_call(module, _args)
         self.depth += 1
         self.rec.module_stack.append(self.names.get(id(module), type(module).__name__))
+
+    def _record_call(self, module: torch.nn.Module, args: Any) -> None:
+        """A block's tensor arguments in the first forward of its root."""
+        where = self.blocks.get(id(module))
+        if where is None or self.forwards != 1 or self.rec.phase is not Phase.FORWARD:
+            return
+        root, block = where
+        seen = self.run.calls.setdefault(root, [])
+        if any(b == block for b, _ in seen):        # a block called again (a shared one)
+            return
+        args = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        seen.append(
+            (block, [(self.rec.handle_of(t), t.numel() * t.element_size(), t.requires_grad)
+                     for t in args]))
 
     def forward_post(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
         self.depth = max(self.depth - 1, 0)
@@ -206,6 +242,9 @@ class _Phases:
         root = type(module).__name__
         for name, m in module.named_modules():
             self.names.setdefault(id(m), name or root)
+        for i, name in enumerate(execution_blocks(module)):
+            if name:
+                self.blocks.setdefault(id(module.get_submodule(name)), (id(module), i))
 
     def backward(self, real: Callable) -> Callable:
         def backward(*args, **kwargs):
@@ -462,17 +501,25 @@ def _result(script: ScriptSpec, batch_size: int | None, cfg: TraceConfig, run: S
                                   run.optimizers[0] if run.optimizers else None),
         processes=script.world, weight_dtypes=weight_dtypes(on_gpu),
         flops=rec.flops // max(run.steps_done, 1), loaders=tuple(run.loaders),
-        model=max(run.roots.values(), key=lambda m: sum(p.numel() for p in m.parameters()),
-                  default=None),
+        model=_trained(run),
         syncs_per_step=(device.reads.scalars + device.reads.copies) / max(run.steps_done, 1),
         autocast=("bfloat16" if torch.bfloat16 in device.autocast else "float16"
                   if device.autocast else ""))
 
 
+def _trained(run: ScriptRun) -> TrainedModel | None:
+    """The root with the most parameters: the model the script trains (a loss module is a root
+    too)."""
+    root = max(run.roots.values(), key=lambda m: sum(p.numel() for p in m.parameters()),
+               default=None)
+    return None if root is None else TrainedModel(root, tuple(run.calls.get(id(root), ())))
+
+
 def _batch_size(run: ScriptRun) -> int:
-    """The batch size to report: the first DataLoader's (the training one, as a rule)."""
+    """The batch size to report: the first DataLoader's (the training one, as a rule), else the
+    first forward's leading dimension."""
     sizes = [b for b in run.loader_batches if isinstance(b, int) and b > 0]
-    return sizes[0] if sizes else 1
+    return sizes[0] if sizes else run.forward_batch or 1
 
 
 def _precision(device: fakecuda.Device, params: list[torch.Tensor]) -> str:

@@ -68,7 +68,7 @@ from oomdoctor.plans.parallel.pipeline import _Pipeline
 from oomdoctor.plans.parallel.render import render_report, render_split
 from oomdoctor.plans.parallel.report import (ParallelReport, Progress, SplitPlan,
                                              estimate_script_strategies, estimate_strategies,
-                                             plan_split)
+                                             plan_script_split, plan_split)
 from oomdoctor.plans.parallel.results import BREAKDOWN_KEYS, GpuMemory, Partition, StrategyEstimate
 from oomdoctor.plans.parallel.strategy import (ALIASES, DEEPSPEED_STRATEGIES, DESCRIPTIONS,
                                               NODE_STRATEGIES, STRATEGIES, DeepSpeedConfig,
@@ -89,7 +89,7 @@ __all__ = [
     "deepspeed_zero2_gpu_bytes", "deepspeed_zero3_gpu_bytes", "model_state_floor",
     "strategy_events", "live_peak", "estimate_strategy",
     "Progress", "ParallelReport", "estimate_strategies", "estimate_script_strategies",
-    "SplitPlan", "plan_split",
+    "SplitPlan", "plan_split", "plan_script_split",
     "render_report", "render_split",
     # used as par.X by the tests
     "AllocatorConfig", "_Context", "_Pipeline", "_measure",

@@ -1,6 +1,7 @@
 """Model layout: blocks in execution order, who owns each parameter, block inputs, FLOPs."""
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 from collections import defaultdict
@@ -9,11 +10,12 @@ from typing import Callable, Iterator
 
 import torch
 
+from oomdoctor.models.blocks import execution_blocks
 from oomdoctor.models.spec import ModelSpec, kept_for
 from oomdoctor.plans.parallel.passes import MAIN, Pass, run_pass
 from oomdoctor.plans.parallel.stack import cut_passes, span_of
 from oomdoctor.sim.repeat import MIN_BLOCKS
-from oomdoctor.sim.trace import Phase, Trace
+from oomdoctor.sim.trace import Category, Phase, Trace
 
 
 @dataclass(frozen=True)
@@ -89,33 +91,6 @@ def _block_lookup(layout: Layout) -> Callable[[str], int]:
     return fn
 
 
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
-
-
-def execution_blocks(model: torch.nn.Module) -> list[str]:
-    """The units a split or FSDP places: the leaves of the module tree after expanding the root,
-    containers (ModuleList/Sequential/ModuleDict) and wrappers around a list of repeated blocks
-    (a GPT's `transformer`); a residual block with a small Sequential inside stays whole."""
-    out: list[str] = []
-
-    def repeated(c: torch.nn.Module) -> bool:
-        kinds = [type(x) for x in c.children()]
-        return isinstance(c, _CONTAINERS) and any(kinds.count(k) >= 2 for k in kinds)
-
-    def holds_blocks(m: torch.nn.Module) -> bool:
-        return any(repeated(c) for c in m.modules() if c is not m)
-
-    def visit(name: str, mod: torch.nn.Module, root: bool) -> None:
-        children = list(mod.named_children())
-        if children and (root or isinstance(mod, _CONTAINERS) or holds_blocks(mod)):
-            for child_name, child in children:
-                visit(f"{name}.{child_name}" if name else child_name, child, False)
-        elif not root:
-            out.append(name)
-    visit("", model, True)
-    return out or [""]
-
-
 def model_layout(spec: ModelSpec, precision: str = "fp32", batch_size: int = 2, *,
                  min_blocks: int | None = MIN_BLOCKS) -> Layout:
     """Build the model on fake tensors, run one forward + backward at ``batch_size`` (FLOPs,
@@ -180,12 +155,12 @@ def _layout(spec: ModelSpec, precision: str, batch_size: int, min_blocks: int | 
 def script_layout(trace: Trace, name: str) -> Layout:
     """The layout of a training script's model, from its run (``trace.model``, the module it
     trained, and the trace's module labels): blocks, parameter ownership and execution order
-    as a model file's. A script runs once at its own batch, so the tensors handed between
-    blocks are not known (the split needs them) and the FLOPs per block are the step's shared
-    by the blocks' parameters."""
-    model = trace.model
-    if model is None:
+    as a model file's. The tensors handed between blocks are the first forward's positional
+    arguments (sim.script.TrainedModel), taken as proportional to the batch (one run); the
+    FLOPs per block are the step's shared by the blocks' parameters."""
+    if trace.model is None:
         raise ValueError(f"{name}: the run trained no module oomdoctor saw")
+    model = trace.model.module
     defined = execution_blocks(model)
     st = _storages(model, defined)
     first: dict[int, int] = {}
@@ -211,13 +186,47 @@ def script_layout(trace: Trace, name: str) -> Layout:
         num_param_storages=len(st.param_keys),
         persistent=tuple(n in st.persistent_names for n in st.names),
         tied=tuple(tuple(sorted(to_exec[i] for i in g)) for g in st.tied_def),
-        inputs=(), output_bytes_at_1=0, output_bytes_per_sample=0,
+        inputs=_script_inputs(trace, st, lookup, to_exec),
+        output_bytes_at_1=0, output_bytes_per_sample=0,
         block_flops=tuple(per_sample * st.block_numel[d] / total for d in exec_defs),
         flops_per_sample=per_sample,
         num_parameters=sum(t.numel() for t in st.tensors.values()),
         num_trainable=sum(t.numel() for t in st.tensors.values() if t.requires_grad),
         largest_leaf_params=st.largest_leaf, has_batchnorm=st.has_bn,
         dequantized_params=st.four_bit)
+
+
+def _script_inputs(trace: Trace, st: "_Storages", lookup: dict[str, int],
+                   to_exec: dict[int, int]) -> tuple[BlockInput, ...]:
+    """What the script's blocks were handed, each made by the block whose code allocated it
+    (a parameter: its owner; the batch and the root's own code: MAIN)."""
+    b = max(trace.config.batch_size, 1)
+    owner_by_name = dict(zip(st.names, st.owners_def))
+    # root-level code's tensors belong to the block that ran last, as a model file's pass
+    # tags them (passes._Tagger); the batch, made before any block, to MAIN
+    ran = sorted((s.t_alloc, d) for s in trace.storages.values() if s.module
+                 and (d := _defining_block(s.module, lookup)) is not None)
+    at = [t for t, _ in ran]
+
+    def producer(s) -> int | None:
+        if s.category in (Category.PARAMETERS, Category.BUFFERS):
+            return owner_by_name.get(s.name)
+        d = _defining_block(s.module, lookup) if s.module else None
+        if d is None and s.module:
+            i = bisect.bisect_left(at, s.t_alloc) - 1
+            d = ran[i][1] if i >= 0 else None
+        return d
+
+    def ex(d: int | None) -> int:
+        return MAIN if d is None or d < 0 else to_exec[d]
+    out = []
+    for block, args in trace.model.calls:
+        for handle, nbytes, grad in args:
+            s = trace.storages.get(handle) if handle is not None else None
+            if s is not None:
+                out.append(BlockInput(ex(block), ex(producer(s)), nbytes // b, nbytes // b,
+                                      grad))
+    return tuple(out)
 
 
 def _defining_block(module: str, lookup: dict[str, int]) -> int | None:

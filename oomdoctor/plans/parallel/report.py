@@ -223,6 +223,30 @@ def plan_split(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
     return SplitPlan(e, e.partition, layout.blocks)
 
 
+def plan_script_split(script: ScriptSpec, budget: Budget,
+                      alloc: AllocatorConfig = AllocatorConfig(),
+                      progress: Progress = lambda _: None, batch_size: int | None = None,
+                      seq_len: int | None = None) -> SplitPlan:
+    """The best two-GPU split of a single-process training script, from its one run."""
+    trace, layout = _script_inputs(script, budget, progress, batch_size, seq_len)
+    progress(f"trying {max(len(layout.blocks) - 1, 0)} cuts")
+    e = estimate_strategy(trace, layout, Strategy("pipeline2", 2), budget, alloc,
+                          grad_accum=trace.config.grad_accum)
+    assert e.partition is not None
+    return SplitPlan(e, e.partition, layout.blocks)
+
+
+def _script_inputs(script: ScriptSpec, budget: Budget, progress: Progress,
+                   batch_size: int | None, seq_len: int | None) -> tuple:
+    """The script's run (refused if it spreads itself already) and its layout."""
+    from oomdoctor.plans.estimate import script_trace
+    progress(f"running {script.name} on a fake {budget.gpu.name}")
+    trace = script_trace(script, TraceConfig(batch_size or 1), budget, batch_size=batch_size,
+                         seq_len=seq_len)
+    _refuse_distributed(script, trace)
+    return trace, script_layout(trace, script.name)
+
+
 def estimate_script_strategies(script: ScriptSpec, budget: Budget, num_gpus: int,
                                strategies: Iterable[str] = STRATEGIES,
                                alloc: AllocatorConfig = AllocatorConfig(),
@@ -234,14 +258,9 @@ def estimate_script_strategies(script: ScriptSpec, budget: Budget, num_gpus: int
     GPU, or its own) rewritten per strategy as a model file's trace is. The script decides its
     precision; a strategy that computes in another one (FSDP2's bf16 policy, DeepSpeed's
     16-bit mode over an fp32 or autocast script) cannot be estimated from it and says so."""
-    from oomdoctor.plans.estimate import script_trace
     names = [parse_strategy(s) for s in strategies]
-    progress(f"running {script.name} on a fake {budget.gpu.name}")
-    cfg = TraceConfig(batch_size or 1)
-    trace = script_trace(script, cfg, budget, batch_size=batch_size, seq_len=seq_len)
-    _refuse_distributed(script, trace)
+    trace, layout = _script_inputs(script, budget, progress, batch_size, seq_len)
     precision = trace.config.precision
-    layout = script_layout(trace, script.name)
     sizes = Sizes.of(trace)
     out, errors = [], []
     for name in names:
@@ -276,10 +295,8 @@ SCRIPT_AUTOCAST_NOTE = ("the script's own bf16 autocast under FSDP (all-gathered
 
 def _script_cannot(name: str, st: Strategy, precision: str, num_gpus: int) -> str:
     """Why ``st`` cannot be estimated from one run of a script ("" when it can)."""
-    if name == "pipeline2":
-        return ("the split needs the tensors handed between blocks at two batch sizes, which a "
-                "script's one run does not give; plan the split with a model file "
-                "(`oomdoctor split MODEL`)") if num_gpus == 2 else "the naive split uses exactly 2 GPUs"
+    if name == "pipeline2" and num_gpus != 2:
+        return "the naive split uses exactly 2 GPUs"
     if name == "dp":
         return ("DataParallel's GPU 0 holds the whole batch's outputs, which needs a second run "
                 "of the script; use DDP (torchrun), which needs no GPU-0 hot spot")
