@@ -30,8 +30,23 @@ def budget_of(gpu: dict):
     from oomdoctor.plans.estimate import Budget
     from oomdoctor.runs.measure import profile_for_device
     profile = profile_for_device(gpu["name"], gpu["total_bytes"], tuple(gpu["compute_capability"]))
-    context = max(gpu["context_bytes"], gpu.get("context_after_bytes") or 0)
+    context = max(gpu["context_bytes"], gpu.get("context_after_bytes") or grown_context(gpu))
     return Budget(profile, margin=0.0, context_bytes=context)
+
+
+def grown_context(gpu: dict) -> int:
+    """The context after the kernels loaded, for a file that measured it only at CUDA's first
+    allocation: another results file's reading on the same card, driver and torch (the
+    context is theirs, not the records'), else 0."""
+    import glob
+    import json
+    for path in glob.glob(os.path.join(ROOT, "benchmarks", "results", "*.json")):
+        with open(path) as f:
+            other = json.load(f)["gpu"]
+        if other.get("context_after_bytes") and all(
+                other.get(k) == gpu.get(k) for k in ("name", "total_bytes", "driver", "torch")):
+            return other["context_after_bytes"]
+    return 0
 
 
 def torch_of(gpu: dict):

@@ -173,8 +173,12 @@ PROFILES: dict[str, GpuProfile] = {p.name: p for p in [
     # (thundergolfer.com/blog/nvidia-gpu-memory-capacity). Rates: the H100 SXM's (same GH100
     # die and clocks; NVIDIA H200 datasheet, nvidia.com/en-us/data-center/h200/: FP32 67, TF32
     # 989 and BF16 1,979 TFLOPS with sparsity, so 494 and 989 dense). NVLink 4.0, 900 GB/s total.
+    # Context: 771 MiB once the training step's kernels have loaded (lazy loading: 619 MiB at
+    # CUDA's first allocation), measured with torch 2.11 / CUDA 13.0 / driver 580
+    # (benchmarks/results/nvidia-h200-2.11.0-search.json, context_after_bytes): the budget at
+    # the peak is the grown one.
     GpuProfile("h200", "NVIDIA H200 141 GB (SXM5)", _gib(139.80), (9, 0), True,
-               67.0, 494.0, 989.0, "NVLink 4.0 (900 GB/s total)", 450.0, 550 * MiB),
+               67.0, 494.0, 989.0, "NVLink 4.0 (900 GB/s total)", 450.0, 808_255_488),
     # Capacity: "GPU 0 has a total capacity of 178.35 GiB" on B200s, in several public logs
     # (found through code search, e.g. a Marlin-repacking OOM "B200 got significantly further
     # than H200"); 178.36 GiB also appears (driver versions differ by 10 MiB). Rates: NVIDIA
