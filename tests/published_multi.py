@@ -15,9 +15,25 @@ with its known gap.
    a100_80gb.csv, torch 2.4.1, transformers 4.48.1; the setup of tests/published_peft.py) on 2
    x A100-80GB with accelerate's FSDP (FULL_SHARD, per decoder layer): Mistral-7B full
    fine-tuning in pure bf16 with checkpointing, per-device batch 2 and 4 x 4096 packed tokens,
-   ``max_memory_allocated`` on rank 0 (the peak is the optimizer step's in both). Its LoRA and QLoRA rows on the same two GPUs are reported,
-   not asserted: 6-8% above the trace, 0.38 GiB per sample more than the same benchmark's
-   one-GPU rows, which oomdoctor meets within 0.5% (cause not found).
+   ``max_memory_allocated`` on rank 0 (the peak is the optimizer step's in both). Its LoRA
+   and QLoRA rows on the same two GPUs (batch 2 and 4) run accelerate's FSDP1 with peft's
+   ``fsdp_auto_wrap_policy`` and transformers' reentrant checkpointing, typed with
+   ``--fsdp-version 1`` (oomdoctor.plans.parallel.fsdp1, checked on the CPU by
+   tests/test_fsdp1.py): asserted, LoRA +0.0% at both batches, QLoRA +2.9% and +3.4%. Under
+   FSDP2's model they were 6-13% low (issue #31, found on a CPU rerun of FSDP1 over a fake
+   process group with transformers 4.48.1 and peft 0.13.2): the decoder layers' flat
+   parameters are all frozen, so FSDP1 reshards them through
+   ``_register_post_backward_reshard_only_hook`` (torch/distributed/fsdp/_runtime_utils.py),
+   a ``register_multi_grad_hook`` on the layer's inputs. In the reentrant recompute those are
+   detached leaves, and the hook's closure keeps their AccumulateGrad nodes (the leaf and its
+   ``.grad``) until the backward's final callback (``_finalize_params``) removes it: each
+   finished layer leaves its input's gradient alive to the end of the backward, and the peak
+   moves to layer 1's backward (fused-loss runs of the same CSV move it only 0.1 GB per sample
+   on two GPUs against 0.56 on one). And the first forward runs under ``no_grad``, so no
+   pre-backward hook marks the next layer for BACKWARD_PRE's prefetch: one layer gathered at
+   a time. (In transformers 4.48 even the plain run keeps each layer's input to the end of the
+   backward, which the trace frees; the model keeps the leaf, which shares it, as FSDP1 does in
+   a plain-torch stack.)
 4. DeepSpeedExamples training/bf16_master_weight (README at 516082c, PR #994; train.py rebuilt
    as tests/models/ds_simple_transformer.py, its configs/baseline.json as DS_BASELINE): ZeRO-3
    with DeepSpeed's bf16 mode (16-bit model, fp32 master weights and AdamW state in the
@@ -122,11 +138,20 @@ ROWS = (
          "--checkpointing", "--seq-len", "4096"), 36_226_136_576),
     Row("fms Mistral-7B LoRA 2 GPUs b2", "mistral-7b",
         ("--gpus", "2", "--gpu", "a100-80", "-b", "2", "--precision", "bf16-pure",
-         "--checkpointing", "--seq-len", "4096", *FMS_LORA), 15_144_870_400, within=False),
+         "--checkpointing", "--seq-len", "4096", *FMS_LORA, "--fsdp-version", "1"),
+        15_144_870_400),
+    Row("fms Mistral-7B LoRA 2 GPUs b4", "mistral-7b",
+        ("--gpus", "2", "--gpu", "a100-80", "-b", "4", "--precision", "bf16-pure",
+         "--checkpointing", "--seq-len", "4096", *FMS_LORA, "--fsdp-version", "1"),
+        21_959_827_968),
     Row("fms Mistral-7B QLoRA 2 GPUs b2", "mistral-7b",
         ("--gpus", "2", "--gpu", "a100-80", "-b", "2", "--precision", "bf16",
          "--checkpointing", "--seq-len", "4096", *FMS_LORA, "--quantize", "nf4",
-         "--double-quant"), 9_424_594_432, within=False),
+         "--double-quant", "--fsdp-version", "1"), 9_424_594_432),
+    Row("fms Mistral-7B QLoRA 2 GPUs b4", "mistral-7b",
+        ("--gpus", "2", "--gpu", "a100-80", "-b", "4", "--precision", "bf16",
+         "--checkpointing", "--seq-len", "4096", *FMS_LORA, "--quantize", "nf4",
+         "--double-quant", "--fsdp-version", "1"), 15_970_067_968),
     Row("torchtitan Llama 3.1 8B SAC (reserved)", TITAN,
         ("--gpus", "8", "--gpu", "h100", "-b", "2", "--precision", "bf16", "--checkpointing",
          "--checkpoint-policy", "op"),

@@ -532,6 +532,27 @@ def _mp_policy(mp_policy: bool | None, precision: str, strategies) -> bool:
     return True
 
 
+def _fsdp_version_option(f):
+    """--fsdp-version 1|2: which FSDP zero3 (fsdp) models."""
+    return click.option(
+        "--fsdp-version", "fsdp_version", type=click.Choice(["1", "2"]), default="2",
+        show_default=True,
+        help="Which FSDP --strategy fsdp (zero3) means. 2: fully_shard (torchtitan, the "
+             "default). 1: FullyShardedDataParallel (FULL_SHARD, a unit per block, BACKWARD_PRE, "
+             "use_orig_params) as accelerate's FSDP plugin and the Trainer run it; with "
+             "--checkpointing, transformers' reentrant checkpointing is assumed.")(f)
+
+
+def _fsdp_version(fsdp_version: str, strategies) -> int:
+    """The FSDP version zero3 is estimated as; 1 needs zero3 among ``strategies`` (empty:
+    all)."""
+    version = int(fsdp_version)
+    if version == 1 and strategies and not {"zero3", "fsdp"} & set(strategies):
+        raise click.UsageError("--fsdp-version 1 is FSDP1's FULL_SHARD: use it with "
+                               "--strategy fsdp (zero3)")
+    return version
+
+
 def _ds_config_option(f):
     """--ds-config FILE: a DeepSpeed run as its config describes it."""
     return click.option(

@@ -10,7 +10,8 @@ import click
 from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
                                  cli)
 from oomdoctor.cli.script import model_or_script, model_source_only
-from oomdoctor.cli.options import (_alloc_config, _card_options, _check_plot_file, _detect_gpus,
+from oomdoctor.cli.options import (_fsdp_version, _fsdp_version_option,
+                                   _alloc_config, _card_options, _check_plot_file, _detect_gpus,
                                    _die, _load_model, _make_budget, _mp_policy,
                                    _mp_policy_option, _num_gpus, _progress, _torch_config,
                                    _checkpoint_config, _deepspeed_run, _ds_config_option,
@@ -48,12 +49,13 @@ _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default
 @click.option("--bucket-view", is_flag=True,
               help="DDP with gradient_as_bucket_view=True (no second copy of the gradients).")
 @_mp_policy_option
+@_fsdp_version_option
 @_link_option
 @_card_options
 @click.pass_context
 def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad_accum,
-                     strategies, ds_config, bucket_view, mp_policy, link, gpu_name, memory,
-                     num_gpus, overhead, other_mem, margin, alloc_conf, checkpoint_class,
+                     strategies, ds_config, bucket_view, mp_policy, fsdp_version, link, gpu_name,
+                     memory, num_gpus, overhead, other_mem, margin, alloc_conf, checkpoint_class,
                      optimizer, as_json, debug):
     """Per-GPU memory of single, DDP, DataParallel, ZeRO-1/2/3 (FSDP) and a 2-GPU split; and
     of DeepSpeed's ZeRO stages on request.
@@ -77,7 +79,8 @@ def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad
     n = _num_gpus(num_gpus)
     script = _planned_script(ctx, model_file, debug, ds_config, mp_policy)
     if script is not None:
-        report = _parallel_script(ctx, script, budget, n, strategies, alloc, bucket_view, debug)
+        report = _parallel_script(ctx, script, budget, n, strategies, alloc, bucket_view, debug,
+                                  _fsdp_version(fsdp_version, strategies))
         _print_parallel(report, link, budget, gpu_name, memory, n, as_json)
     model_file = model_file[0]
     ds = None
@@ -91,7 +94,8 @@ def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad
                                          alloc, bucket_view, progress=_progress,
                                          mixed_precision=_mp_policy(mp_policy, precision,
                                                                     strategies),
-                                         deepspeed=ds)
+                                         deepspeed=ds,
+                                         fsdp_version=_fsdp_version(fsdp_version, strategies))
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
@@ -126,14 +130,15 @@ def _planned_script(ctx, words, debug, ds_config, mp_policy):
     return script
 
 
-def _parallel_script(ctx, script, budget, num_gpus, strategies, alloc, bucket_view, debug):
+def _parallel_script(ctx, script, budget, num_gpus, strategies, alloc, bucket_view, debug,
+                     fsdp_version=2):
     """`parallel -- python train.py`: the script's run, planned across strategies."""
     from oomdoctor.plans import parallel as par
     from oomdoctor.models.spec import ModelFileError
     try:
         return _script_run(ctx, lambda batch, seq: par.estimate_script_strategies(
             script, budget, num_gpus, strategies or par.STRATEGIES, alloc, bucket_view,
-            progress=_progress, batch_size=batch, seq_len=seq))
+            progress=_progress, batch_size=batch, seq_len=seq, fsdp_version=fsdp_version))
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:

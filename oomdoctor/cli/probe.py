@@ -8,7 +8,8 @@ import click
 
 from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                               EXIT_USAGE, cli)
-from oomdoctor.cli.options import (_alloc_config, _budget_options, _check_plot_file,
+from oomdoctor.cli.options import (_fsdp_version, _fsdp_version_option,
+                                   _alloc_config, _budget_options, _check_plot_file,
                                    _checkpoint_config, _deepspeed_run, _detect_gpus, _die,
                                    _ds_config_option, _load_model, _make_budget,
                                    _link_option, _modelled_torch, _mp_policy,
@@ -47,11 +48,12 @@ from oomdoctor.configs import (DEEPSPEED_CHOICES, MAX_BATCH, MODEL_PROTOCOL, PRE
 @click.option("--steps", type=click.IntRange(1), default=2, show_default=True,
               help="Optimizer steps to trace (the second holds the optimizer's state).")
 @_mp_policy_option
+@_fsdp_version_option
 @script_input_options
 @_budget_options
 @click.pass_context
 def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, ds_config,
-             num_gpus, snapshot_file, plot_file, steps, mp_policy, cpus, skip_input, gpu_name,
+             num_gpus, snapshot_file, plot_file, steps, mp_policy, fsdp_version, cpus, skip_input, gpu_name,
              memory,
              overhead,
              other_mem, margin, alloc_conf, checkpoint_class, grad_accum, optimizer, zero_grad,
@@ -107,7 +109,9 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
                                              progress=lambda m: click.echo(m, err=True),
                                              mixed_precision=_mp_policy(mp_policy, precision,
                                                                         [strategy]),
-                                             deepspeed=ds)
+                                             deepspeed=ds,
+                                             fsdp_version=_fsdp_version(fsdp_version,
+                                                                        [strategy]))
             if report.errors:
                 raise ValueError(report.errors[0][1])
         else:

@@ -9,6 +9,7 @@ from oomdoctor.sim.ddp import (DDP_BROADCAST_BUCKET_BYTES, DDP_BUCKET_BYTES,  # 
                                DDP_FIRST_BUCKET_BYTES, chunks as _chunks, ddp_buckets)
 from oomdoctor.plans.parallel.events import _base, _Context, _Gpu
 from oomdoctor.plans.parallel.fsdp import _shard, fsdp
+from oomdoctor.plans.parallel.fsdp1 import fsdp1
 from oomdoctor.plans.parallel.results import prose_size
 from oomdoctor.plans.parallel.strategy import Strategy
 from oomdoctor.sim.trace import Category, Phase
@@ -160,7 +161,7 @@ def _zero(ctx: _Context, strategy: Strategy, stage: int) -> tuple[list[_Gpu], li
         return gpus, notes
 
     if stage == 3:
-        return fsdp(ctx, strategy)
+        return fsdp1(ctx, strategy) if strategy.fsdp_version == 1 else fsdp(ctx, strategy)
     g = _Gpu("each GPU", ctx.first_handle)
     ctx.workspaces(g)
     reduce_at: dict[float, int] = defaultdict(int)       # window end -> unsharded gradient bytes

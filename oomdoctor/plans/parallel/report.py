@@ -86,16 +86,18 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
                         alloc: AllocatorConfig = AllocatorConfig(), bucket_view: bool = False,
                         progress: Progress = lambda _: None,
                         mixed_precision: bool = False,
-                        deepspeed: DeepSpeedConfig | None = None) -> ParallelReport:
+                        deepspeed: DeepSpeedConfig | None = None,
+                        fsdp_version: int = 2) -> ParallelReport:
     """Trace ``cfg`` (its batch_size is the micro-batch per GPU) and estimate every strategy;
     ``mixed_precision``: zero3 under FSDP2's bf16 MixedPrecisionPolicy (strategy.py), traced
     apart in pure bf16; DeepSpeed's stages (ds0..ds3) run fp16/bf16 in DeepSpeed's own mode,
-    traced in pure 16 bits, with ``deepspeed``'s buffer sizes."""
+    traced in pure 16 bits, with ``deepspeed``'s buffer sizes; ``fsdp_version``: zero3 as FSDP2
+    (fully_shard) or FSDP1 (FullyShardedDataParallel, oomdoctor.plans.parallel.fsdp1)."""
     if needs_bf16(cfg.precision) and not budget.gpu.bf16:
         raise ValueError(f"{budget.gpu.name} has no bf16 support; {no_bf16_fix(cfg.precision)}")
     names = [parse_strategy(s) for s in strategies]
     plans = {name: _strategy(name, num_gpus, cfg.precision, bucket_view, mixed_precision,
-                             deepspeed) for name in names}
+                             deepspeed, fsdp_version) for name in names}
     inputs = _Inputs(spec, cfg, budget, progress)
     if "dp" in names and num_gpus > 1:
         inputs.with_dataparallel(num_gpus)
@@ -122,12 +124,14 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
 
 
 def _strategy(name: str, num_gpus: int, precision: str, bucket_view: bool,
-              mixed_precision: bool, deepspeed: DeepSpeedConfig | None) -> Strategy:
+              mixed_precision: bool, deepspeed: DeepSpeedConfig | None,
+              fsdp_version: int = 2) -> Strategy:
     """One named strategy as it runs ``precision``: FSDP2's policy where asked (zero3),
     DeepSpeed's fp16/bf16 mode on its stages."""
     st = Strategy(name, 1 if name == "single" else num_gpus, bucket_view,
                   mixed_precision=mixed_precision and name == "zero3",
-                  deepspeed=deepspeed if name in DEEPSPEED_STRATEGIES else None)
+                  deepspeed=deepspeed if name in DEEPSPEED_STRATEGIES else None,
+                  fsdp_version=fsdp_version if name == "zero3" else 2)
     return default_policy(st, precision) if st.is_deepspeed else st
 
 
@@ -253,7 +257,8 @@ def estimate_script_strategies(script: ScriptSpec, budget: Budget, num_gpus: int
                                bucket_view: bool = False, progress: Progress = lambda _: None,
                                deepspeed: DeepSpeedConfig | None = None,
                                batch_size: int | None = None,
-                               seq_len: int | None = None) -> ParallelReport:
+                               seq_len: int | None = None,
+                               fsdp_version: int = 2) -> ParallelReport:
     """Every strategy for a single-process training script: its run (at ``batch_size`` per
     GPU, or its own) rewritten per strategy as a model file's trace is. The script decides its
     precision; a strategy that computes in another one (FSDP2's bf16 policy, DeepSpeed's
@@ -264,7 +269,7 @@ def estimate_script_strategies(script: ScriptSpec, budget: Budget, num_gpus: int
     sizes = Sizes.of(trace)
     out, errors = [], []
     for name in names:
-        st = _strategy(name, num_gpus, precision, bucket_view, False, deepspeed)
+        st = _strategy(name, num_gpus, precision, bucket_view, False, deepspeed, fsdp_version)
         why = _script_cannot(name, st, precision, num_gpus)
         if why:
             errors.append((name, why))

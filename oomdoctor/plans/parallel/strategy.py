@@ -59,6 +59,9 @@ class Strategy:
     mixed_precision: bool = False
     # DeepSpeed's zero_optimization settings (ds0..ds3 only; DeepSpeed's defaults)
     deepspeed: "DeepSpeedConfig | None" = None
+    # zero3's FSDP: 2 is fully_shard (oomdoctor.plans.parallel.fsdp), 1 FullyShardedDataParallel
+    # as accelerate's FSDP plugin and the Trainer run it (oomdoctor.plans.parallel.fsdp1)
+    fsdp_version: int = 2
 
     def __post_init__(self) -> None:
         if self.name not in ALL_STRATEGIES:
@@ -79,6 +82,10 @@ class Strategy:
                              "zero3 (FSDP)")
         if self.num_gpus < 1:
             raise ValueError(f"--num-gpus must be >= 1, got {self.num_gpus}")
+        if self.fsdp_version not in (1, 2):
+            raise ValueError(f"--fsdp-version is 1 or 2, not {self.fsdp_version}")
+        if self.fsdp_version == 1 and self.name != "zero3":
+            raise ValueError("--fsdp-version 1 models FSDP1's FULL_SHARD: use it with zero3 (fsdp)")
         if self.mixed_precision and self.name not in ("zero3", "hsdp") \
                 and not self.is_deepspeed:
             raise ValueError("a mixed-precision policy shards fp32 master weights: zero3 (FSDP), "
