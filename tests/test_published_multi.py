@@ -20,3 +20,22 @@ def test_published_multi_gpu_runs(row, tmp_path, monkeypatch):
     got = predicted(json.loads(r.stdout), row)
     assert got == pytest.approx(row.published_bytes, rel=0.05), (
         f"{row.name}: {got / 2**30:.2f} GiB vs published {row.published_bytes / 2**30:.2f} GiB")
+
+
+@pytest.mark.hf_releases
+def test_deepspeed_chat_with_the_runs_opt_attention(tmp_path):
+    """DeepSpeed-Chat's OPT-1.3b ZeRO-2 fp16 run (published_multi item 5) with the OPT
+    attention its transformers had (the scores clamped by torch.max, a second saved copy):
+    asserted where the installed transformers has it (.ci/run's 4.40.2 virtualenv)."""
+    pytest.importorskip("transformers")
+    import inspect
+
+    from transformers.models.opt import modeling_opt
+    if "torch.finfo(attn_weights.dtype).min" not in inspect.getsource(modeling_opt):
+        pytest.skip("this transformers' OPT attention is not the 2023 run's (no score clamp)")
+    [row] = [r for r in ROWS if r.name.startswith("DeepSpeed-Chat OPT-1.3b")]
+    r = CliRunner().invoke(cli, row.command(model_path(row, str(tmp_path)), str(tmp_path)))
+    assert r.exit_code in (0, 1), r.output
+    got = predicted(json.loads(r.stdout), row)
+    assert got == pytest.approx(row.published_bytes, rel=0.05), (
+        f"{got / 2**30:.2f} GiB vs published {row.published_bytes / 2**30:.2f} GiB")

@@ -86,7 +86,7 @@ def run_pass(spec: ModelSpec, model: torch.nn.Module, precision: str, defined: l
     ``defined`` that are not in ``model`` (a cut stack's) are skipped."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from oomdoctor.sim import emulate
+    from oomdoctor.sim import emulate, values
     from oomdoctor.models.training import compute_loss, make_configured_batch
 
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
@@ -102,6 +102,9 @@ def run_pass(spec: ModelSpec, model: torch.nn.Module, precision: str, defined: l
             batch = mirrored_batch(lambda: make_configured_batch(spec, b, precision),
                                    tagger.shadows)
             with contextlib.ExitStack() as stack:
+                # Python-level random draws (transformers 4.x's layerdrop `torch.rand([]) <
+                # p`) get values, as in the trace (sim.values.Calls)
+                stack.enter_context(values.active(tagger.shadows))
                 stack.enter_context(emulate.Int8Kernels())
                 if amp is not None:
                     stack.enter_context(emulate.CudaAutocast(amp))
