@@ -51,7 +51,11 @@ with its known gap.
    ``torch.max(attn_weights, finfo.min)``, which keeps another copy of every layer's scores for
    the backward (still so in 4.40.2; transformers 5's OPT has no clamp): with 4.40.2 installed
    the row is asserted (tests/test_published_multi.py, run by .ci/run's second virtualenv);
-   with transformers 5 it is reported, 10% low by that copy.
+   with transformers 5 it is reported, 10% low by that copy. The same log folder's step-2 reward
+   model (opt-350m_globalBatchSize-64.log: OPT-350m's decoder and a value head, rebuilt as
+   tests/models/dschat_reward.py; ZeRO stage 0, fp16, 16 GPUs from the global batch 64 / 4,
+   4 chosen + 4 rejected sequences of 512 tokens per GPU): MaxMemAllocated 12.81 GiB, asserted
+   likewise (+0.9% on 4.40.2, -10.8% on transformers 5).
 3. torchtitan's Llama 3.1 8B benchmark (benchmarks/llama3_h100_202412_torchtitan.md, torchtitan
    9dec370): 8 x H100, local batch 2 x 8192 tokens, per-op checkpointing, policy bf16/fp32;
    *reserved* 82.4 GiB. Reported: reserved only, and FSDP's all-gather and reduce-scatter
@@ -85,6 +89,7 @@ DS_BASELINE = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
 DS_7B = {"DS_HIDDEN": "4096", "DS_LAYERS": "32", "DS_HEADS": "32"}
 DS_254M = {"DS_HIDDEN": "1024", "DS_LAYERS": "12", "DS_HEADS": "16"}
 DS_SIMPLE = os.path.join(HERE, "models", "ds_simple_transformer.py")
+DSCHAT_REWARD = os.path.join(HERE, "models", "dschat_reward.py")
 # DeepSpeed-Chat's get_train_ds_config at 3a77097, stage 2
 DS_CHAT_ZERO2 = {"train_batch_size": 128, "train_micro_batch_size_per_gpu": 8,
                  "zero_optimization": {"stage": 2, "offload_param": {"device": "none"},
@@ -174,6 +179,12 @@ ROWS = (
         ("--gpus", "16", "--gpu", "a100-40", "-b", "8", "--seq-len", "512", "--attn", "eager",
          "--optimizer", "adamw-fused"),
         round(22.95 * GIB), ds_config=DS_CHAT_ZERO2, within=False),
+    Row("DeepSpeed-Chat OPT-350m reward ZeRO-0 fp16", DSCHAT_REWARD,
+        ("--gpus", "16", "--gpu", "a100-40", "-b", "4"),
+        round(12.81 * GIB), ds_config={**DS_CHAT_ZERO2, "train_batch_size": 64,
+                                       "train_micro_batch_size_per_gpu": 4,
+                                       "zero_optimization": {"stage": 0}},
+        within=False),
 )
 
 

@@ -23,17 +23,19 @@ def test_published_multi_gpu_runs(row, tmp_path, monkeypatch):
 
 
 @pytest.mark.hf_releases
-def test_deepspeed_chat_with_the_runs_opt_attention(tmp_path):
-    """DeepSpeed-Chat's OPT-1.3b ZeRO-2 fp16 run (published_multi item 5) with the OPT
-    attention its transformers had (the scores clamped by torch.max, a second saved copy):
-    asserted where the installed transformers has it (.ci/run's 4.40.2 virtualenv)."""
+@pytest.mark.parametrize("name", ["DeepSpeed-Chat OPT-1.3b ZeRO-2 fp16",
+                                  "DeepSpeed-Chat OPT-350m reward ZeRO-0 fp16"])
+def test_deepspeed_chat_with_the_runs_opt_attention(name, tmp_path):
+    """DeepSpeed-Chat's OPT runs (published_multi item 5: ZeRO-2 and ZeRO-0, fp16) with the
+    OPT attention their transformers had (the scores clamped by torch.max, a second saved
+    copy): asserted where the installed transformers has it (.ci/run's 4.40.2 virtualenv)."""
     pytest.importorskip("transformers")
     import inspect
 
     from transformers.models.opt import modeling_opt
     if "torch.finfo(attn_weights.dtype).min" not in inspect.getsource(modeling_opt):
         pytest.skip("this transformers' OPT attention is not the 2023 run's (no score clamp)")
-    [row] = [r for r in ROWS if r.name.startswith("DeepSpeed-Chat OPT-1.3b")]
+    [row] = [r for r in ROWS if r.name == name]
     r = CliRunner().invoke(cli, row.command(model_path(row, str(tmp_path)), str(tmp_path)))
     assert r.exit_code in (0, 1), r.output
     got = predicted(json.loads(r.stdout), row)
