@@ -58,12 +58,16 @@ def torch_of(gpu: dict):
 
 def estimate_record(spec, rec: dict, budget, torch_version=None):
     """oomdoctor's estimate of the configuration one record measured, with the CUDA facts of
-    ``torch_version`` (:func:`torch_of`; None: the installed torch's)."""
+    ``torch_version`` (:func:`torch_of`; None: the installed torch's). The harness built the
+    model on the GPU (oomdoctor/runs/measure.py ``_train``), so its construction is replayed
+    ahead of the step (oomdoctor.runs.onbuild): under pure bf16 at small batches its fp32
+    weights are the measured peak."""
     from oomdoctor.plans.estimate import estimate
+    from oomdoctor.runs.onbuild import harness_peaks
     from oomdoctor.sim.trace import TraceConfig
-    return estimate(spec, TraceConfig(rec["batch_size"], precision=rec["precision"],
-                                      checkpointing=rec["checkpointing"], torch=torch_version),
-                    budget)
+    cfg = TraceConfig(rec["batch_size"], precision=rec["precision"],
+                      checkpointing=rec["checkpointing"], torch=torch_version)
+    return harness_peaks(spec, cfg, budget, estimate(spec, cfg, budget))
 
 
 def report(path: str) -> list[float]:
