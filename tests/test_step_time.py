@@ -65,9 +65,9 @@ def test_qlora_to_lora_ratio_against_the_published_one(tmp_path):
     counts (7.0e9 parameters x 2.5 B x 3 passes at 70% of 2039 GB/s: 37 ms of a 6.1 s step)
     explains 0.6 points of the published 14.5; the rest (bitsandbytes' kernels below the
     bandwidth bound, autocast's casts in the QLoRA run) is not modelled."""
-    from published_peft import MISTRAL_7B
+    from published_multi import _peft_configs     # tests/published_peft.py, loaded by path
     with open(tmp_path / "config.json", "w") as f:
-        json.dump(MISTRAL_7B, f)
+        json.dump(_peft_configs()["mistral-7b"], f)
     folder = str(tmp_path)
     _, lora = _step(folder, Adapters(16, TARGETS, 0.1), "bf16-pure", seq_len=4096)
     _, qlora = _step(folder, Adapters(16, TARGETS, 0.1, "nf4", True), "bf16", seq_len=4096)
