@@ -84,3 +84,21 @@ def test_split_of_a_script_is_the_model_files():
     assert a["device_map"] == b["device_map"]
     assert [s["peak_reserved_bytes"] for s in a["stages"]] == [
         s["peak_reserved_bytes"] for s in b["stages"]]
+
+
+def test_a_script_that_wraps_ddp_itself_is_refused():
+    # a script whose model the run saw wrapped in DistributedDataParallel is estimated as it
+    # is (estimate), even when launched without torchrun's process count
+    from types import SimpleNamespace
+
+    import torch
+
+    from oomdoctor.models.script import parse_command
+    from oomdoctor.plans.parallel.report import _refuse_distributed
+    from oomdoctor.sim.ddp import ScriptDDP
+    from oomdoctor.sim.script import TrainedModel
+    script = parse_command(["python", LOOP, "--model", TINY])
+    wrapped = SimpleNamespace(model=TrainedModel(ScriptDDP(torch.nn.Linear(4, 4))))
+    with pytest.raises(ValueError, match="already runs data-parallel"):
+        _refuse_distributed(script, wrapped)
+    _refuse_distributed(script, SimpleNamespace(model=TrainedModel(torch.nn.Linear(4, 4))))

@@ -317,7 +317,8 @@ def _refuse_distributed(script: ScriptSpec, trace) -> None:
     GPU as it is, by `estimate -- torchrun ...`: planning other strategies from it would count
     its own collectives' buffers twice."""
     from oomdoctor.sim.ddp import ScriptDDP
-    if isinstance(trace.model, ScriptDDP) or script.world > 1:
+    trained = trace.model.module if trace.model is not None else None
+    if isinstance(trained, ScriptDDP) or script.world > 1:
         raise ValueError(f"{script.name} already runs data-parallel ({script.world} processes "
                          f"under {script.launcher}, or DDP inside): its per-GPU memory is what "
                          "`oomdoctor estimate -- <the same command>` gives; `oomdoctor parallel` "
