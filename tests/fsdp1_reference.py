@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from fsdp_reference import two_steps
 from reference import allocator_peak, load
 
 WORLD = 2
@@ -45,17 +46,8 @@ def peak(path: str, batch_size: int) -> dict:
     sharded = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                    for p in model.parameters()}.values())
 
-    def run() -> None:
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        for step in range(2):
-            torch.manual_seed(step)
-            batch = mod.make_batch(batch_size)
-            loss = mod.loss_fn(model, batch)
-            loss.backward()
-            del loss, batch
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return {"peak": sharded + allocator_peak(run, ()), "sharded": sharded}
+    return {"peak": sharded + allocator_peak(two_steps(model, mod, batch_size), ()),
+            "sharded": sharded}
 
 
 if __name__ == "__main__":

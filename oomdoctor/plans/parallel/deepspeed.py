@@ -40,15 +40,12 @@ Not modelled: offload, ZeRO++ (quantized weights/gradients), the engine's start-
 from __future__ import annotations
 
 from oomdoctor.plans.parallel.events import _Context, _Gpu
+from oomdoctor.plans.parallel.fsdp import _shard
 from oomdoctor.plans.parallel.layout import MAIN
 from oomdoctor.plans.parallel.strategy import MASTER_SCALE, DeepSpeedConfig, Strategy
 from oomdoctor.sim.trace import Category, Phase
 
 _FP32 = 4
-
-
-def _shard(n: int, world: int) -> int:
-    return -(-n // world)
 
 
 class _Model:

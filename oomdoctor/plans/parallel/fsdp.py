@@ -28,6 +28,7 @@ trainable parameters that the trace holds in 16 bits are kept, reduced and stepp
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 from oomdoctor.plans.parallel.events import _Context, _Gpu
 from oomdoctor.plans.parallel.layout import MAIN
@@ -206,25 +207,40 @@ def _reduce_scatter_inputs(ctx: _Context, g: _Gpu, ph: int, by_done: dict[float,
         g.add("communication", by_done[done], done - 0.22, max(free, done - 0.21))
 
 
-def _forward_gathers(ctx: _Context, g: _Gpu, ps: _Params, ph: int) -> None:
-    """The all-gathers of one forward and of the backward that follows it."""
+class StepSpan(NamedTuple):
+    """One forward phase and the backward that follows it, as FSDP's gathers see them."""
+
+    spans: dict[int, list[int]]        # block -> its first and last forward allocation
+    order: list[int]                   # the forward's units (blocks with parameters), in order
+    backward: int | None               # the backward phase, if any
+    start: float                       # the forward's start and end
+    stop: float
+    backward_stop: float               # the backward's end (the forward's without one)
+
+
+def step_span(ctx: _Context, ps: "_Params", ph: int) -> StepSpan:
+    """Forward phase ``ph``'s units in the order they ran, and where it and its backward end."""
     tl = ctx.timing
     spans = tl.fwd_spans.get(ph, {})
     order = [b for b in sorted(spans, key=lambda b: spans[b][0]) if ps.unit(b)]
     bw = tl.backward_of(ph)
-    fstart, fstop, _ = tl.phases[ph]
-    bstop = tl.phases[bw][1] if bw is not None else fstop
+    start, stop, _ = tl.phases[ph]
+    return StepSpan(spans, order, bw, start, stop, tl.phases[bw][1] if bw is not None else stop)
+
+
+def _forward_gathers(ctx: _Context, g: _Gpu, ps: _Params, ph: int) -> None:
+    """The all-gathers of one forward and of the backward that follows it."""
+    step = step_span(ctx, ps, ph)
     held: int | None = None                 # the previous block's flat output (all_gather_state)
     if ps.unit(MAIN):                       # the root first, kept gathered to the backward's end
-        held = _gather(g, ps, MAIN, fstart - 0.45, bstop - 0.1)
-    for b in order:
-        start = spans[b][0]
-        out = _gather(g, ps, b, start - 0.4, spans[b][1] + 0.5, held)
-        held = out
+        held = _gather(g, ps, MAIN, step.start - 0.45, step.backward_stop - 0.1)
+    for b in step.order:
+        lo, hi = step.spans[b]
+        held = _gather(g, ps, b, lo - 0.4, hi + 0.5, held)
     if held is not None:
-        g.free(held, fstop - 0.45)
-    if bw is not None:
-        _backward_gathers(ctx, g, ps, bw)
+        g.free(held, step.stop - 0.45)
+    if step.backward is not None:
+        _backward_gathers(ctx, g, ps, step.backward)
 
 
 def _gather(g: _Gpu, ps: _Params, block: int, at: float, free: float,

@@ -33,7 +33,7 @@ hooks, the next block is prefetched as in FSDP2, and the inputs are not leaves (
 from __future__ import annotations
 
 from oomdoctor.plans.parallel.events import _Context, _Gpu
-from oomdoctor.plans.parallel.fsdp import AUTOCAST_NOTE, _Params, _states
+from oomdoctor.plans.parallel.fsdp import AUTOCAST_NOTE, _Params, _states, step_span
 from oomdoctor.plans.parallel.layout import MAIN
 from oomdoctor.plans.parallel.strategy import POLICY_NOTE, Strategy
 from oomdoctor.sim.trace import Phase
@@ -83,26 +83,22 @@ def _gather(g: _Gpu, ps: _Params, block: int, at: float, free: float) -> None:
 
 def _forward(ctx: _Context, g: _Gpu, ps: _Params, ph: int, reentrant: bool) -> None:
     """The gathers of one forward and of the backward that follows it."""
-    tl = ctx.timing
-    spans = tl.fwd_spans.get(ph, {})
-    order = [b for b in sorted(spans, key=lambda b: spans[b][0]) if ps.unit(b)]
-    bw = tl.backward_of(ph)
-    fstart, fstop, _ = tl.phases[ph]
-    bstop = tl.phases[bw][1] if bw is not None else fstop
+    step = step_span(ctx, ps, ph)
     if ps.unit(MAIN):
-        _gather(g, ps, MAIN, fstart - 0.45, bstop - 0.1)
-    for b in order:
-        _gather(g, ps, b, spans[b][0] - 0.4, spans[b][1] + 0.5)
+        _gather(g, ps, MAIN, step.start - 0.45, step.backward_stop - 0.1)
+    for b in step.order:
+        _gather(g, ps, b, step.spans[b][0] - 0.4, step.spans[b][1] + 0.5)
+    bw = step.backward
     if bw is None:
         return
-    wins = [w for w in tl.bwd_windows.get(bw, []) if ps.unit(w[2])]
+    wins = [w for w in ctx.timing.bwd_windows.get(bw, []) if ps.unit(w[2])]
     for j, (lo, hi, b) in enumerate(wins):
         if reentrant or j == 0:
             _gather(g, ps, b, lo + 0.1, hi - 0.3)
         else:                                  # prefetched at the previous block's pre-backward
             _gather(g, ps, b, wins[j - 1][0] + 0.14, hi - 0.3)
     if reentrant:
-        _kept_input_grads(ctx, g, ps, ph, bw, order)
+        _kept_input_grads(ctx, g, ps, ph, bw, step.order)
 
 
 def _kept_input_grads(ctx: _Context, g: _Gpu, ps: _Params, ph: int, bw: int,

@@ -68,6 +68,17 @@ class Layout:
         return _block_lookup(self)(module)
 
 
+def _defining_block(module: str, lookup: dict[str, int]) -> int | None:
+    """The block a module path belongs to (its longest prefix in ``lookup``: block path ->
+    index), if any."""
+    parts = module.split(".")
+    for k in range(len(parts), 0, -1):
+        i = lookup.get(".".join(parts[:k]))
+        if i is not None:
+            return i
+    return None
+
+
 def _block_lookup(layout: Layout) -> Callable[[str], int]:
     """module path -> block execution index (MAIN for root-level code), cached on the layout."""
     fn = layout.__dict__.get("_lookup")
@@ -78,14 +89,8 @@ def _block_lookup(layout: Layout) -> Callable[[str], int]:
         def fn(module: str) -> int:
             hit = cache.get(module)
             if hit is None:
-                hit = MAIN
-                parts = module.split(".")
-                for k in range(len(parts), 0, -1):
-                    i = index.get(".".join(parts[:k]))
-                    if i is not None:
-                        hit = i
-                        break
-                cache[module] = hit
+                found = _defining_block(module, index)
+                hit = cache[module] = MAIN if found is None else found
             return hit
         object.__setattr__(layout, "_lookup", fn)      # frozen dataclass: a private cache
     return fn
@@ -229,16 +234,6 @@ def _script_inputs(trace: Trace, st: "_Storages", lookup: dict[str, int],
     return tuple(out)
 
 
-def _defining_block(module: str, lookup: dict[str, int]) -> int | None:
-    """The block (definition index) a module path belongs to, if any."""
-    parts = module.split(".")
-    for k in range(len(parts), 0, -1):
-        i = lookup.get(".".join(parts[:k]))
-        if i is not None:
-            return i
-    return None
-
-
 @contextlib.contextmanager
 def _rebuilt_model(spec: ModelSpec, precision: str) -> Iterator[torch.nn.Module]:
     """The model built again from the spec, seeded, on the meta device as the trace builds it
@@ -281,12 +276,11 @@ def _storages(model: torch.nn.Module, defined: list[str]) -> _Storages:
     def_index = {n: i for i, n in enumerate(defined)}
 
     def owner_of(names: list[str]) -> int:
-        for name in names:
-            parts = name.split(".")[:-1]
-            for k in range(len(parts), 0, -1):
-                i = def_index.get(".".join(parts[:k]))
-                if i is not None:
-                    return i
+        for name in names:           # a tensor's name: its module's path, then its own
+            module = name.rpartition(".")[0]
+            i = _defining_block(module, def_index) if module else None
+            if i is not None:
+                return i
         return MAIN
 
     # Parameter and buffer storages in the order trace.py registers them.
