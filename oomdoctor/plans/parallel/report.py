@@ -261,8 +261,9 @@ def estimate_script_strategies(script: ScriptSpec, budget: Budget, num_gpus: int
                                fsdp_version: int = 2) -> ParallelReport:
     """Every strategy for a single-process training script: its run (at ``batch_size`` per
     GPU, or its own) rewritten per strategy as a model file's trace is. The script decides its
-    precision; a strategy that computes in another one (FSDP2's bf16 policy, DeepSpeed's
-    16-bit mode over an fp32 or autocast script) cannot be estimated from it and says so."""
+    precision: zero3 runs the script's own autocast (a note says how FSDP2's bf16 policy
+    differs), and DeepSpeed's 16-bit modes over an autocast script, which compute in another
+    precision, are named as not estimated."""
     names = [parse_strategy(s) for s in strategies]
     trace, layout = _script_inputs(script, budget, progress, batch_size, seq_len)
     precision = trace.config.precision
