@@ -94,7 +94,7 @@ def test_a_script_that_wraps_ddp_itself_is_refused():
     import torch
 
     from oomdoctor.models.script import parse_command
-    from oomdoctor.plans.parallel.report import _refuse_distributed
+    from oomdoctor.plans.parallel.scripts import _refuse_distributed
     from oomdoctor.sim.ddp import ScriptDDP
     from oomdoctor.sim.script import TrainedModel
     script = parse_command(["python", LOOP, "--model", TINY])

@@ -94,9 +94,11 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
         if script is not None:
             trace, (result, snapshot, series) = script_cli.run_script(lambda: _estimate_script(
                 script, TraceConfig(batch_size or 1, steps=steps, torch=_modelled_torch()),
-                budget, alloc, batch_size,
-                bool(snapshot_file), bool(plot_file)))
+                budget, alloc, batch_size, bool(snapshot_file), bool(plot_file)))
             checked = script_cli.check_input(trace, budget, script, cpus, skip_input, _progress)
+            report = script_cli.sharded_report(script, trace, budget, alloc,
+                                               snapshot_file or plot_file)
+            strategy = report.estimates[0].strategy if report else strategy
         elif snapshot_file or plot_file:
             from oomdoctor.plans import snapshot as snapshot_mod
             result, snapshot, series = snapshot_mod.estimate_views(
@@ -123,6 +125,7 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
         _die(e, debug, EXIT_USAGE)
     if strategy != "single":
         # The per-GPU view: every GPU's peak, the model-state floor, DeepSpeed's formula.
+        from oomdoctor.plans import parallel as par
         click.echo(json.dumps(report.to_json(), indent=2) if as_json
                    else par.render_report(report))
         sys.exit(EXIT_OK if all(e.fits for e in report.estimates) else EXIT_PROBLEM)

@@ -134,3 +134,15 @@ def refuse_input_options(cpus: int | None, skip: bool) -> None:
     if cpus is not None or skip:
         raise click.UsageError("--cpus and --no-input-check describe a training script's "
                                "DataLoader: pass the script after `--`")
+
+
+def sharded_report(script, trace, budget, alloc, views):
+    """The per-GPU report of a script that shards itself with FSDP (None: it does not)."""
+    if getattr(trace.model, "sharding", None) is None:
+        return None
+    if views:
+        raise click.UsageError("--snapshot and --plot show one GPU's step; the script shards "
+                               "itself with FSDP, which is estimated per GPU: run without them")
+    from oomdoctor.plans import parallel as par
+    return par.estimate_sharded_script(script, trace, budget, alloc,
+                                       progress=lambda m: click.echo(m, err=True))

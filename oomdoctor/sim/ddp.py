@@ -7,8 +7,8 @@ torch 2.x); the multi-GPU planners (oomdoctor.plans.parallel.data_parallel) plac
 GPU's event list. A training script launched with ``torchrun`` is run as its rank 0
 (oomdoctor.sim.script): :func:`rank_zero` gives it a process group of the launcher's size whose
 collectives move nothing, and :class:`ScriptDDP` stands in for ``DistributedDataParallel``,
-allocating DDP's buffers on the fake GPU when DDP would. FSDP in a script is refused
-(:class:`UnsupportedParallel`): plan it with ``oomdoctor parallel`` and a model file.
+allocating DDP's buffers on the fake GPU when DDP would; FSDP's wrappers are recorded
+(:mod:`oomdoctor.sim.sharding`) for the planners to replay.
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from oomdoctor.sim import sharding
 from oomdoctor.sim.fakecuda import patched
+from oomdoctor.sim.sharding import UnsupportedParallel  # noqa: F401 (re-exported)
 
 MiB = 2**20
 # DDP constants (torch/nn/parallel/distributed.py, torch 2.x): buckets of 25 MiB
@@ -31,10 +33,6 @@ DDP_BUCKET_BYTES = 25 * MiB
 # DistributedDataParallel.__init__: self.broadcast_bucket_size = 250 * 1024 * 1024, used by
 # _sync_module_states at start-up and by the buffer broadcast before every forward.
 DDP_BROADCAST_BUCKET_BYTES = 250 * MiB
-
-
-class UnsupportedParallel(Exception):
-    """A parallel wrapper the script's run does not simulate."""
 
 
 def chunks(sizes: Iterable[int], cap: int) -> list[int]:
@@ -138,17 +136,6 @@ def _collective(*_args: Any, async_op: bool = False, **_kwargs: Any) -> _Work | 
     return _Work() if async_op else None
 
 
-def _refuse(name: str) -> type:
-    """A stand-in class that refuses to be built (a class, so libraries' isinstance checks
-    against it still work: nothing is one)."""
-    def refused(*_args: Any, **_kwargs: Any):
-        raise UnsupportedParallel(
-            f"{name}: FSDP/ZeRO sharding inside a script is not simulated yet; plan it with "
-            "`oomdoctor parallel MODEL --strategy zero3` on a model file, or run the script "
-            "without it")
-    return type(name, (), {"__new__": refused})
-
-
 def _distributed_answers(world: int, state: dict) -> dict[str, Any]:
     return {
         "is_available": lambda: True,
@@ -167,10 +154,10 @@ def _distributed_answers(world: int, state: dict) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def rank_zero(world: int, env: dict[str, str]) -> Iterator[None]:
+def rank_zero(world: int, env: dict[str, str]) -> Iterator[sharding.Recorder]:
     """The script runs as rank 0 of ``world`` processes: ``env`` (the variables its launcher
     sets; none under plain python), a process group whose collectives move nothing, DDP as
-    :class:`ScriptDDP`, FSDP refused."""
+    :class:`ScriptDDP`, FSDP's wrappers recorded (yielded: what the script sharded)."""
     import torch.distributed as dist
     import torch.nn.parallel as parallel
     import torch.nn.parallel.distributed as distributed
@@ -181,13 +168,9 @@ def rank_zero(world: int, env: dict[str, str]) -> Iterator[None]:
         stack.enter_context(patched(dist, _distributed_answers(world, state)))
         stack.enter_context(patched(parallel, {"DistributedDataParallel": ScriptDDP}))
         stack.enter_context(patched(distributed, {"DistributedDataParallel": ScriptDDP}))
-        with contextlib.suppress(ImportError):
-            import torch.distributed.fsdp as fsdp
-            stack.enter_context(patched(fsdp, {
-                "FullyShardedDataParallel": _refuse("FullyShardedDataParallel"),
-                "fully_shard": _refuse("fully_shard")}))
+        recorded = stack.enter_context(sharding.stand_ins(world))
         try:
-            yield
+            yield recorded
         finally:
             for k, v in saved_env.items():
                 if v is None:

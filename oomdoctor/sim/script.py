@@ -89,6 +89,7 @@ class ScriptRun:
     # the first dimension of the first forward's first tensor argument: the batch of a script
     # that batches by hand (no DataLoader)
     forward_batch: int = 0
+    sharding: Any = None         # what the script's FSDP wrapped (sim.sharding.Sharding)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class TrainedModel:
 
     module: torch.nn.Module
     calls: tuple = ()
+    sharding: Any = None       # sim.sharding.Sharding: FSDP inside the script (None: none)
 
 
 @dataclass(frozen=True)
@@ -401,7 +403,8 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
     phases = _Phases(rec, run, cfg, limits, progress)
     notes: list[str] = []
     with eager.fake_trace([], rec.fused), emulate.fused_optimizers_on_meta(), \
-            fakecuda.fake_cuda(device), ddp.rank_zero(script.world, script.environment()), \
+            fakecuda.fake_cuda(device), \
+            ddp.rank_zero(script.world, script.environment()) as sharded, \
             _loaders(batch_size, run), \
             (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
                                  cfg.torch)
@@ -409,6 +412,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
             values.active(device.shadows), rec, \
             every_step(lambda opt: label_state(rec, True, opt)) as stepped, _hooks(phases):
         run.ended = _run_file(script, argv)
+        run.sharding = sharded.sharding
         rec.closed = True
         held = list(dict.fromkeys([*run.optimizers, *stepped]))
         state = sum(state_bytes(o, lambda k, v, o=o: not host_state(True, o, k, v))
@@ -512,7 +516,8 @@ def _trained(run: ScriptRun) -> TrainedModel | None:
     too)."""
     root = max(run.roots.values(), key=lambda m: sum(p.numel() for p in m.parameters()),
                default=None)
-    return None if root is None else TrainedModel(root, tuple(run.calls.get(id(root), ())))
+    return None if root is None else TrainedModel(root, tuple(run.calls.get(id(root), ())),
+                                                  run.sharding)
 
 
 def _batch_size(run: ScriptRun) -> int:

@@ -52,6 +52,7 @@ The package, in dependency order:
 - :mod:`~oomdoctor.plans.parallel.model_states`: closed-form model states, DeepSpeed's estimators;
 - :mod:`~oomdoctor.plans.parallel.estimator`: one strategy's per-GPU estimate (allocator replay);
 - :mod:`~oomdoctor.plans.parallel.report`: the `parallel` and `split` commands' entry points;
+- :mod:`~oomdoctor.plans.parallel.scripts`: the same for a training script, and FSDP inside one;
 - :mod:`~oomdoctor.plans.parallel.render`: their text output.
 """
 from oomdoctor.sim.allocator import AllocatorConfig
@@ -67,8 +68,10 @@ from oomdoctor.plans.parallel.model_states import (deepspeed_zero2_gpu_bytes,
 from oomdoctor.plans.parallel.pipeline import _Pipeline
 from oomdoctor.plans.parallel.render import render_report, render_split
 from oomdoctor.plans.parallel.report import (ParallelReport, Progress, SplitPlan,
-                                             estimate_script_strategies, estimate_strategies,
-                                             plan_script_split, plan_split)
+                                             estimate_strategies, plan_split)
+from oomdoctor.plans.parallel.scripts import (estimate_script_strategies,
+                                              estimate_sharded_script, plan_script_split,
+                                              sharded_strategy)
 from oomdoctor.plans.parallel.results import BREAKDOWN_KEYS, GpuMemory, Partition, StrategyEstimate
 from oomdoctor.plans.parallel.strategy import (ALIASES, DEEPSPEED_STRATEGIES, DESCRIPTIONS,
                                               NODE_STRATEGIES, STRATEGIES, DeepSpeedConfig,
@@ -89,7 +92,8 @@ __all__ = [
     "deepspeed_zero2_gpu_bytes", "deepspeed_zero3_gpu_bytes", "model_state_floor",
     "strategy_events", "live_peak", "estimate_strategy",
     "Progress", "ParallelReport", "estimate_strategies", "estimate_script_strategies",
-    "SplitPlan", "plan_split", "plan_script_split",
+    "SplitPlan", "plan_split", "plan_script_split", "estimate_sharded_script",
+    "sharded_strategy",
     "render_report", "render_split",
     # used as par.X by the tests
     "AllocatorConfig", "_Context", "_Pipeline", "_measure",

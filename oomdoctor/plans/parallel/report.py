@@ -1,4 +1,5 @@
-"""The `parallel` and `split` commands' library entry points: every strategy, or the best split."""
+"""The `parallel` and `split` commands' library entry points for a model source: every
+strategy, or the best split (a training script's: :mod:`oomdoctor.plans.parallel.scripts`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
@@ -7,11 +8,9 @@ from typing import Any, Callable, Iterable
 from oomdoctor.configs import needs_bf16, no_bf16_fix
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.plans.estimate import Budget, allocator_conf_string, trace_for
-from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel.estimator import estimate_strategy
-from oomdoctor.plans.parallel.fsdp import AUTOCAST_NOTE
-from oomdoctor.plans.parallel.layout import model_layout, script_layout
+from oomdoctor.plans.parallel.layout import model_layout
 from oomdoctor.plans.parallel.results import Partition, StrategyEstimate
 from oomdoctor.plans.parallel.strategy import (DEEPSPEED_STRATEGIES, STRATEGIES,
                                               DeepSpeedConfig, Strategy, default_policy,
@@ -225,103 +224,3 @@ def plan_split(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
                           grad_accum=cfg.grad_accum)
     assert e.partition is not None
     return SplitPlan(e, e.partition, layout.blocks)
-
-
-def plan_script_split(script: ScriptSpec, budget: Budget,
-                      alloc: AllocatorConfig = AllocatorConfig(),
-                      progress: Progress = lambda _: None, batch_size: int | None = None,
-                      seq_len: int | None = None) -> SplitPlan:
-    """The best two-GPU split of a single-process training script, from its one run."""
-    trace, layout = _script_inputs(script, budget, progress, batch_size, seq_len)
-    progress(f"trying {max(len(layout.blocks) - 1, 0)} cuts")
-    e = estimate_strategy(trace, layout, Strategy("pipeline2", 2), budget, alloc,
-                          grad_accum=trace.config.grad_accum)
-    assert e.partition is not None
-    return SplitPlan(e, e.partition, layout.blocks)
-
-
-def _script_inputs(script: ScriptSpec, budget: Budget, progress: Progress,
-                   batch_size: int | None, seq_len: int | None) -> tuple:
-    """The script's run (refused if it spreads itself already) and its layout."""
-    from oomdoctor.plans.estimate import script_trace
-    progress(f"running {script.name} on a fake {budget.gpu.name}")
-    trace = script_trace(script, TraceConfig(batch_size or 1), budget, batch_size=batch_size,
-                         seq_len=seq_len)
-    _refuse_distributed(script, trace)
-    return trace, script_layout(trace, script.name)
-
-
-def estimate_script_strategies(script: ScriptSpec, budget: Budget, num_gpus: int,
-                               strategies: Iterable[str] = STRATEGIES,
-                               alloc: AllocatorConfig = AllocatorConfig(),
-                               bucket_view: bool = False, progress: Progress = lambda _: None,
-                               deepspeed: DeepSpeedConfig | None = None,
-                               batch_size: int | None = None,
-                               seq_len: int | None = None,
-                               fsdp_version: int = 2) -> ParallelReport:
-    """Every strategy for a single-process training script: its run (at ``batch_size`` per
-    GPU, or its own) rewritten per strategy as a model file's trace is. The script decides its
-    precision: zero3 runs the script's own autocast (a note says how FSDP2's bf16 policy
-    differs), and DeepSpeed's 16-bit modes over an autocast script, which compute in another
-    precision, are named as not estimated."""
-    names = [parse_strategy(s) for s in strategies]
-    trace, layout = _script_inputs(script, budget, progress, batch_size, seq_len)
-    precision = trace.config.precision
-    sizes = Sizes.of(trace)
-    out, errors = [], []
-    for name in names:
-        st = _strategy(name, num_gpus, precision, bucket_view, False, deepspeed, fsdp_version)
-        why = _script_cannot(name, st, precision, num_gpus)
-        if why:
-            errors.append((name, why))
-            continue
-        progress(f"{name}: replaying {st.num_gpus} GPU(s)")
-        try:
-            e = estimate_strategy(trace, layout, st, budget, alloc, sizes,
-                                  grad_accum=trace.config.grad_accum)
-        except ValueError as err:
-            errors.append((name, str(err)))
-            continue
-        if name == "zero3" and precision == "bf16":      # not the options' note: the script's
-            e = replace(e, notes=tuple(n for n in e.notes if n != AUTOCAST_NOTE)
-                        + (SCRIPT_AUTOCAST_NOTE,))
-        out.append(e)
-    return ParallelReport(script.name, budget.gpu.name, num_gpus, budget.gpu.total_bytes,
-                          budget.limit_bytes, trace.config.batch_size, precision,
-                          bool(trace.checkpointed), layout.num_parameters, tuple(out),
-                          tuple(errors), allocator_conf_string(alloc))
-
-
-SCRIPT_AUTOCAST_NOTE = ("the script's own bf16 autocast under FSDP (all-gathered fp32 weights); "
-                        "FSDP2's MixedPrecisionPolicy computes in pure bf16 instead: set it in "
-                        "the script (fully_shard(..., mp_policy=MixedPrecisionPolicy("
-                        "param_dtype=torch.bfloat16))) once it shards, or plan the model with "
-                        "`oomdoctor parallel MODEL --precision bf16`")
-
-
-def _script_cannot(name: str, st: Strategy, precision: str, num_gpus: int) -> str:
-    """Why ``st`` cannot be estimated from one run of a script ("" when it can)."""
-    if name == "pipeline2" and num_gpus != 2:
-        return "the naive split uses exactly 2 GPUs"
-    if name == "dp":
-        return ("DataParallel's GPU 0 holds the whole batch's outputs, which needs a second run "
-                "of the script; use DDP (torchrun), which needs no GPU-0 hot spot")
-    if st.is_deepspeed and precision != "fp32":
-        return (f"DeepSpeed's fp16/bf16 mode computes in pure 16 bits with fp32 master weights "
-                f"in its optimizer; the script trains {precision} itself, so its run cannot show "
-                "it: plan its model with `oomdoctor parallel MODEL --ds-config ds.json`")
-    return ""
-
-
-def _refuse_distributed(script: ScriptSpec, trace) -> None:
-    """A script that already spreads itself (DDP/FSDP inside, under torchrun) is estimated per
-    GPU as it is, by `estimate -- torchrun ...`: planning other strategies from it would count
-    its own collectives' buffers twice."""
-    from oomdoctor.sim.ddp import ScriptDDP
-    trained = trace.model.module if trace.model is not None else None
-    if isinstance(trained, ScriptDDP) or script.world > 1:
-        raise ValueError(f"{script.name} already runs data-parallel ({script.world} processes "
-                         f"under {script.launcher}, or DDP inside): its per-GPU memory is what "
-                         "`oomdoctor estimate -- <the same command>` gives; `oomdoctor parallel` "
-                         "plans a single-GPU script across strategies - give it the script as "
-                         "plain `python train.py ...`")

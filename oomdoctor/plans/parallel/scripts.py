@@ -1,0 +1,187 @@
+"""The planners for a training script (``-- python train.py``): a single-GPU script planned
+across the strategies or split, and a script that shards itself with FSDP estimated per GPU.
+
+One run of the script on the fake GPU (:mod:`oomdoctor.sim.script`) is laid out from what it
+ran (:func:`~oomdoctor.plans.parallel.layout.script_layout`) and replayed per strategy as a model
+file's trace is. A script that calls ``fully_shard`` or FSDP1 itself ran as FSDP computes
+(:mod:`oomdoctor.sim.sharding`: whole model, ``param_dtype``); its run is replayed as the FSDP it
+recorded, on the launcher's GPUs.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable
+
+import torch
+
+from oomdoctor.models.script import ScriptSpec
+from oomdoctor.plans.estimate import Budget, allocator_conf_string
+from oomdoctor.plans.parallel.estimator import estimate_strategy
+from oomdoctor.plans.parallel.fsdp import AUTOCAST_NOTE, stack_units
+from oomdoctor.plans.parallel.layout import Layout, script_layout
+from oomdoctor.plans.parallel.report import ParallelReport, Progress, SplitPlan, _strategy
+from oomdoctor.plans.parallel.strategy import (STRATEGIES, DeepSpeedConfig, Strategy,
+                                              parse_strategy)
+from oomdoctor.plans.parallel.timeline import Sizes
+from oomdoctor.sim.allocator import AllocatorConfig
+from oomdoctor.sim.trace import Trace, TraceConfig
+
+
+def plan_script_split(script: ScriptSpec, budget: Budget,
+                      alloc: AllocatorConfig = AllocatorConfig(),
+                      progress: Progress = lambda _: None, batch_size: int | None = None,
+                      seq_len: int | None = None) -> SplitPlan:
+    """The best two-GPU split of a single-process training script, from its one run."""
+    trace, layout = _script_inputs(script, budget, progress, batch_size, seq_len)
+    progress(f"trying {max(len(layout.blocks) - 1, 0)} cuts")
+    e = estimate_strategy(trace, layout, Strategy("pipeline2", 2), budget, alloc,
+                          grad_accum=trace.config.grad_accum)
+    assert e.partition is not None
+    return SplitPlan(e, e.partition, layout.blocks)
+
+
+def _script_inputs(script: ScriptSpec, budget: Budget, progress: Progress,
+                   batch_size: int | None, seq_len: int | None) -> tuple:
+    """The script's run (refused if it spreads itself already) and its layout."""
+    from oomdoctor.plans.estimate import script_trace
+    progress(f"running {script.name} on a fake {budget.gpu.name}")
+    trace = script_trace(script, TraceConfig(batch_size or 1), budget, batch_size=batch_size,
+                         seq_len=seq_len)
+    _refuse_distributed(script, trace)
+    return trace, script_layout(trace, script.name)
+
+
+def estimate_script_strategies(script: ScriptSpec, budget: Budget, num_gpus: int,
+                               strategies: Iterable[str] = STRATEGIES,
+                               alloc: AllocatorConfig = AllocatorConfig(),
+                               bucket_view: bool = False, progress: Progress = lambda _: None,
+                               deepspeed: DeepSpeedConfig | None = None,
+                               batch_size: int | None = None,
+                               seq_len: int | None = None,
+                               fsdp_version: int = 2) -> ParallelReport:
+    """Every strategy for a single-process training script: its run (at ``batch_size`` per
+    GPU, or its own) rewritten per strategy as a model file's trace is. The script decides its
+    precision: zero3 runs the script's own autocast (a note says how FSDP2's bf16 policy
+    differs), and DeepSpeed's 16-bit modes over an autocast script, which compute in another
+    precision, are named as not estimated."""
+    names = [parse_strategy(s) for s in strategies]
+    trace, layout = _script_inputs(script, budget, progress, batch_size, seq_len)
+    precision = trace.config.precision
+    sizes = Sizes.of(trace)
+    out, errors = [], []
+    for name in names:
+        st = _strategy(name, num_gpus, precision, bucket_view, False, deepspeed, fsdp_version)
+        why = _script_cannot(name, st, precision, num_gpus)
+        if why:
+            errors.append((name, why))
+            continue
+        progress(f"{name}: replaying {st.num_gpus} GPU(s)")
+        try:
+            e = estimate_strategy(trace, layout, st, budget, alloc, sizes,
+                                  grad_accum=trace.config.grad_accum)
+        except ValueError as err:
+            errors.append((name, str(err)))
+            continue
+        if name == "zero3" and precision == "bf16":      # not the options' note: the script's
+            e = replace(e, notes=tuple(n for n in e.notes if n != AUTOCAST_NOTE)
+                        + (SCRIPT_AUTOCAST_NOTE,))
+        out.append(e)
+    return ParallelReport(script.name, budget.gpu.name, num_gpus, budget.gpu.total_bytes,
+                          budget.limit_bytes, trace.config.batch_size, precision,
+                          bool(trace.checkpointed), layout.num_parameters, tuple(out),
+                          tuple(errors), allocator_conf_string(alloc))
+
+
+SCRIPT_AUTOCAST_NOTE = ("the script's own bf16 autocast under FSDP (all-gathered fp32 weights); "
+                        "FSDP2's MixedPrecisionPolicy computes in pure bf16 instead: set it in "
+                        "the script (fully_shard(..., mp_policy=MixedPrecisionPolicy("
+                        "param_dtype=torch.bfloat16))) once it shards, or plan the model with "
+                        "`oomdoctor parallel MODEL --precision bf16`")
+
+
+def _script_cannot(name: str, st: Strategy, precision: str, num_gpus: int) -> str:
+    """Why ``st`` cannot be estimated from one run of a script ("" when it can)."""
+    if name == "pipeline2" and num_gpus != 2:
+        return "the naive split uses exactly 2 GPUs"
+    if name == "dp":
+        return ("DataParallel's GPU 0 holds the whole batch's outputs, which needs a second run "
+                "of the script; use DDP (torchrun), which needs no GPU-0 hot spot")
+    if st.is_deepspeed and precision != "fp32":
+        return (f"DeepSpeed's fp16/bf16 mode computes in pure 16 bits with fp32 master weights "
+                f"in its optimizer; the script trains {precision} itself, so its run cannot show "
+                "it: plan its model with `oomdoctor parallel MODEL --ds-config ds.json`")
+    return ""
+
+
+def _refuse_distributed(script: ScriptSpec, trace) -> None:
+    """A script that already spreads itself (DDP/FSDP inside, under torchrun) is estimated per
+    GPU as it is, by `estimate -- torchrun ...`: planning other strategies from it would count
+    its own collectives' buffers twice."""
+    from oomdoctor.sim.ddp import ScriptDDP
+    trained = trace.model.module if trace.model is not None else None
+    if isinstance(trained, ScriptDDP) or script.world > 1:
+        raise ValueError(f"{script.name} already runs data-parallel ({script.world} processes "
+                         f"under {script.launcher}, or DDP inside): its per-GPU memory is what "
+                         "`oomdoctor estimate -- <the same command>` gives; `oomdoctor parallel` "
+                         "plans a single-GPU script across strategies - give it the script as "
+                         "plain `python train.py ...`")
+
+
+def estimate_sharded_script(script: ScriptSpec, trace: Trace, budget: Budget,
+                            alloc: AllocatorConfig = AllocatorConfig(),
+                            progress: Progress = lambda _: None) -> ParallelReport:
+    """Each GPU of a script that shards itself (``fully_shard`` or FSDP1 inside, under
+    torchrun): its run (``trace``, as FSDP computes) replayed as the FSDP it recorded."""
+    sharding = trace.model.sharding
+    st = sharded_strategy(sharding, script.world)
+    layout = script_layout(trace, script.name)
+    progress(f"{st.name}: replaying {st.num_gpus} GPU(s) as the script shards")
+    e = estimate_strategy(trace, layout, st, budget, alloc, Sizes.of(trace),
+                          grad_accum=trace.config.grad_accum)
+    e = replace(e, notes=tuple(dict.fromkeys((*_sharding_notes(trace, layout, st), *e.notes))))
+    precision = "bf16" if st.mixed_precision else trace.config.precision
+    return ParallelReport(script.name, budget.gpu.name, st.num_gpus, budget.gpu.total_bytes,
+                          budget.limit_bytes, trace.config.batch_size, precision,
+                          bool(trace.checkpointed), layout.num_parameters, (e,), (),
+                          allocator_conf_string(alloc))
+
+
+def sharded_strategy(sharding, world: int) -> Strategy:
+    """The strategy a script's FSDP is (``sharding``: :class:`oomdoctor.sim.sharding.Sharding`):
+    zero3 (FSDP2 or FSDP1 FULL_SHARD), zero2 (``reshard_after_forward=False``), hsdp (a 2-D
+    mesh: replicas x shards); a 16-bit ``param_dtype`` is the mixed-precision policy."""
+    mesh = sharding.mesh_shape or (world,)
+    policy = sharding.param_dtype in (torch.bfloat16, torch.float16)
+    if len(mesh) == 2:
+        return Strategy("hsdp", mesh[0] * mesh[1], nodes=mesh[0], mixed_precision=policy)
+    name = "zero3" if sharding.reshard_after_forward else "zero2"
+    if policy and name == "zero2":
+        raise ValueError("fully_shard(reshard_after_forward=False) with a MixedPrecisionPolicy "
+                         "is not modelled (with reshard_after_forward=True it is); estimate "
+                         "the script without the policy, or with resharding")
+    return Strategy(name, mesh[0], mixed_precision=policy, fsdp_version=sharding.version)
+
+
+def _sharding_notes(trace: Trace, layout: Layout, st: Strategy) -> list[str]:
+    """What the script's FSDP is, as estimated; and where its wrapping differs from the
+    estimate's (every block of the stack, then the model)."""
+    sharding = trace.model.sharding
+    wrapper = ("fully_shard" if sharding.version == 2 else "FullyShardedDataParallel")
+    notes = [f"the script's {wrapper} on {st.num_gpus} GPUs ({st.name}"
+             + (f", param_dtype {str(sharding.param_dtype).removeprefix('torch.')}"
+                if sharding.param_dtype else "") + "), replayed from its run"]
+    reduce = sharding.reduce_dtype
+    if st.mixed_precision and reduce not in (None, torch.float32):
+        notes.append(f"reduce_dtype {reduce} estimated as float32: the reduce-scatter input "
+                     "counted at 4 bytes per element (an upper bound)")
+    elif st.mixed_precision and reduce is None:
+        notes.append("reduce_dtype None (= param_dtype) estimated as float32: the reduce-scatter "
+                     "input counted at 4 bytes per element (an upper bound)")
+    names = {id(m): n for n, m in trace.model.module.named_modules()}
+    wrapped = {names.get(id(m)) for m in sharding.units} - {"", None}
+    stack = {layout.blocks[i] for i in stack_units(layout.blocks)}
+    if sharding.version == 2 and wrapped != stack:
+        notes.append(f"estimated as fully_shard on each of the {len(stack)} blocks of the stack "
+                     f"then the model; the script wraps {len(wrapped)} module(s) besides the "
+                     "root, which can gather more or less at once")
+    return notes
