@@ -1,0 +1,98 @@
+"""Every printed plan runs as printed, and needs what it says on each GPU.
+
+`recommend` prints a training loop and a launch line. Completed only with what the sketch leaves
+to the user (``build_model``, ``dataset``, ``loss_fn``, ``epochs``, ``lr``: from a model file) and
+run as its launch line says, with its environment, through oomdoctor's script source
+(`oomdoctor estimate -- torchrun ...`), each plan must need its own per-GPU figure within 2%.
+
+What this checks that the plans' own arithmetic cannot: the code. The script's run reads the
+wrapping, the MixedPrecisionPolicy, the casts, checkpointing, the micro-batch, the accumulation
+and the allocator setting from the printed lines, and DDP/ZeRO-1 in a script are estimated by a
+separate route (DDP's buffers allocated in the run itself, sim.ddp) from the plans' replay.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import pytest
+from click.testing import CliRunner
+
+from oomdoctor.cli import cli
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL = os.path.join(HERE, "models", "plan_lm.py")
+# What the sketch leaves to the user, from the model file.
+PRELUDE = f"""import sys, torch
+sys.path.insert(0, {os.path.dirname(MODEL)!r})
+from plan_lm import build_model, make_batch, loss_fn
+dataset = torch.utils.data.TensorDataset(*make_batch(256))
+epochs, lr = 1, 1e-3
+"""
+TOLERANCE = 0.02
+
+
+def _invoke(args, env=None):
+    r = CliRunner().invoke(cli, args, env=env)
+    assert r.exit_code in (0, 1), r.output[-2000:]
+    return json.loads(r.stdout)
+
+
+def _run_as_printed(launch: dict, tmp_path, card: list[str]) -> int:
+    """The plan's code as train.py, started by its launch line with its environment: each
+    GPU's peak (reserved + context) as the script source estimates it."""
+    script = tmp_path / "train.py"
+    script.write_text(PRELUDE + launch["snippet"] + "\n")
+    words = shlex.split(launch["command"])
+    words[words.index("train.py")] = str(script)
+    doc = _invoke(["estimate", *card, "--json", "--", *words], env=launch["env"])
+    if "strategies" in doc:                     # the script shards itself: a per-GPU report
+        return doc["strategies"][0]["gpus"][0]["device_peak_bytes"]
+    return doc["peak_reserved_bytes"] + doc["breakdown"]["cuda_context"]
+
+
+@pytest.mark.parametrize("strategy,precision,card", [
+    ("single", "fp32", ["--gpu", "rtx3090"]),
+    ("ddp", "bf16", ["--gpu", "rtx3090"]),
+    ("ddp", "bf16-pure", ["--gpu", "rtx3090"]),
+    ("zero1", "fp32", ["--gpu", "rtx3090"]),
+    ("zero2", "fp32", ["--gpu", "rtx3090"]),
+    ("zero3", "fp32", ["--gpu", "rtx3090"]),
+    ("zero3", "bf16", ["--gpu", "rtx3090"]),            # FSDP2's MixedPrecisionPolicy
+    ("zero3", "bf16", ["--memory", "1.2GiB"]),          # a small card: accumulation
+])
+def test_recommended_plan_runs_as_printed(strategy, precision, card, tmp_path):
+    doc = _invoke(["recommend", MODEL, *card, "--num-gpus", "2", "--strategy", strategy,
+                   "--precision", precision, "--target-batch", "64", "--json"])
+    best = doc["best"]
+    assert (best["strategy"], best["precision"]) == (strategy, precision)
+    got = _run_as_printed(doc["launch"], tmp_path, card)
+    assert abs(got - best["peak_device_bytes"]) <= TOLERANCE * best["peak_device_bytes"], \
+        (got, best)
+
+
+@pytest.mark.parametrize("strategy,precision", [("zero3", "bf16"), ("ddp", "fp16")])
+def test_checkpointed_plan_runs_as_printed(strategy, precision, tmp_path):
+    """A checkpointed plan with accumulation (recommend prefers accumulation alone on this
+    model): its code from the plan's launch, its figure as `parallel` computes the same
+    configuration with the code's settings (DDP's gradient_as_bucket_view)."""
+    from oomdoctor.models.loader import load_model_file
+    from oomdoctor.plans import recommend as rec
+    from oomdoctor.sim.gpus import get_profile
+    c = rec.Candidate(strategy=strategy, num_gpus=2, precision=precision, checkpointing=True,
+                      micro_batch=8, grad_accum=2, effective_batch=32, peak_device_bytes=0,
+                      per_gpu_bytes=(0, 0), step_seconds=1.0, compute_seconds=1.0,
+                      communication_seconds=0.0, samples_per_second=1.0, numerics="", score=1.0)
+    hw = rec.Hardware(get_profile("rtx3090"), 2, "pcie-no-p2p", 12.5, cores=16)
+    launch = rec._launch(c, hw, load_model_file(MODEL), rec._Facts(0, 0, 2, True, "layers"))
+    card = ["--gpu", "rtx3090"]
+    assert "gradient_as_bucket_view=True" in launch.snippet or strategy != "ddp"
+    plan = _invoke(["parallel", MODEL, *card, "--strategy", strategy, "--num-gpus", "2",
+                    "-b", "8", "--grad-accum", "2", "--precision", precision, "--checkpointing",
+                    "--alloc-conf", launch.env["PYTORCH_CUDA_ALLOC_CONF"], "--bucket-view",
+                    "--json"])
+    want = plan["strategies"][0]["gpus"][0]["device_peak_bytes"]
+    got = _run_as_printed({"snippet": launch.snippet, "command": launch.command,
+                           "env": launch.env}, tmp_path, card)
+    assert abs(got - want) <= TOLERANCE * want, (got, want)
