@@ -19,7 +19,7 @@ from oomdoctor.sim.allocator import AllocatorConfig, ReplayResult, replay
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.sim.libraries import versions_text
 from oomdoctor.models.script import ScriptSpec
-from oomdoctor.models.spec import ModelSpec, kept_for
+from oomdoctor.models.spec import ModelFileError, ModelSpec, kept_for
 from oomdoctor.sim.trace import Category, Trace, TraceConfig, trace_training
 from oomdoctor.sim.versions import TorchVersion
 from oomdoctor.sim.workspaces import (CUBLASLT_WORKSPACE_BYTES, reduction_scratch,
@@ -319,7 +319,18 @@ def estimate_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
     :func:`script_trace`)."""
     trace = script_trace(script, cfg, budget, batch_size=batch_size, seq_len=seq_len,
                          progress=progress)
+    refuse_sharded(trace, script, "a one-GPU estimate")
     return estimate_trace(trace, budget, alloc, script.name)
+
+
+def refuse_sharded(trace: Trace, script: ScriptSpec, what: str) -> None:
+    """A script that shards itself with FSDP ran whole on one fake GPU (sim.sharding): only
+    its per-GPU replay (`oomdoctor estimate -- ...`) is its memory, never ``what`` of the run."""
+    if getattr(trace.model, "sharding", None) is not None:
+        raise ModelFileError(f"{script.name} shards its model with FSDP: its memory is per GPU, "
+                             "which `oomdoctor estimate -- <this command>` gives; "
+                             f"{what} of it is not simulated yet (it would count the whole "
+                             "model on one GPU)")
 
 
 def budget_text(e: Estimate) -> str:

@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError
-from oomdoctor.plans.estimate import Budget, Estimate, estimate_trace, script_trace
+from oomdoctor.plans.estimate import (Budget, Estimate, estimate_trace, refuse_sharded,
+                                      script_trace)
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.sim.recorder import Category
 from oomdoctor.sim.script import DataExhausted
@@ -75,6 +76,7 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
                               "oomdoctor cannot set their size; put {batch} where the "
                               f"script's batch size goes: `-- {script.command()} --batch-size "
                               "{batch}` (its own flag)")
+        refuse_sharded(trace, script, "probing the batch")
         e = estimate_trace(trace, budget, alloc, script.name)
         result.trials[batch] = e
         fitted[batch] = trace if e.fits else None

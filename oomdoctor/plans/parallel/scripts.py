@@ -119,12 +119,15 @@ def _refuse_distributed(script: ScriptSpec, trace) -> None:
     its own collectives' buffers twice."""
     from oomdoctor.sim.ddp import ScriptDDP
     trained = trace.model.module if trace.model is not None else None
-    if isinstance(trained, ScriptDDP) or script.world > 1:
-        raise ValueError(f"{script.name} already runs data-parallel ({script.world} processes "
-                         f"under {script.launcher}, or DDP inside): its per-GPU memory is what "
-                         "`oomdoctor estimate -- <the same command>` gives; `oomdoctor parallel` "
-                         "plans a single-GPU script across strategies - give it the script as "
-                         "plain `python train.py ...`")
+    sharded = getattr(trace.model, "sharding", None) is not None
+    if isinstance(trained, ScriptDDP) or script.world > 1 or sharded:
+        how = ("shards its model with FSDP" if sharded else
+               f"already runs data-parallel ({script.world} processes under {script.launcher}, "
+               "or DDP inside)")
+        raise ValueError(f"{script.name} {how}: its per-GPU memory is what `oomdoctor "
+                         "estimate -- <the same command>` gives; `oomdoctor parallel` plans a "
+                         "single-GPU script across strategies - give it the script without its "
+                         "own DDP/FSDP, as plain `python train.py ...`")
 
 
 def estimate_sharded_script(script: ScriptSpec, trace: Trace, budget: Budget,
