@@ -331,14 +331,18 @@ def test_a_torchrun_ddp_script_gives_the_ddp_planners_per_gpu_peak(model, batch,
     assert any("rank 0 of the 2 processes torchrun" in n for n in run.notes)
 
 
-def test_fsdp_in_a_script_is_refused_in_one_line(tmp_path):
+def test_fsdp_a_script_uses_that_is_not_simulated_is_refused_in_one_line(tmp_path):
+    """FSDP in a script is replayed per GPU (test_script_fsdp); what is not modelled of it is
+    named where the script asks for it."""
     script = _write(tmp_path, "fsdp.py", "import torch, torch.distributed as dist\n"
-                    "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+                    "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, "
+                    "ShardingStrategy\n"
                     "dist.init_process_group('nccl')\n"
-                    "model = FSDP(torch.nn.Linear(8, 8).cuda())\n")
+                    "model = FSDP(torch.nn.Linear(8, 8).cuda(), "
+                    "sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)\n")
     r = _cli("estimate", "--gpu", "rtx3090", "--", "torchrun", "--nproc_per_node", "2", script)
     assert r.returncode == 3 and r.stderr.count("\n") == 1
-    assert "fsdp.py:4" in r.stderr and "--strategy zero3" in r.stderr
+    assert "fsdp.py:4" in r.stderr and "SHARD_GRAD_OP" in r.stderr
 
 
 def test_a_checkpoint_of_gpu_tensors_is_skipped_with_a_note(tmp_path):

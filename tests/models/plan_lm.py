@@ -1,5 +1,5 @@
 """A small decoder LM (4 pre-norm blocks of SDPA attention + MLP, width 512, 256 tokens, vocab
-8192; 17.1M parameters) whose step is a few hundred MiB: large enough that a plan's per-GPU
+8192; 21.0M parameters) whose step is a few hundred MiB: large enough that a plan's per-GPU
 figure is its model states and activations, not the CUDA context, and quick to trace. The model
 the printed plans are run on (tests/test_plan_scripts.py)."""
 import torch
