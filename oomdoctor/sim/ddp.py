@@ -20,7 +20,6 @@ import torch
 
 from oomdoctor.sim import sharding
 from oomdoctor.sim.fakecuda import patched
-from oomdoctor.sim.sharding import UnsupportedParallel  # noqa: F401 (re-exported)
 
 MiB = 2**20
 # DDP constants (torch/nn/parallel/distributed.py, torch 2.x): buckets of 25 MiB
@@ -168,7 +167,7 @@ def rank_zero(world: int, env: dict[str, str]) -> Iterator[sharding.Recorder]:
         stack.enter_context(patched(dist, _distributed_answers(world, state)))
         stack.enter_context(patched(parallel, {"DistributedDataParallel": ScriptDDP}))
         stack.enter_context(patched(distributed, {"DistributedDataParallel": ScriptDDP}))
-        recorded = stack.enter_context(sharding.stand_ins(world))
+        recorded = stack.enter_context(sharding.stand_ins())
         try:
             yield recorded
         finally:

@@ -38,7 +38,7 @@ from oomdoctor.models import adapters
 from oomdoctor.models.blocks import execution_blocks
 from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError, first_line, user_frame
-from oomdoctor.sim import ddp, eager, emulate, fakecuda, values, versions
+from oomdoctor.sim import ddp, eager, emulate, fakecuda, sharding, values, versions
 from oomdoctor.sim.labels import allocator_events, label_activations, label_state
 from oomdoctor.sim.libraries import attention_note, traced_versions, weight_dtypes
 from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
@@ -370,7 +370,7 @@ def _run_file(script: ScriptSpec, argv: list[str]) -> str:
         return "script end"
     except ScriptError:
         raise
-    except ddp.UnsupportedParallel as e:
+    except sharding.UnsupportedParallel as e:
         raise ScriptError(f"{user_frame(e) or script.name}: {e}") from None
     except Exception as e:
         raise ScriptError(_failure(script, e)) from e

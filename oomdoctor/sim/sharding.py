@@ -24,6 +24,7 @@ What FSDP does here, from its sources (torch 2.13):
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -61,7 +62,7 @@ class _Mesh:
 
     def size(self, mesh_dim: int | None = None) -> int:
         if mesh_dim is None:
-            return int(torch.tensor(self.shape).prod())
+            return math.prod(self.shape)
         return self.shape[mesh_dim]
 
     def __getitem__(self, names: str | tuple[str, ...]) -> "_Mesh":
@@ -117,8 +118,7 @@ def _as_sharded(module: torch.nn.Module) -> None:
 class Recorder:
     """The stand-ins of one run, and what they recorded (``sharding``; None: no FSDP)."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
+    def __init__(self) -> None:
         self.sharding: Sharding | None = None
         self._placed: set[int] = set()        # parameters already put on the GPU, by id
 
@@ -156,10 +156,10 @@ class Recorder:
         if type(offload_policy).__name__ == "CPUOffloadPolicy":
             raise UnsupportedParallel("fully_shard(offload_policy=CPUOffloadPolicy()): CPU "
                                       "offload inside a script is not simulated")
+        dtype = getattr(mp_policy, "param_dtype", None)
+        reduce = getattr(mp_policy, "reduce_dtype", None)
         for m in (module if isinstance(module, (list, tuple)) else [module]):
-            dtype = getattr(mp_policy, "param_dtype", None)
-            reshard = reshard_after_forward is not False
-            self._record(2, m, dtype, getattr(mp_policy, "reduce_dtype", None), reshard, mesh)
+            self._record(2, m, dtype, reduce, reshard_after_forward is not False, mesh)
             self._place(m, dtype)
             if dtype is not None and getattr(mp_policy, "cast_forward_inputs", True):
                 m.register_forward_pre_hook(
@@ -231,10 +231,10 @@ class ScriptFSDP1(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def stand_ins(world: int) -> Iterator[Recorder]:
+def stand_ins() -> Iterator[Recorder]:
     """FSDP2's ``fully_shard`` and ``init_device_mesh`` and FSDP1's class replaced by
     :class:`Recorder`'s for the block, wherever a script or library imports them from."""
-    rec = Recorder(world)
+    rec = Recorder()
     fsdp1 = rec.fsdp1()
     with contextlib.ExitStack() as stack:
         import torch.distributed as dist

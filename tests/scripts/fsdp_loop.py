@@ -6,19 +6,13 @@ resharding after forward, a 2-D mesh (HSDP) and CPU offload.
     torchrun --nproc_per_node 2 tests/scripts/fsdp_loop.py --model tests/models/plan_lm.py
 """
 import argparse
-import importlib.util
 import os
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-
-def load(path):
-    spec = importlib.util.spec_from_file_location("user_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from loop import load             # the sibling loop's model-file loader (this folder)
 
 
 def shard(model, args):

@@ -174,12 +174,10 @@ def _sharding_notes(trace: Trace, layout: Layout, st: Strategy) -> list[str]:
              + (f", param_dtype {str(sharding.param_dtype).removeprefix('torch.')}"
                 if sharding.param_dtype else "") + "), replayed from its run"]
     reduce = sharding.reduce_dtype
-    if st.mixed_precision and reduce not in (None, torch.float32):
-        notes.append(f"reduce_dtype {reduce} estimated as float32: the reduce-scatter input "
+    if st.mixed_precision and reduce != torch.float32:
+        what = "None (= param_dtype)" if reduce is None else reduce
+        notes.append(f"reduce_dtype {what} estimated as float32: the reduce-scatter input "
                      "counted at 4 bytes per element (an upper bound)")
-    elif st.mixed_precision and reduce is None:
-        notes.append("reduce_dtype None (= param_dtype) estimated as float32: the reduce-scatter "
-                     "input counted at 4 bytes per element (an upper bound)")
     names = {id(m): n for n, m in trace.model.module.named_modules()}
     wrapped = {names.get(id(m)) for m in sharding.units} - {"", None}
     stack = {layout.blocks[i] for i in stack_units(layout.blocks)}
