@@ -36,6 +36,7 @@ import sys
 import time
 import traceback
 
+from alloc_trace import write_trace      # the allocator's events, compact
 from calibrate import _driver, _write   # nvidia-smi's driver; an atomic JSON write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,6 +78,13 @@ SETUPS = {
         "same arguments) (reshard_after_forward default: True), which moves the CPU parameters to "
         "the GPU; full fine-tuning, AdamW(lr=1e-4, torch defaults: foreach) over all (fp32, "
         "DTensor) parameters; no autocast."),
+    "fsdp2-lora-bf16-mp": (
+        "FSDP2 with LoRA on a one-GPU mesh: the process group and mesh of fsdp2-bf16-mp; "
+        "from_config(dtype=bfloat16) built on the CPU, checkpointing (when on) as for LoRA, the "
+        "LoRA of lora-bf16-amp (frozen bf16 base, fp32 adapters); fully_shard(layer, mesh=mesh, "
+        "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) "
+        "for each decoder layer, then the root, which moves the parameters to the GPU; AdamW over "
+        "the adapters (fp32 DTensors); no autocast."),
     "qlora-nf4-dq-bf16-amp": (
         "QLoRA: from_config(dtype=bfloat16) on the CPU; every nn.Linear except lm_head replaced "
         "by bitsandbytes.nn.Linear4bit(in, out, bias=False, compute_dtype=torch.bfloat16, "
@@ -120,6 +128,9 @@ def _child(job: dict) -> dict:
                 "memory_allocated": torch.cuda.memory_allocated(dev),
                 "memory_reserved": torch.cuda.memory_reserved(dev)}
 
+    if cuda and job.get("snapshot"):
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc",
+                                                 stacks="python")
     sdpa_calls: list[dict] = []
     _watch_sdpa(sdpa_calls)
     steps: list[dict] = []
@@ -129,21 +140,24 @@ def _child(job: dict) -> dict:
         optimizer = torch.optim.AdamW(params, lr=LR)
         rec["setup_memory"] = mem()
         rec["trainable_parameters"] = sum(p.numel() for p in params)
-        vocab = job["model_config"]["vocab_size"]
         gen = torch.Generator(device="cpu").manual_seed(0)
         for i in range(STEPS):
             phase = f"step {i + 1}"
             if cuda:
                 torch.cuda.reset_peak_memory_stats(dev)
-            ids = torch.randint(0, vocab, (job["batch_size"], job["seq_len"]), generator=gen)
-            ids = ids.to(dev)
-            with (torch.autocast(dev.type, dtype=torch.bfloat16) if amp else _null()):
-                loss = model(ids, labels=ids).loss
-            loss.backward()
-            del loss, ids
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            _step(model, optimizer, job, gen, dev, amp)
             steps.append(mem())
+        if cuda and job.get("snapshot"):
+            rec["snapshot_error"] = write_trace(job["snapshot"])
+            torch.cuda.memory._record_memory_history(enabled=None)
+        rec["step_seconds"] = []
+        for i in range(job.get("time_steps", 0)):     # after the peaks: timing only
+            phase = f"timed step {i + 1}"
+            torch.cuda.synchronize(dev) if cuda else None
+            t = time.perf_counter()
+            _step(model, optimizer, job, gen, dev, amp)
+            torch.cuda.synchronize(dev) if cuda else None
+            rec["step_seconds"].append(round(time.perf_counter() - t, 5))
     except torch.OutOfMemoryError as e:
         rec["oom"] = True
         rec["error"] = f"{phase}: {str(e).splitlines()[0]}"
@@ -174,6 +188,18 @@ def _child(job: dict) -> dict:
         if dist.is_initialized():
             dist.destroy_process_group()
     return rec
+
+
+def _step(model, optimizer, job: dict, gen, dev, amp: bool) -> None:
+    import torch
+    vocab = job["model_config"]["vocab_size"]
+    ids = torch.randint(0, vocab, (job["batch_size"], job["seq_len"]), generator=gen).to(dev)
+    with (torch.autocast(dev.type, dtype=torch.bfloat16) if amp else _null()):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    del loss, ids
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 class _null:
@@ -271,7 +297,7 @@ def _build(job: dict, dev, rec: dict):
         params = [p for p in model.parameters() if p.requires_grad]
         rec["parameter_dtypes"] = _dtypes(model)
         return model, params, setup == "lora-bf16-amp"
-    if setup == "fsdp2-bf16-mp":
+    if setup in ("fsdp2-bf16-mp", "fsdp2-lora-bf16-mp"):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -282,11 +308,15 @@ def _build(job: dict, dev, rec: dict):
         dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
                                 **({"device_id": dev} if cuda else {}))
         mesh = init_device_mesh(dev.type, (1,))
-        model = _llama(job, torch.float32)
+        lora = setup == "fsdp2-lora-bf16-mp"
+        model = _llama(job, torch.bfloat16 if lora else torch.float32)
         if ck:
             _ckpt(model)
+        if lora:
+            model = _lora(model)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
+        layers = model.base_model.model.model.layers if lora else model.model.layers
+        for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         model.train()
@@ -407,6 +437,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--seq-len", type=int, help=f"default {SEQ_LEN} ({TINY_SEQ} with --dry-run)")
     ap.add_argument("--jobs", type=int, default=4, help="configurations running at once")
+    ap.add_argument("--checkpointing", choices=["off", "on", "both"], default="both")
+    ap.add_argument("--snapshot-dir", help="also write each run's allocator events "
+                                           "(<setup>-ck<0|1>-b<batch>.json.gz) here")
+    ap.add_argument("--time-steps", type=int, default=0,
+                    help="after the measured steps, time this many more (use --jobs 1)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
     ap.add_argument("--out", help="output JSON (default benchmarks/results/newpaths/"
                                   "<gpu>-<torch>.json; /tmp/newpaths-dry.json with --dry-run)")
@@ -437,15 +472,19 @@ def main(argv: list[str] | None = None) -> int:
         slug = re.sub(r"[^a-z0-9]+", "-", env["gpu"].lower()).strip("-")
         out = os.path.join(ROOT, "benchmarks", "results", "newpaths",
                            f"{slug}-{env['torch'].split('+')[0]}.json")
+    if args.snapshot_dir:
+        os.makedirs(args.snapshot_dir, exist_ok=True)
     cfg = TINY if args.dry_run else MODEL
     seq = args.seq_len or (TINY_SEQ if args.dry_run else SEQ_LEN)
     jobs = []
     for setup in args.setups:
-        for ck in (False, True):
+        for ck in {"off": (False,), "on": (True,), "both": (False, True)}[args.checkpointing]:
             for b in args.batches:
+                snap = (os.path.join(args.snapshot_dir, f"{setup}-ck{int(ck)}-b{b}.json.gz")
+                        if args.snapshot_dir else None)
                 jobs.append({"setup": setup, "model_config": cfg, "seq_len": seq, "batch_size": b,
-                             "checkpointing": ck, "dry_run": args.dry_run,
-                             "port": 29500 + len(jobs)})
+                             "checkpointing": ck, "dry_run": args.dry_run, "snapshot": snap,
+                             "time_steps": args.time_steps, "port": 29500 + len(jobs)})
     records: list[dict] = []
     doc = {"schema": SCHEMA, "environment": env,
            "method": {"steps": STEPS, "optimizer": f"torch.optim.AdamW(lr={LR})",

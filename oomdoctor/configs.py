@@ -6,6 +6,13 @@ PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure", "fp16-pure")
 # autocast, no GradScaler; the optimizer's state takes the weights' dtype. The value is the
 # torch dtype's name (this module imports no torch; oomdoctor.models.casting.pure_dtype maps it).
 PURE_PRECISIONS = {"bf16-pure": "bfloat16", "fp16-pure": "float16"}
+# Trace-only: a wrapper casts every parameter to 16 bits for the compute - FSDP's
+# MixedPrecisionPolicy(param_dtype) on each unit it gathers, DeepSpeed's engine (module.bfloat16()
+# / .half()) - so LoRA adapters compute in 16 bits too, where a plain peft model in pure bf16
+# keeps them fp32 (get_peft_model's autocast_adapter_dtype). Traced as the pure precision
+# otherwise; the wrapper's own fp32 copies are the parallel planner's (oomdoctor.plans.parallel).
+WRAPPER_CASTS = {"bf16-cast": "bfloat16", "fp16-cast": "float16"}
+TRACE_PRECISIONS = PRECISIONS + tuple(WRAPPER_CASTS)
 # Which precision every command prefers when two fit equally well: bf16 AMP where the card has
 # it (fp16's range needs a GradScaler and can still overflow), then fp16 AMP, fp32, and the pure
 # 16-bit ones whose numerics are not neutral. probe's recommendation and recommend's ranking
@@ -91,7 +98,7 @@ def install_hint(extra: str) -> str:
 def param_width(precision: str) -> int:
     """Bytes per trained parameter (and per gradient, per Adam moment) under ``precision``:
     2 for the pure 16-bit precisions, 4 otherwise (AMP keeps fp32 master weights)."""
-    return 2 if precision in PURE_PRECISIONS else 4
+    return 2 if precision in PURE_PRECISIONS or precision in WRAPPER_CASTS else 4
 
 
 def needs_bf16(precision: str) -> bool:

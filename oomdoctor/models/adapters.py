@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oomdoctor.configs import QUANTIZATIONS, install_hint
+from oomdoctor.configs import QUANTIZATIONS, WRAPPER_CASTS, install_hint
 from oomdoctor.models.casting import pure_dtype, to_dtype
 from oomdoctor.models.spec import ModelFileError, first_line
 
@@ -139,6 +139,8 @@ def adapt(model: torch.nn.Module, adapters: Adapters, precision: str
         raise AdapterError(f"peft could not apply LoRA: {str(e).splitlines()[0].rstrip('.')}; name the "
                            "layers with --lora-targets q_proj,v_proj (module name suffixes)"
                            ) from e
+    if precision in WRAPPER_CASTS:
+        to_dtype(model, pure)   # FSDP's param_dtype / DeepSpeed's engine: adapters too
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_all = sum(logical_numel(p) for p in model.parameters())
     notes.append(f"LoRA r={adapters.lora_rank} on {', '.join(targets)}: {n_train:,} trainable "

@@ -5,14 +5,14 @@ from typing import Any
 
 import torch
 
-from oomdoctor.configs import PURE_PRECISIONS
+from oomdoctor.configs import PURE_PRECISIONS, WRAPPER_CASTS
 
 
 def pure_dtype(precision: str) -> torch.dtype | None:
     """The dtype a pure precision casts the weights and the batch to (bf16-pure:
     ``torch.bfloat16``, fp16-pure: ``torch.float16``); None for fp32 and the AMP precisions,
     whose weights stay fp32."""
-    name = PURE_PRECISIONS.get(precision)
+    name = PURE_PRECISIONS.get(precision) or WRAPPER_CASTS.get(precision)
     return getattr(torch, name) if name else None
 
 

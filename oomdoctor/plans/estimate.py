@@ -23,7 +23,7 @@ from oomdoctor.models.spec import ModelFileError, ModelSpec, kept_for
 from oomdoctor.sim.trace import Category, Trace, TraceConfig, trace_training
 from oomdoctor.sim.versions import TorchVersion
 from oomdoctor.sim.workspaces import (CUBLASLT_WORKSPACE_BYTES, reduction_scratch,
-                                      workspace_marks)
+                                      workspace_points)
 
 # The JSON contract's breakdown keys, in display order.
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
@@ -138,8 +138,8 @@ class DeviceEvents:
 
 
 def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None) -> DeviceEvents:
-    """Insert one BLAS workspace before the first forward and one before the first backward
-    that run a matmul (each thread's handle gets its own, kept for the process's life; see
+    """Insert one BLAS workspace in the first forward and one in the first backward that run
+    a matmul, after that matmul's output (each thread's handle gets its own, kept; see
     :mod:`oomdoctor.sim.workspaces` and :func:`blas_workspaces`), and after each reduction
     whose CUDA kernel stages partial sums in global memory its buffer and semaphores, allocated
     and freed (semaphores first: gpu_reduce_kernel's DataPtr locals, Reduce.cuh). ``sizes`` replaces the trace's event sizes
@@ -178,11 +178,10 @@ def blas_workspaces(trace: Trace, gpu: GpuProfile) -> list[tuple[int, int]]:
     ws = workspace_bytes(gpu, trace.config.torch)
     if not ws:
         return []
-    out = [(mark.start, ws) for mark in workspace_marks(trace)]
+    out = [(at, ws) for at in workspace_points(trace)]
     if not gpu.is_rocm and not versions.has(trace.config.torch,
                                             versions.CUBLASLT_WORKSPACE_SHARED):
-        out += [(mark.start, CUBLASLT_WORKSPACE_BYTES)
-                for mark in workspace_marks(trace, lt=True)]
+        out += [(at, CUBLASLT_WORKSPACE_BYTES) for at in workspace_points(trace, lt=True)]
     return sorted(out, key=lambda x: x[0])
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from oomdoctor.sim import eager, emulate, values
+from oomdoctor.sim import cudaoptim, eager, emulate, values
 
 
 @contextlib.contextmanager
@@ -23,7 +23,7 @@ def on_meta() -> Iterator[None]:
     """Build (and run) under what the CUDA-emulating trace builds under: the meta device, the
     model's torch.compile as eager, initialisation without data, fused optimizers allowed."""
     with torch.device("meta"), eager.fake_trace([], contextlib.nullcontext), \
-            emulate.fused_optimizers_on_meta(), emulate.autocast_on_meta():
+            cudaoptim.fused_optimizers_on_meta(), emulate.autocast_on_meta():
         yield
 
 

@@ -406,5 +406,6 @@ def fake_cuda(device: Device) -> Iterator[None]:
                                                           GradScaler=ScriptGradScaler)))
         stack.enter_context(patched(torch.amp, {"GradScaler": ScriptGradScaler}))
         stack.enter_context(modules_on_meta(device))
+        stack.enter_context(emulate.autocast_queries())
         stack.enter_context(DeviceMode(device))
         yield

@@ -38,7 +38,7 @@ from oomdoctor.models import adapters
 from oomdoctor.models.blocks import execution_blocks
 from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError, first_line, user_frame
-from oomdoctor.sim import ddp, eager, emulate, fakecuda, sharding, values, versions
+from oomdoctor.sim import cudaoptim, ddp, eager, emulate, fakecuda, sharding, values, versions
 from oomdoctor.sim.labels import allocator_events, label_activations, label_state
 from oomdoctor.sim.libraries import attention_note, traced_versions, weight_dtypes
 from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
@@ -265,7 +265,7 @@ class _Phases:
         if not any(o is optimizer for o in self.run.optimizers):
             self.run.optimizers.append(optimizer)
             if self.emulate_cuda and versions.has(self.torch, versions.FOREACH_DEFAULT):
-                emulate.cuda_optimizer_defaults(optimizer)   # foreach, as on CUDA
+                cudaoptim.cuda_optimizer_defaults(optimizer)   # foreach, as on CUDA
         self.mark(Phase.OPTIMIZER)
 
     def step_post(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
@@ -402,7 +402,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
     run = ScriptRun()
     phases = _Phases(rec, run, cfg, limits, progress)
     notes: list[str] = []
-    with eager.fake_trace([], rec.fused), emulate.fused_optimizers_on_meta(), \
+    with eager.fake_trace([], rec.fused), cudaoptim.fused_optimizers_on_meta(), \
             fakecuda.fake_cuda(device), \
             ddp.rank_zero(script.world, script.environment()) as sharded, \
             _loaders(batch_size, run), \

@@ -60,7 +60,7 @@ def host_state(emulate_cuda: bool, optimizer: torch.optim.Optimizer, key: str,
     """Whether a state tensor lives outside the GPU allocator."""
     # Adam's `step` counter stays on the host unless capturable/fused
     # (torch/optim/adam.py _init_group), so it is no GPU memory. bitsandbytes' paged state is
-    # CUDA unified memory, outside the caching allocator (emulate.paged_optimizers_on_meta).
+    # CUDA unified memory, outside the caching allocator (cudaoptim.paged_optimizers_on_meta).
     if getattr(v, "is_paged", False):
         return True
     return (emulate_cuda and key == "step" and v.dim() == 0

@@ -33,7 +33,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomdoctor.models import adapters
-from oomdoctor.sim import emulate, repeat, rnn, values, versions
+from oomdoctor.sim import cudaoptim, emulate, repeat, rnn, values, versions
 # Category, Phase and PhaseMark are the plans' too: they import them from here.
 from oomdoctor.sim.recorder import (Category, Phase, PhaseMark, Recorder, Storage, in_phase,
                                     module_hooks)
@@ -50,7 +50,7 @@ from oomdoctor.models.spec import DataDependentError, ModelFileError, ModelSpec
 from oomdoctor.models.training import (build_for_training, compute_loss, make_configured_batch,
                                        make_configured_optimizer)
 from oomdoctor.configs import (CHECKPOINT_POLICIES, PRECISIONS,  # noqa: F401  (re-exported)
-                               ZERO_GRAD_MODES)
+                               TRACE_PRECISIONS, ZERO_GRAD_MODES)
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class TraceConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
-        if self.precision not in PRECISIONS:
+        if self.precision not in TRACE_PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of "
                              f"{', '.join(PRECISIONS)}")
         if self.grad_accum < 1:
@@ -163,7 +163,7 @@ class Trace:
 
 
 def _optimizer_step(optimizer: torch.optim.Optimizer,
-                    scaler: emulate.GradScalerEmulation | None, cfg: TraceConfig) -> bool:
+                    scaler: cudaoptim.GradScalerEmulation | None, cfg: TraceConfig) -> bool:
     """The loop's step() (stepping.every_step gives it host counters and labels its state);
     whether it found any gradient to apply."""
     if scaler is not None:
@@ -171,7 +171,7 @@ def _optimizer_step(optimizer: torch.optim.Optimizer,
     found = any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
     old_adam = cfg.emulate_cuda and not versions.has(cfg.torch,
                                                      versions.FOREACH_ADAM_ONE_INTERMEDIATE)
-    with emulate.paged_optimizers_on_meta(optimizer), foreach_adam_before_2_1(optimizer,
+    with cudaoptim.paged_optimizers_on_meta(optimizer), foreach_adam_before_2_1(optimizer,
                                                                                 old_adam):
         optimizer.step()
     return found
@@ -324,10 +324,10 @@ def _trace_training(spec: ModelSpec, cfg: TraceConfig, *, fake: bool,
     def fused():
         return recorders[0].fused() if recorders else contextlib.nullcontext()
     with fake_mode, (fake_trace(compiled, fused) if fake else contextlib.nullcontext()), \
-            (emulate.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()):
+            (cudaoptim.fused_optimizers_on_meta() if on_meta else contextlib.nullcontext()):
         notes: list[str] = []
         model, checkpointed, optimizer, defaults = _build(spec, cfg, fake, notes, builder)
-        scaler = emulate.GradScalerEmulation() if cfg.precision == "fp16" else None
+        scaler = cudaoptim.GradScalerEmulation() if cfg.precision == "fp16" else None
         rec = Recorder()
         recorders.append(rec)
         rec.progress, rec.steps = progress, cfg.steps
@@ -382,7 +382,7 @@ def _build(spec: ModelSpec, cfg: TraceConfig, fake: bool, notes: list[str], buil
     with torch.device("cpu"):
         optimizer = make_configured_optimizer(spec, model, cfg.optimizer)
     foreach = cfg.emulate_cuda and versions.has(cfg.torch, versions.FOREACH_DEFAULT)
-    defaults = emulate.cuda_optimizer_defaults(optimizer) if foreach else []
+    defaults = cudaoptim.cuda_optimizer_defaults(optimizer) if foreach else []
     notes += defaults
     return model, checkpointed, optimizer, defaults
 
@@ -397,7 +397,7 @@ class _Loop:
     cfg: TraceConfig
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    scaler: emulate.GradScalerEmulation | None
+    scaler: cudaoptim.GradScalerEmulation | None
     rec: Recorder
     optimizer_from: Trace | None        # splice the optimizer phases from this trace
     marks: list[PhaseMark] = field(default_factory=list)

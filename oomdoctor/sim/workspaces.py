@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.sim.reductions import scratch_bytes
-from oomdoctor.sim.trace import Phase, PhaseMark, Trace
+from oomdoctor.sim.trace import Phase, Trace
 
 # getCUDABlasLtWorkspaceSize() in aten/src/ATen/cuda/CublasHandlePool.cpp: CUBLASLT_WORKSPACE_SIZE
 # (KiB) defaults to 1024 on CUDA, capped at the cuBLAS workspace's size.
@@ -31,11 +31,18 @@ BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", 
                       "_addmm_activation", "_scaled_mm", "_int_mm"})
 
 
-def workspace_marks(trace: Trace, lt: bool = False) -> list[PhaseMark]:
-    """The first step's first forward and backward phases that run a BLAS op: a workspace is
-    allocated at the start of each (one per thread's handle, kept for the process's life).
-    ``lt``: those that run a cuBLASLt GEMM (its own workspace until torch 2.12, see
-    oomdoctor.sim.versions CUBLASLT_WORKSPACE_SHARED)."""
+def workspace_points(trace: Trace, lt: bool = False) -> list[int]:
+    """Where the step's BLAS workspaces are allocated: in the first step's first forward and
+    backward phases that run a BLAS op, right after that op's output (at::cuda::blas asks for
+    the handle, and so the workspace, once the output exists). Returned as the trace event
+    index each workspace goes before. One per thread's handle, kept for the process's life.
+    ``lt``: the phases' first cuBLASLt GEMM (its own workspace until torch 2.12, see
+    oomdoctor.sim.versions CUBLASLT_WORKSPACE_SHARED).
+
+    Measured on an H200 (torch 2.11, benchmarks/results/newpaths): the backward's workspace
+    comes with the lm_head's gradient mm, after the loss's backward has taken its 500 MiB
+    blocks; placed at the phase's start, it split a freed 250 MiB logits block, and the
+    replay's reserved was 500 MiB short."""
     blas_at = sorted(s.t_alloc for s in trace.storages.values()
                      if (s.blas_lt if lt else s.op.split(".")[0] in BLAS_OPS))
     marks = list(trace.marks)
@@ -44,8 +51,9 @@ def workspace_marks(trace: Trace, lt: bool = False) -> list[PhaseMark]:
         if mark.iteration or mark.micro or mark.phase not in (Phase.FORWARD, Phase.BACKWARD):
             continue
         end = marks[i + 1].start if i + 1 < len(marks) else len(trace.events)
-        if any(mark.start <= t < end for t in blas_at):
-            out.append(mark)
+        first = next((t for t in blas_at if mark.start <= t < end), None)
+        if first is not None:
+            out.append(first + 1)
     return out
 
 

@@ -23,9 +23,9 @@ from oomdoctor.sim.trace import Phase, Trace
 
 def _measure(ctx: _Context, g: _Gpu, budget: Budget, alloc: AllocatorConfig) -> GpuMemory:
     events, positions = g.events()
-    limited = replay(events, alloc, budget.limit_bytes)
+    limited = replay(events, alloc, budget.limit_bytes, g.streams)
     fits = limited.oom is None
-    result = limited if fits else replay(events, alloc, None)
+    result = limited if fits else replay(events, alloc, None, g.streams)
     at = result.peak_allocated_index
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
     live: dict[int, int] = {}

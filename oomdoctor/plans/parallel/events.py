@@ -20,13 +20,16 @@ class _Gpu:
         self.items: list[tuple[float, int, bool, int, int]] = []
         self.keys: dict[int, str] = {}
         self.sizes: dict[int, int] = {}
+        self.streams: dict[int, int] = {}      # handle -> its stream, when not the default
         self._next = first_handle
 
     def add(self, key: str, nbytes: int, t_alloc: float, t_free: float | None,
-            handle: int | None = None) -> int:
+            handle: int | None = None, stream: int = 0) -> int:
         if handle is None:
             handle = self._next
             self._next += 1
+        if stream:
+            self.streams[handle] = stream
         self.keys[handle] = key
         self.sizes[handle] = nbytes
         self.items.append((t_alloc, len(self.items), True, handle, nbytes))

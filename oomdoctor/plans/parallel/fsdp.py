@@ -20,6 +20,14 @@ against a rank of a real run on the CPU (tests/test_fsdp.py):
   That input is held (``reduce_scatter_states``, one in flight by default) until the next
   block's ``post_backward`` (``post_backward_rs_wait``), or the end of the backward.
 - Frozen parameters are gathered like any other, and have no gradient to reduce.
+- Streams (the caching allocator keeps each stream's blocks apart): on N > 1 GPUs the cast
+  buffer and the flat output are made on the all-gather copy-in stream in the forward and
+  pre-backward (``get_all_gather_streams``); ``foreach_reduce`` makes one flat output per block
+  on the reduce-scatter stream, and the sharded gradients are views of it, so it lives until
+  the last of them goes (zero_grad). On one GPU there is no all-gather (``unshard`` returns
+  early), but the reduce output is still made on that stream. Measured on an H200 (one-GPU
+  mesh, benchmarks/results/newpaths/traces): nine segments of that stream, a block's 43 MiB
+  of fp32 gradients each and the root's 250 MiB, which the default stream never reuses.
 
 Under a mixed-precision policy (``Strategy.mixed_precision``) the trace computes in pure bf16:
 trainable parameters that the trace holds in 16 bits are kept, reduced and stepped in fp32
@@ -41,6 +49,7 @@ AUTOCAST_NOTE = ("bf16 as torch.autocast over all-gathered fp32 weights (--no-mp
                  "gathers bf16 instead (--mp-policy, the default)")
 _POLICY_DTYPE = 2           # param_dtype=torch.bfloat16
 _REDUCE_DTYPE = 4           # reduce_dtype=torch.float32
+ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = 1, 2      # the allocator's stream ids
 
 
 def _shard(n: int, world: int) -> int:
@@ -141,6 +150,7 @@ def _states(ctx: _Context, g: _Gpu, ps: _Params) -> None:
     world = ps.world
     kept = _uncast_inputs(ctx) if ps.policy else {}
     reduced: dict[int, dict[float, int]] = defaultdict(lambda: defaultdict(int))
+    outputs: dict[tuple[int, float], list] = {}    # (phase, post_backward) -> [bytes, freed]
     for s in ctx.storages:
         h, size = s.handle, ctx.size[s.handle]
         key = ctx.key(h)
@@ -161,12 +171,17 @@ def _states(ctx: _Context, g: _Gpu, ps: _Params) -> None:
                 continue
             rs_in, shard = ps.reduce_bytes(i)
             g.add(key, size, s.t_alloc, done - 0.2, h)
-            g.add(key, shard, done - 0.19, s.t_free)
+            out = outputs.setdefault((ph, done), [0, s.t_free])
+            out[0] += shard
+            out[1] = None if None in (out[1], s.t_free) else max(out[1], s.t_free)
             reduced[ph][done] += rs_in
         else:
             g.add(key, size, s.t_alloc, kept.get(h, s.t_free), h)
     for ph, by_done in reduced.items():
         _reduce_scatter_inputs(ctx, g, ph, by_done)
+    for (_, done), (nbytes, freed) in outputs.items():
+        # one flat reduce output per block; its sharded gradients are views of it
+        g.add("gradients", nbytes, done - 0.19, freed, stream=REDUCE_SCATTER_STREAM)
 
 
 def _uncast_inputs(ctx: _Context) -> dict[int, float]:
@@ -244,14 +259,24 @@ def _forward_gathers(ctx: _Context, g: _Gpu, ps: _Params, ph: int) -> None:
 
 
 def _gather(g: _Gpu, ps: _Params, block: int, at: float, free: float,
-            held: int | None = None, keep: bool = True) -> int:
+            held: int | None = None, keep: bool = True) -> int | None:
     """One all-gather and copy-out at ``at``: the cast buffer, the flat output (returned, to be
     freed by the caller unless ``keep`` is False), the unsharded parameters until ``free``; the
     previous flat output ``held`` is freed after the copy-out."""
     full, out, cast = ps.gather_bytes(block)
+    if ps.world == 1:
+        # One-GPU mesh: unshard() returns early and wait_for_unshard casts each parameter and
+        # copies it out, with no flat output (FSDPParamGroup, world_size == 1)
+        if cast:
+            g.add("communication", cast, at, at + 0.035)
+        g.add("parameters", full, at + 0.03, free)
+        if held is not None:
+            g.free(held, at + 0.04)
+        return None
     if cast:
-        g.add("communication", cast, at, at + 0.02)
-    flat = g.add("communication", out, at + 0.01, None if keep else at + 0.035)
+        g.add("communication", cast, at, at + 0.02, stream=ALL_GATHER_STREAM)
+    flat = g.add("communication", out, at + 0.01, None if keep else at + 0.035,
+                 stream=ALL_GATHER_STREAM)
     g.add("parameters", full, at + 0.03, free)
     if held is not None:
         g.free(held, at + 0.04)
@@ -276,9 +301,11 @@ def _backward_gathers(ctx: _Context, g: _Gpu, ps: _Params, bw: int) -> None:
         pending = _prefetch(g, ps, wins[j + 1][2], lo + 0.14) if j + 1 < len(wins) else None
 
 
-def _prefetch(g: _Gpu, ps: _Params, block: int, at: float) -> int:
+def _prefetch(g: _Gpu, ps: _Params, block: int, at: float) -> int | None:
     """A block's all-gather issued ahead (its cast buffer, its flat output, returned)."""
+    if ps.world == 1:
+        return None                         # nothing to gather: done at wait_for_unshard
     _, out, cast = ps.gather_bytes(block)
     if cast:
-        g.add("communication", cast, at, at + 0.02)
-    return g.add("communication", out, at + 0.01, None)
+        g.add("communication", cast, at, at + 0.02, stream=ALL_GATHER_STREAM)
+    return g.add("communication", out, at + 0.01, None, stream=ALL_GATHER_STREAM)

@@ -159,18 +159,19 @@ def default_policy(strategy: Strategy, precision: str) -> Strategy:
 def trace_precision(strategy: Strategy, precision: str) -> str:
     """The precision to trace ``strategy`` at ``precision``: a mixed-precision policy computes
     in pure bf16 (no autocast: the gathered weights are bf16); DeepSpeed's fp16/bf16 mode in
-    pure 16 bits (the engine casts the model's parameters)."""
+    pure 16 bits (the engine casts the model's parameters). Both cast every parameter, LoRA
+    adapters included (configs.WRAPPER_CASTS)."""
     if strategy.is_deepspeed:
         if precision in ("bf16-pure", "fp16-pure"):
             raise ValueError(f"DeepSpeed's {precision[:4]} mode keeps fp32 master weights in its "
                              f"optimizer: give --precision {precision[:4]} (its config's "
                              f'"{precision[:4]}": {{"enabled": true}}), or fp32')
-        return f"{precision}-pure" if strategy.mixed_precision else precision
+        return f"{precision}-cast" if strategy.mixed_precision else precision
     if strategy.mixed_precision:
         if precision != "bf16":
             raise ValueError(f"the FSDP mixed-precision policy is modelled for bf16 (param_dtype "
                              f"bfloat16), not {precision}")
-        return "bf16-pure"
+        return "bf16-cast"
     return precision
 
 

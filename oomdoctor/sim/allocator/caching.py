@@ -1,4 +1,4 @@
-"""``DeviceCachingAllocator`` simulated on one stream (malloc, free, the OOM path), and replay."""
+"""``DeviceCachingAllocator`` simulated (malloc, free, the OOM path, streams), and replay."""
 
 from __future__ import annotations
 
@@ -21,7 +21,12 @@ from oomdoctor.sim.allocator.sizes import (
 
 
 class CachingAllocator:
-    """Simulates one device's ``DeviceCachingAllocator`` on a single stream.
+    """Simulates one device's ``DeviceCachingAllocator``.
+
+    Blocks belong to the stream they were allocated on: a request only takes a cached block of
+    its own stream (``BlockComparatorSize`` orders by stream first, ``get_free_block`` looks in
+    the request's), so each stream has its own pools here. Stream 0 is the default stream;
+    FSDP2's reduce-scatter output, for one, is made on its own stream.
 
     ``limit_bytes`` is how much the allocator may reserve in total (card
     capacity minus CUDA context minus other processes); ``None`` means
@@ -49,6 +54,8 @@ class CachingAllocator:
         self._max_split = _UNLIMITED if config.max_split_size is None else config.max_split_size
         self._small = _Pool(True)
         self._large = _Pool(False)
+        self._pools: dict[int, tuple[_Pool, _Pool]] = {0: (self._small, self._large)}
+        self._side: dict[int, _Pool] = {}     # live handle on another stream -> its pool
         self._live: dict[int, _Block] = {}
         self._zero: set[int] = set()  # handles of 0-byte tensors (no block)
         self._next_addr = 1 << 40  # fake device addresses, increasing
@@ -62,7 +69,7 @@ class CachingAllocator:
 
     # ------------------------------------------------------------ public API
 
-    def malloc(self, handle: int, nbytes: int) -> None:
+    def malloc(self, handle: int, nbytes: int, stream: int = 0) -> None:
         """Allocate ``nbytes`` for ``handle`` (``DeviceCachingAllocator::malloc``).
 
         A 0-byte request is a no-op: PyTorch's ``allocate()`` returns a null
@@ -83,7 +90,8 @@ class CachingAllocator:
             raise ValueError(f"malloc: nbytes must be >= 0, got {nbytes}")
 
         size = round_size(nbytes)
-        pool = self._small if size <= K_SMALL_SIZE else self._large
+        small, large = self._pools[stream] if stream in self._pools else self._new_pools(stream)
+        pool = small if size <= K_SMALL_SIZE else large
 
         # 1. A cached free block (get_free_block).
         block = self._get_free_block(pool, size)
@@ -120,6 +128,8 @@ class CachingAllocator:
         block.allocated = True
         block.requested = nbytes
         self._live[handle] = block
+        if stream:
+            self._side[handle] = pool
         self.allocated_bytes += block.size
         self.requested_bytes += nbytes
         if self.allocated_bytes > self.peak_allocated_bytes:
@@ -145,10 +155,18 @@ class CachingAllocator:
         self.requested_bytes -= block.requested
         block.allocated = False
         block.requested = 0
-        pool = self._small if block.small else self._large
+        pool = self._side.pop(handle, None) or (self._small if block.small else self._large)
         self._merge(pool, block, block.prev)
         self._merge(pool, block, block.next)
         pool.add_free(block)
+
+    def _new_pools(self, stream: int) -> tuple[_Pool, _Pool]:
+        self._pools[stream] = (_Pool(True), _Pool(False))
+        return self._pools[stream]
+
+    def _all_pools(self, large_first: bool = False) -> list[_Pool]:
+        return [p for pair in self._pools.values()
+                for p in (pair[::-1] if large_first else pair)]
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()`` (``release_cached_blocks``).
@@ -163,7 +181,7 @@ class CachingAllocator:
         """The segments, ordered by address, with their blocks (for tests and
         debugging; like ``torch.cuda.memory_snapshot()``)."""
         blocks: list[_Block] = list(self._live.values())
-        for pool in (self._small, self._large):
+        for pool in self._all_pools():
             blocks.extend(pool.free.values())
             blocks.extend(pool.unmapped.values())
         out: list[SegmentInfo] = []
@@ -336,7 +354,7 @@ class CachingAllocator:
         # release_cached_blocks -> release_blocks for each pool: cudaFree every
         # free block that is a whole segment (no prev/next); for expandable
         # segments, unmap the whole pages inside every free block.
-        for pool in (self._large, self._small):
+        for pool in self._all_pools(large_first=True):
             if self._expandable:
                 for block in list(pool.free.values()):
                     self._unmap_block(pool, block)
@@ -478,7 +496,7 @@ class CachingAllocator:
         for s in segs:
             for a, b in zip(s.blocks, s.blocks[1:]):
                 assert a.allocated or b.allocated, "two adjacent free blocks"
-        for pool in (self._small, self._large):
+        for pool in self._all_pools():
             assert pool.keys == sorted((b.size, b.addr) for b in pool.free.values())
             for addr, b in pool.free.items():
                 assert b.addr == addr and b.mapped and not b.allocated
@@ -494,14 +512,19 @@ class CachingAllocator:
 
 def replay(events: Iterable[tuple[bool, int, int]],
            config: AllocatorConfig = AllocatorConfig(),
-           limit_bytes: int | None = None) -> ReplayResult:
+           limit_bytes: int | None = None, streams: dict[int, int] | None = None
+           ) -> ReplayResult:
     """Replay ``(is_alloc, handle, nbytes)`` events through a fresh allocator.
 
-    For frees, ``nbytes`` is ignored.  Stops at the first OOM, which is
+    For frees, ``nbytes`` is ignored.  ``streams``: handle -> the stream it is allocated on,
+    for those not on the default stream.  Stops at the first OOM, which is
     returned in the result (not raised) together with its event index.
     """
     alloc = CachingAllocator(config, limit_bytes)
     malloc = alloc.malloc
+    if streams:
+        def malloc(handle: int, nbytes: int) -> None:
+            alloc.malloc(handle, nbytes, streams.get(handle, 0))
     free = alloc.free
     peak_a = peak_r = 0
     idx_a = idx_r = 0

@@ -1,0 +1,60 @@
+"""Real allocator events of one sample-model configuration as the calibration harness trains it
+(oomdoctor.runs.measure), for the records tests/test_calibration.py still lists as known
+deviations (issue 34: ResNet's convolution workspaces).
+
+    python benchmarks/trace_sample.py resnet_cnn fp32 4 --out DIR [--checkpointing]
+
+Writes DIR/<model>-<precision>-ck<0|1>-b<batch>.json.gz (benchmarks/alloc_trace.py) and prints
+one JSON line with the peaks, cuDNN's version and benchmark flag. Needs CUDA (exit 2 without).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from alloc_trace import write_trace  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("precision", choices=["fp32", "fp16", "bf16", "bf16-pure"])
+    ap.add_argument("batch", type=int)
+    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("trace_sample.py: no CUDA GPU visible", file=sys.stderr)
+        return 2
+    from oomdoctor.models.loader import load_model_file
+    from oomdoctor.runs.measure import TorchRunner
+    from oomdoctor.sim.trace import TraceConfig
+    spec = load_model_file(os.path.join(ROOT, "sample_models", f"{args.model}.py"))
+    cfg = TraceConfig(args.batch, precision=args.precision, checkpointing=args.checkpointing)
+    runner = TorchRunner("cuda:0")
+    torch.zeros(1, device="cuda:0")
+    runner.cleanup()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc",
+                                             stacks="python")
+    runner.train(spec, cfg)
+    os.makedirs(args.out, exist_ok=True)
+    name = f"{args.model}-{args.precision}-ck{int(args.checkpointing)}-b{args.batch}.json.gz"
+    err = write_trace(os.path.join(args.out, name))
+    alloc, reserved = runner.peaks()
+    print(json.dumps({"file": name, "model": args.model, "precision": args.precision,
+                      "checkpointing": args.checkpointing, "batch_size": args.batch,
+                      "max_memory_allocated": alloc, "max_memory_reserved": reserved,
+                      "cudnn": torch.backends.cudnn.version(),
+                      "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                      "torch": torch.__version__, "trace_error": err}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
