@@ -129,20 +129,23 @@ KNOWN_DEVIATIONS: dict[str, list[tuple]] = {
         (_H200, "vit_b16", "fp16", False, 1, "allocated"),
         (_H200, "vit_b16", "fp16", False, 1, "reserved"),
     ],
-    # ResNet at batch 4096: allocated within 0.5%, reserved 8-20% off either way. Convolution
-    # workspaces are chosen by cuDNN (9.19 here) at run time, which is the likeliest cause; not
-    # confirmed.
+    # ResNet at batch 4096: allocated within 0.5%, reserved 8-20% off either way. Measured
+    # (the allocator's events, benchmarks/results/newpaths/traces/resnet_cnn-*-b4096): cuDNN
+    # 9.19's convolutions take transient workspaces from the caching allocator, 138 of them per
+    # two steps, the largest 10.0 GiB (fp32) and 6.0 GiB (bf16 AMP), each cached as its own
+    # segment. Their sizes are the algorithms cuDNN's heuristics pick at run time for each shape
+    # (and, at the card's limit, the ones whose workspace still fits): no trace sees them.
     "cuDNN convolution workspaces at batch 4096": [
         (_H200, "resnet_cnn", p, ck, 4096, "reserved")
         for p, ck in (("fp32", False), ("fp32", True), ("fp16", False), ("fp16", True),
                       ("bf16", False), ("bf16", True), ("bf16-pure", False), ("bf16-pure", True))
     ],
     # ResNet at batch 4, fp32 only: 12 MiB (10 with checkpointing) more allocated than
-    # simulated, where the 16-bit runs of the same model match. The GEMM side is modelled now
-    # (tiny_mlp is exact: cuBLASLt's own 1 MiB workspace in torch 2.11 and Reduce.cuh's
-    # global-reduction buffer, sim.versions CUBLASLT_WORKSPACE_SHARED and sim.reductions); what
-    # is left is most likely a cuDNN fp32 convolution workspace (chosen by cuDNN at run time,
-    # not modelled); not confirmed.
+    # simulated, where the 16-bit runs of the same model match. Measured (traces/resnet_cnn-
+    # fp32-ck0-b4): the peak is a 13.5 MiB block a convolution's backward takes from the
+    # caching allocator and frees at once, one of 92 such cuDNN workspaces per two steps (0.5 to
+    # 18 MiB each, forward and backward, sized by the algorithm cuDNN picks at run time), which
+    # no trace sees.
     "ResNet fp32 at batch 4: a convolution workspace": [
         (_H200, "resnet_cnn", "fp32", False, 4, "allocated"),
         (_H200, "resnet_cnn", "fp32", True, 4, "allocated"),
