@@ -264,14 +264,14 @@ def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
               optimizer_from: Trace | None = None, progress=None) -> Trace:
     """Trace with the SDPA kernel choice of the target card. A trace depends on nothing but
     its spec and configuration, so the last few of each spec are kept while the spec lives:
-    recommend asks again for the same pure-bf16 step (FSDP's bf16 policy and pure bf16 both
-    compute it) and for the configuration it verifies."""
+    recommend asks again for the configuration it verifies, and probe's check of expandable
+    segments and its plan on several GPUs for the configuration it recommends."""
     cfg = replace(cfg, compute_capability=gpu.compute_capability, gpu_arch=gpu.arch)
-    if optimizer_from is not None:
-        return trace_training(spec, cfg, optimizer_from=optimizer_from, progress=progress)
     traces = kept_for(_TRACES, spec)
     if cfg not in traces:
-        traces[cfg] = trace_training(spec, cfg, progress=progress)
+        # optimizer_from splices in another trace's optimizer steps, which is the same trace
+        # made faster (trace_training raises SpliceMismatch where it would not be): kept too
+        traces[cfg] = trace_training(spec, cfg, optimizer_from=optimizer_from, progress=progress)
         while len(traces) > _KEEP_TRACES:
             traces.pop(next(iter(traces)))
     return traces[cfg]
@@ -279,7 +279,7 @@ def trace_for(spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile,
 
 # id(spec) -> (a weak reference to it, its last traces by configuration, oldest first)
 _TRACES: dict[int, tuple] = {}
-_KEEP_TRACES = 6
+_KEEP_TRACES = 12
 
 
 def estimate(spec: ModelSpec, cfg: TraceConfig, budget: Budget,

@@ -194,7 +194,7 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         raise ValueError(f"--target-batch must be >= 1, got {target_batch}")
     alloc = LAUNCH_ALLOCATOR if alloc is None else alloc
     gpu = hw.gpu
-    allowed = _allowed_precisions(gpu, precisions)
+    allowed = _allowed_precisions(gpu, precisions, spec.adapters is not None)
     names = _strategy_names(hw, strategies)
     strats = _strategies(names, hw)
     progress(f"building {spec.name} on fake tensors")
@@ -254,7 +254,9 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         by_strategy, ref, tuple(floors), tuple(alternatives),
         tuple(_notes(best, candidates, names, hw, by_strategy, floors)
               + [n for n in [other_process_note(budget)] if n]
-              + ([FP16_SKIPPED] if gpu.bf16 and not precisions else [])), tuple(errors),
+              + ([FP16_SKIPPED] if gpu.bf16 and not precisions else [])
+              + ([FP32_SKIPPED] if "fp32" not in allowed and not precisions else [])),
+        tuple(errors),
         _speedup(best, candidates), hw.nodes, hw.inter_node, hw.inter_node_gbps,
         _tensor_parallel(facts, hw, budget, allowed) if hw.nodes > 1 else (), offload,
         host_ram, host_ram_source, allocator_conf_string(alloc))
@@ -264,7 +266,13 @@ FP16_SKIPPED = ("fp16 AMP not searched: on this card bf16 AMP takes the same mem
                 "fast and needs no GradScaler (--precision fp16 to search it too)")
 
 
-def _allowed_precisions(gpu: GpuProfile, precisions: list[str] | None) -> list[str]:
+FP32_SKIPPED = ("fp32 not searched: with LoRA/QLoRA adapters bf16 AMP holds less (16-bit "
+                "frozen weights and activations) and steps faster (--precision fp32 to search "
+                "it too)")
+
+
+def _allowed_precisions(gpu: GpuProfile, precisions: list[str] | None,
+                        adapters: bool = False) -> list[str]:
     """The precisions to search: the ones asked for, else every one the card supports."""
     # fp16-pure only when asked for: where bf16 exists bf16-pure holds the same bytes with
     # fp32's range, and without it pure fp16 with no loss scaling is a risk the user takes
@@ -273,8 +281,11 @@ def _allowed_precisions(gpu: GpuProfile, precisions: list[str] | None) -> list[s
     # bytes (fp16 adds its GradScaler's few), steps as fast, needs no loss scaling and wins
     # every tie (configs.PRECISION_PREFERENCE) - searching it doubled the work for rows that
     # always ranked second (FP16_SKIPPED says so; --precision fp16 searches it).
-    allowed = precisions or (["fp32", "bf16", "bf16-pure"] if gpu.bf16
-                             else ["fp32", "fp16"])
+    # fp32 with adapters only when asked for, on a card with bf16: the LoRA recipe's base is
+    # 16-bit under AMP (fp32 would hold it in fp32), every activation is larger in fp32 and
+    # every matmul slower, so bf16 AMP fits whatever fp32 fits, faster (FP32_SKIPPED).
+    allowed = precisions or ((["bf16", "bf16-pure"] if adapters else
+                              ["fp32", "bf16", "bf16-pure"]) if gpu.bf16 else ["fp32", "fp16"])
     bad = [p for p in allowed if needs_bf16(p) and not gpu.bf16]
     if bad:
         raise ValueError(f"{gpu.name} has no bf16 support (compute capability "
