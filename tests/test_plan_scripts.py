@@ -96,3 +96,85 @@ def test_checkpointed_plan_runs_as_printed(strategy, precision, tmp_path):
     got = _run_as_printed({"snippet": launch.snippet, "command": launch.command,
                            "env": launch.env}, tmp_path, card)
     assert abs(got - want) <= TOLERANCE * want, (got, want)
+
+
+# A Hugging Face model the way the LoRA/QLoRA plans load it: from_pretrained(MODEL_ID) of a
+# folder with weights (a 3.7M-parameter Llama saved here with random bf16 weights, 7 MB).
+HF_PRELUDE = """import torch
+MODEL_ID = {folder!r}
+dataset = torch.utils.data.TensorDataset(torch.randint(0, 1000, (64, 128)))
+def loss_fn(model, batch):
+    return model(input_ids=batch[0], labels=batch[0]).loss
+epochs, lr = 1, 1e-4
+"""
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    import torch
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688,
+                                      num_hidden_layers=4, num_attention_heads=8,
+                                      num_key_value_heads=8, max_position_embeddings=512,
+                                      tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16) \
+        .save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("strategy,precision,adapters", [
+    ("zero3", "bf16", ["--lora", "16"]),                 # FSDP2 + policy, checkpointed
+    ("zero3", "bf16-pure", ["--lora", "16"]),
+    ("ddp", "bf16", ["--lora", "16"]),
+    ("single", "bf16", ["--lora", "16"]),
+    ("single", "bf16", ["--lora", "16", "--quantize", "nf4", "--double-quant"]),
+    ("ddp", "bf16", ["--lora", "16", "--quantize", "nf4"]),
+])
+def test_adapter_plan_runs_as_printed(saved_llama, strategy, precision, adapters, tmp_path):
+    """The LoRA/QLoRA plans' code (from_pretrained, BitsAndBytesConfig, peft, fully_shard of
+    the base model's blocks) run by their launch lines: each needs its plan's figure. Running
+    them found three faults in the printed code or the plan: FSDP's loop reached for
+    `model.model.layers` on the PeftModel (an AttributeError), the model stayed in the eval
+    mode from_pretrained leaves it in (no checkpointing: 6.6% over the plan), and the plan's
+    own check traced without the KV cache because an earlier checkpointed trace had switched
+    it off in a shared config (3.4% under the code). Measured: 0.00% but QLoRA on one GPU,
+    +0.34%. pytest tests/test_plan_scripts.py -k adapter"""
+    pytest.importorskip("peft")
+    if "--quantize" in adapters:
+        pytest.importorskip("bitsandbytes")
+    card = ["--gpu", "rtx3090"]
+    doc = _invoke(["recommend", saved_llama, "--seq-len", "128", *card, "--num-gpus", "2",
+                   *adapters, "--strategy", strategy, "--precision", precision,
+                   "--target-batch", "16", "--json", "-j", "1"])
+    best = doc["best"]
+    assert (best["strategy"], best["precision"]) == (strategy, precision)
+    launch = doc["launch"]
+    script = tmp_path / "train.py"
+    script.write_text(HF_PRELUDE.format(folder=saved_llama) + launch["snippet"] + "\n")
+    words = shlex.split(launch["command"])
+    words[words.index("train.py")] = str(script)
+    got = _invoke(["estimate", *card, "--json", "--", *words], env=launch["env"])
+    got = (got["strategies"][0]["gpus"][0]["device_peak_bytes"] if "strategies" in got
+           else got["peak_reserved_bytes"] + got["breakdown"]["cuda_context"])
+    assert abs(got - best["peak_device_bytes"]) <= TOLERANCE * best["peak_device_bytes"], \
+        (got, best)
+
+
+def test_the_fsdp_qlora_plan_is_refused_by_name(saved_llama, tmp_path):
+    """FSDP over 4-bit weights inside a script is not simulated yet: the script source says so
+    in one line, exit 3, instead of an internal mismatch between trace and layout."""
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    card = ["--gpu", "rtx3090"]
+    doc = _invoke(["recommend", saved_llama, "--seq-len", "128", *card, "--num-gpus", "2",
+                   "--lora", "16", "--quantize", "nf4", "--strategy", "zero3", "--precision",
+                   "bf16", "--target-batch", "16", "--json", "-j", "1"])
+    script = tmp_path / "train.py"
+    script.write_text(HF_PRELUDE.format(folder=saved_llama) + doc["launch"]["snippet"] + "\n")
+    words = shlex.split(doc["launch"]["command"])
+    words[words.index("train.py")] = str(script)
+    r = CliRunner().invoke(cli, ["estimate", *card, "--", *words], env=doc["launch"]["env"])
+    assert r.exit_code == 3, r.output[-2000:]
+    assert "FSDP-QLoRA" in r.output and "oomdoctor parallel" in r.output

@@ -15,6 +15,7 @@ log-mel window and label tokens. Needs ``pip install oomdoctor[hf]``.
 """
 from __future__ import annotations
 
+import copy
 import re
 
 import os
@@ -149,10 +150,15 @@ def _hf_speech(source: str, config: Any, auto: Any, seq_len: int | None, attn: s
                            f"{tokens} tokens)")
 
 
-def _builder(source: str, auto: Any, config: Any, attn: str | None,
+def _builder(source: str, auto: Any, base_config: Any, attn: str | None,
              dtype: tuple[dict, str] = ({}, "")):
     def build_model():
         kwargs, note = dtype
+        # Each build gets its own config, as each from_pretrained does: checkpointing turns the
+        # model's config.use_cache off (transformers' switch, models/checkpointing.py), which
+        # on a shared config leaked into every later build - a trace without checkpointing then
+        # lost the KV cache its forward allocates (recommend's check of a plan 3% low).
+        config = copy.deepcopy(base_config)
         if attn is not None:
             model = _with_attention(source, auto, config, attn, kwargs)
         else:

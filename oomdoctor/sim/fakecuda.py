@@ -154,6 +154,8 @@ class DeviceMode(TorchFunctionMode):
             return out.numpy() if func is torch.Tensor.numpy else out
         if func is torch.Tensor.pin_memory:          # pinned host memory: nothing on the GPU
             return args[0]
+        if func is torch.device and len(args) == 1 and isinstance(args[0], int) and not kwargs:
+            return torch.device("cuda", args[0])     # an index means the accelerator's (CUDA)
         if "device" in kwargs and is_gpu(kwargs["device"]):
             kwargs = dict(kwargs, device=torch.device("meta"))
         return func(*args, **kwargs)
@@ -163,6 +165,11 @@ class DeviceMode(TorchFunctionMode):
         other = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
         if other is not None:             # t.to(other): other's device and dtype
             args, kwargs = (t, other.device, other.dtype) + tuple(args[2:]), kwargs
+        # an int device is the accelerator's index (transformers' loader moves to device=0)
+        if isinstance(kwargs.get("device"), int) and not isinstance(kwargs["device"], bool):
+            kwargs = dict(kwargs, device=torch.device("cuda", kwargs["device"]))
+        if len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool):
+            args = (t, torch.device("cuda", args[1])) + tuple(args[2:])
         parse = {k: v for k, v in kwargs.items() if k != "copy"}
         device, dtype, _nb, fmt = torch._C._nn._parse_to(*args[1:], **parse)
         if device is not None and is_gpu(device):

@@ -133,6 +133,10 @@ def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: boo
     LoRA on ``targets`` (what peft chose in the trace)."""
     distributed = c.strategy in _DISTRIBUTED
     where = f"model.{blocks}" if blocks else "model.layers"
+    if adapters is not None:
+        # get_peft_model wraps the model: its blocks are the base model's (a PeftModel has no
+        # `model.layers`, which the printed loop tried and failed on)
+        where = f"model.get_base_model().{blocks or 'model.layers'}"
     lines = _setup_lines(c.strategy, distributed)
     lines += (_adapter_lines(c, adapters, targets, distributed) if adapters is not None
               else _model_lines(c, where))
@@ -210,6 +214,9 @@ def _adapter_lines(c: Candidate, adapters: Any, targets: tuple[str, ...], distri
     names = list(targets or adapters.lora_targets or ())
     lines.append(f"model = get_peft_model(model, LoraConfig(r={adapters.lora_rank}, "
                  f"lora_alpha={adapters.lora_rank}, target_modules={names!r}))")
+    # from_pretrained leaves the model in eval mode, where transformers' checkpointing is off
+    # (GradientCheckpointingLayer checks self.training): the plan's figure needs it on
+    lines.append("model.train()                 # from_pretrained returns it in eval mode")
     return lines
 
 

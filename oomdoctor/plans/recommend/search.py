@@ -162,8 +162,9 @@ class _Traces:
 
     def estimate(self, st: Strategy, b: int, k: int, budget: Budget, alloc: AllocatorConfig
                  ) -> StrategyEstimate:
-        """``st`` at micro-batch ``b`` and ``k`` accumulation steps."""
-        if self.sizes is not None and b >= 2:
+        """``st`` at micro-batch ``b`` and ``k`` accumulation steps: from the trace at ``b``
+        when there is one (a candidate is marked extrapolated exactly when there is not)."""
+        if self.sizes is not None and b >= 2 and b not in self.exact:
             return estimate_strategy(self.exact[2], self.layout, st, budget, alloc, self.sizes,
                                      batch=b, grad_accum=k)
         return estimate_strategy(self.traced(b), self.layout, st, budget, alloc, grad_accum=k)
