@@ -31,3 +31,15 @@ def unrolled(monkeypatch):
         return out
     monkeypatch.setattr(repeat.Stack, "full", spy)
     return seen
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group():
+    """No test may leave a default process group in the pytest process: the smoke tests' rank
+    processes are forked from it and inherit it ("trying to initialize the default process
+    group twice"). Names the test that leaked one."""
+    yield
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("this test left a default torch.distributed process group initialized")

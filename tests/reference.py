@@ -171,3 +171,9 @@ def real_cpu_script_peak(path: str, args: list[str], steps: int = 2) -> int:
             return allocator_peak(run)
     finally:
         sys.argv = saved
+        # The HF Trainer (accelerate's PartialState) sets up a one-process default group on the
+        # CPU; stopped mid-run, the script never tears it down, and the smoke tests' forked
+        # rank processes would inherit it.
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
