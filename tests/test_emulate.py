@@ -626,3 +626,20 @@ def test_amp_checkpointing_recomputes_under_the_same_emulation():
                             TraceConfig(1, precision=precision, checkpointing=True))
         assert len(tr.checkpointed) == 12
     assert emulate._ACTIVE == []
+
+
+def test_autocast_queries_answer_with_the_emulated_cuda_autocast():
+    """peft's 4-bit LoRA asks torch.is_autocast_enabled() whether to cast its adapters' input
+    and output (tuners/lora/bnb.py): inside the emulated CUDA autocast the answer is CUDA's."""
+    import torch
+    from oomdoctor.sim import emulate
+    with emulate.autocast_queries():
+        assert not torch.is_autocast_enabled() and not torch.is_autocast_enabled("cuda")
+        with emulate.CudaAutocast(torch.bfloat16):
+            assert torch.is_autocast_enabled() and torch.is_autocast_enabled("meta")
+            assert torch.get_autocast_dtype("cuda") is torch.bfloat16
+            assert not torch.is_autocast_enabled("cpu")          # the CPU's own, untouched
+            with emulate._Off():
+                assert not torch.is_autocast_enabled("cuda")
+        assert torch.get_autocast_dtype("cuda") is torch.float16
+    assert torch.is_autocast_enabled.__module__ != emulate.__name__   # put back

@@ -215,10 +215,17 @@ def autocast_queries() -> Iterator[None]:
     def current() -> torch.dtype | None:
         on = [m for m in _ACTIVE if isinstance(m, CudaAutocast)]
         return on[-1].dtype if on and not _Off.depth else None
-    torch.is_autocast_enabled = lambda device_type=None: current() is not None if device_type in (
-        None, "cuda", "meta") else enabled(device_type)
-    torch.get_autocast_dtype = lambda device_type: (current() or torch.float16) if device_type in (
-        "cuda", "meta") else dtype(device_type)
+
+    def is_autocast_enabled(device_type: str | None = None) -> bool:
+        if device_type in (None, "cuda", "meta"):     # no argument: CUDA's (torch's meaning)
+            return current() is not None
+        return enabled(device_type)
+
+    def get_autocast_dtype(device_type: str) -> torch.dtype:
+        if device_type in ("cuda", "meta"):
+            return current() or torch.float16          # CUDA autocast's default dtype
+        return dtype(device_type)
+    torch.is_autocast_enabled, torch.get_autocast_dtype = is_autocast_enabled, get_autocast_dtype
     try:
         yield
     finally:
