@@ -77,10 +77,20 @@ class HostTensors:
         return t.device.type == "meta" and t.untyped_storage()._cdata in self._keys
 
 
+def _is_index(device: Any) -> bool:
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _cuda_index(device: Any) -> Any:
+    """An int device is the accelerator's index: CUDA's here (a CPU-only torch refuses
+    ``torch.device(0)`` and ``t.to(0)``: "Cannot access accelerator device")."""
+    return torch.device("cuda", device) if _is_index(device) else device
+
+
 def is_gpu(device: Any) -> bool:
     """Whether a device argument names the GPU: "cuda", "cuda:1", an int, or "meta" (where the
     fake GPU's tensors are, so ``x.to(model.device)`` is a move to the GPU)."""
-    if isinstance(device, int) and not isinstance(device, bool):
+    if _is_index(device):
         return True
     if isinstance(device, str):
         return device.split(":")[0] in ("cuda", "meta")
@@ -154,8 +164,8 @@ class DeviceMode(TorchFunctionMode):
             return out.numpy() if func is torch.Tensor.numpy else out
         if func is torch.Tensor.pin_memory:          # pinned host memory: nothing on the GPU
             return args[0]
-        if func is torch.device and len(args) == 1 and isinstance(args[0], int) and not kwargs:
-            return torch.device("cuda", args[0])     # an index means the accelerator's (CUDA)
+        if func is torch.device and len(args) == 1 and _is_index(args[0]) and not kwargs:
+            return _cuda_index(args[0])
         if "device" in kwargs and is_gpu(kwargs["device"]):
             kwargs = dict(kwargs, device=torch.device("meta"))
         return func(*args, **kwargs)
@@ -165,11 +175,10 @@ class DeviceMode(TorchFunctionMode):
         other = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
         if other is not None:             # t.to(other): other's device and dtype
             args, kwargs = (t, other.device, other.dtype) + tuple(args[2:]), kwargs
-        # an int device is the accelerator's index (transformers' loader moves to device=0)
-        if isinstance(kwargs.get("device"), int) and not isinstance(kwargs["device"], bool):
-            kwargs = dict(kwargs, device=torch.device("cuda", kwargs["device"]))
-        if len(args) > 1 and isinstance(args[1], int) and not isinstance(args[1], bool):
-            args = (t, torch.device("cuda", args[1])) + tuple(args[2:])
+        if "device" in kwargs:            # transformers' loader moves to device=0
+            kwargs = dict(kwargs, device=_cuda_index(kwargs["device"]))
+        if len(args) > 1:
+            args = (t, _cuda_index(args[1])) + tuple(args[2:])
         parse = {k: v for k, v in kwargs.items() if k != "copy"}
         device, dtype, _nb, fmt = torch._C._nn._parse_to(*args[1:], **parse)
         if device is not None and is_gpu(device):

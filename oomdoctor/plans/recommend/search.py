@@ -285,8 +285,12 @@ def _allowed_precisions(gpu: GpuProfile, precisions: list[str] | None,
     # fp32 with adapters only when asked for, on a card with bf16: the LoRA recipe's base is
     # 16-bit under AMP (fp32 would hold it in fp32), every activation is larger in fp32 and
     # every matmul slower, so bf16 AMP fits whatever fp32 fits, faster (FP32_SKIPPED).
-    allowed = precisions or ((["bf16", "bf16-pure"] if adapters else
-                              ["fp32", "bf16", "bf16-pure"]) if gpu.bf16 else ["fp32", "fp16"])
+    if precisions:
+        allowed = precisions
+    elif gpu.bf16:
+        allowed = ["bf16", "bf16-pure"] if adapters else ["fp32", "bf16", "bf16-pure"]
+    else:
+        allowed = ["fp32", "fp16"]
     bad = [p for p in allowed if needs_bf16(p) and not gpu.bf16]
     if bad:
         raise ValueError(f"{gpu.name} has no bf16 support (compute capability "
