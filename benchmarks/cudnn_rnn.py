@@ -3,11 +3,11 @@
     python benchmarks/cudnn_rnn.py             # the grid below, on cuda:0
     python benchmarks/cudnn_rnn.py --quick     # a few shapes
 
-oomdoctor models the two sizes cuDNN answers at run time (oomdoctor/sim/rnn.py: ``reserve_bytes``,
-``workspace_bytes``) from the only two published printouts found; this script replaces the guess
-with measurements. For each shape it calls ``torch._cudnn_rnn`` - the op ``nn.LSTM/GRU/RNN``
-reach on CUDA in training - on the module's own flat weight buffer, so nothing else is
-allocated, and records:
+oomdoctor models the two sizes cuDNN answers at run time (oomdoctor/sim/rnn.py: ``reserve_bytes``
+from the only two published printouts found, ``workspace_bytes`` from this script's grid on an
+H200); this script checks both against measurements. For each shape it calls
+``torch._cudnn_rnn`` - the op ``nn.LSTM/GRU/RNN`` reach on CUDA in training - on the module's
+own flat weight buffer, so nothing else is allocated, and records:
 
 - the reserve: the byte size of the call's fourth output, exactly;
 - the forward workspace: ``max_memory_allocated`` during the call minus ``memory_allocated``
@@ -70,7 +70,10 @@ def modelled(r: dict) -> tuple[int, int]:
     elem = 2 if r["dtype"] in ("float16", "bfloat16") else 4
     reserve = rnn.reserve_bytes(r["mode"], r["hidden"], 0, r["layers"], r["directions"],
                                 r["steps"] * r["batch"], elem)
-    return reserve, rnn.workspace_bytes(r["mode"], reserve)
+    persistent = rnn.small_h_persistent(r["mode"], r["hidden"], 0, False, elem, "forward")
+    workspace = rnn.workspace_bytes(r["mode"], r["input_size"], r["hidden"], 0, r["layers"],
+                                    r["directions"], r["steps"], r["batch"], elem, persistent)
+    return reserve, workspace
 
 
 def main(argv: list[str] | None = None) -> int:

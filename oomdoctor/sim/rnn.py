@@ -10,13 +10,15 @@ forward (``_cudnn_rnn``, training):
   sequence-major first), freed on return;
 - ``output`` (T, B, D*Hout), ``hy`` (L*D, B, Hout), ``cy`` (L*D, B, H) for LSTM - exact shapes
   from ``_output_size`` / ``_hidden_size`` / ``_cell_size`` (Hout = proj_size or H);
-- ``workspace``: bytes from cudnnGetRNNTempSpaceSizes, freed on return;
+- ``workspace``: bytes from cudnnGetRNNTempSpaceSizes, freed on return (modelled:
+  :func:`workspace_bytes`);
 - ``reserve``: bytes from the same query, returned and saved for backward;
 - the flat weight buffer is returned as is (parameters already flattened, see below).
 
 backward (``_cudnn_rnn_backward`` = backward_input then backward_weight):
 - ``x`` and ``dy = grad_output.contiguous()`` copies when ``batch_first``;
-- ``dx`` (like input), ``dhx``, ``dcx``; a workspace (same query) during backward data;
+- ``dx`` (like input), ``dhx``, ``dcx``; a workspace (the same query, with the
+  algorithm get_algo picks for backward) during backward data;
 - ``dw = zeros(weight_buf)`` and a workspace during backward weights; the weight gradients are
   views into ``dw`` (``get_parameters`` on dw + ``_viewParams``) when the layouts' strides agree,
   i.e. with biases; without biases they are copied out to fresh tensors and ``dw`` is dropped.
@@ -28,12 +30,11 @@ it. cuDNN's layout always holds both biases (RNN.cpp ``try_get_weight_buf`` asse
 bytes with ``bias=True`` and is larger by the bias space with ``bias=False``.
 
 The reserve and workspace sizes are cuDNN's answers to a query; NVIDIA publishes no formula.
-The model (see :func:`reserve_bytes`) is stated with its evidence and uncertainty there and in
-docs/simulator.md.
+The models (:func:`reserve_bytes`, :func:`workspace_bytes`) are stated with their evidence and
+uncertainty there and in docs/simulator.md.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -59,11 +60,29 @@ from oomdoctor.sim import values
 # shape, and the model gives it with nothing fitted: bidirectional GRU(800), one layer,
 # T*B = 326*64, fp32: 801,177,600 B. Packed batches (rows = sum of lengths) are unmeasured.
 RESERVE_UNITS = {"LSTM": 6, "GRU": 7, "RNN_TANH": 2, "RNN_RELU": 2}
-# The workspace, as a fraction of the reserve, from the #2895 printout (17,730,560 B with the
-# LSTM's reserve, 13,169,920 B with the GRU's). #172's was 39% of its reserve (313,344,000 B):
-# no rule found fits both, so this is the least certain term (one call's workspace at a time).
-WORKSPACE_FRACTION = {"LSTM": 17_730_560 / 736_000_000, "GRU": 13_169_920 / 864_000_000,
-                      "RNN_TANH": 17_730_560 / 736_000_000, "RNN_RELU": 17_730_560 / 736_000_000}
+# The workspace (cudnnGetRNNTempSpaceSizes, freed within each call): see workspace_bytes.
+# Read from benchmarks/results/cudnn_rnn/nvidia-h200-2.11.0-grid.json (H200, cuDNN 9.19, 96
+# shapes), where each shape ran in fp32 and fp16: ws32 - ws16 is the part that scales with the
+# element size, 2 * ws16 - ws32 the part that does not.
+# - The part that does not is 8 MiB per layer and direction (+ 512 B: a few bytes more, which
+#   the allocator rounds up) in 38 of the 48 pairs; the other 10 are within 2.5 MiB of it,
+#   where one of the two took a whole 2 MiB block from the caching allocator.
+# - The part that does holds a copy of the weight matrices (not the biases): GRU minus
+#   RNN_TANH at the same shape (H 1024, uni, 1 layer) is exactly 2 * H * (I + H) elements at
+#   both sequence sizes, two gates' matrices; and deepspeech.pytorch#172's two cuDNN 7
+#   workspaces (input widths 672 and 800) differ by exactly 2 * 3 * 800 * 128 fp32 elements,
+#   the input matrices' growth (tests/test_rnn.py).
+# - Beyond the weights, per row of the (T, B) input: WORKSPACE_ROW_UNITS[directions] * H + 2 * I
+#   elements, whatever the cell. The count does not follow the gates (GRU and RNN_TANH take
+#   the same 4 * H uni), so it is not a gate buffer; the 4 and 12 are fitted (below).
+WORKSPACE_FIXED_BYTES = 8 * 2**20
+WORKSPACE_ROW_UNITS = {1: 4, 2: 12}
+# CUDNN_RNN_ALGO_PERSIST_STATIC_SMALL_H (RNN.cpp get_algo, use_rnn_persist_small_h: unpacked,
+# not double, no projection, H at most these; the backward's limits are lower) keeps 9 more
+# H-wide elements per row (RNN_TANH H 256 in the grid: 13 uni / 19-21 bidirectional).
+SMALL_H_LIMIT = {"forward": {"RNN_TANH": 384, "RNN_RELU": 384, "LSTM": 192, "GRU": 192},
+                 "backward": {"RNN_TANH": 256, "RNN_RELU": 256, "LSTM": 128, "GRU": 128}}
+SMALL_H_ROW_UNITS = 9
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 FUNCTIONS = {"lstm": "LSTM", "gru": "GRU", "rnn_tanh": "RNN_TANH", "rnn_relu": "RNN_RELU"}
 
@@ -78,8 +97,39 @@ def reserve_bytes(mode: str, hidden: int, proj: int, layers: int, directions: in
     return directions * rows * per_row * elem
 
 
-def workspace_bytes(mode: str, reserve: int) -> int:
-    return int(math.ceil(reserve * WORKSPACE_FRACTION[mode]))
+def small_h_persistent(mode: str, hidden: int, proj: int, packed: bool, elem: int,
+                       phase: str) -> bool:
+    """Whether PyTorch picks cuDNN's persistent small-H algorithm for this ``phase`` ("forward"
+    or "backward"): RNN.cpp get_algo. Its fp16 PERSIST_STATIC choice (input and H multiples of
+    128, one layer, one direction) is not modelled: its workspace is unmeasured."""
+    return not proj and not packed and elem != 8 and hidden <= SMALL_H_LIMIT[phase][mode]
+
+
+def workspace_bytes(mode: str, input_size: int, hidden: int, proj: int, layers: int,
+                    directions: int, steps: int, batch: int, elem: int,
+                    persistent: bool = False) -> int:
+    """The modelled cuDNN workspace of one call (forward, backward data or backward weights:
+    RNN.cpp asks cudnnGetRNNTempSpaceSizes the same question for each, with that phase's
+    algorithm): 8 MiB per layer and direction, plus, in the data type, the weight matrices and
+    per (T, B) row WORKSPACE_ROW_UNITS[directions] * H + 2 * I elements (9 * H more with the
+    persistent small-H algorithm). A packed batch is taken at its longest sequence times its
+    largest batch, the shape of cuDNN's data descriptor (unmeasured).
+
+    Fitted on hidden 256 (LSTM, GRU: 32 records of nvidia-h200-2.11.0-grid.json): max |error|
+    14.8%, median 2.2%; held out, hidden 1024 (48 records, LSTM/GRU/RNN_TANH): max 21.2%,
+    median 2.6%. The small-H term fitted on (T 100, B 16): max 6.1%; held out on (T 400, B 32):
+    max 9.4%, median 3.0%. Whole grid: max 21.2%, median 2.2%; the --quick file (H 512, 2
+    layers, T 200, fitted on nothing): -10.4% (LSTM), +1.3% (GRU), +12.7% (RNN_TANH). The
+    largest misses: one-layer bidirectional RNN_TANH (+11 to +18%: it takes 10 * H, not 12),
+    bidirectional LSTM (-4 to -13%: 14 * H) and 3-layer unidirectional at T 400 (+7 to +21%:
+    about 3 * H). cuDNN 7 (the 2017 printouts in tests/test_rnn.py) sized it differently."""
+    g = GATES[mode]
+    matrices = num_weights(mode, input_size, hidden, proj, layers, directions) \
+        - layers * directions * 2 * g * hidden          # the biases are not copied
+    units = WORKSPACE_ROW_UNITS[directions] + (SMALL_H_ROW_UNITS if persistent else 0)
+    rows = steps * batch
+    return WORKSPACE_FIXED_BYTES * layers * directions \
+        + elem * (matrices + rows * (units * hidden + 2 * input_size))
 
 
 def num_weights(mode: str, input_size: int, hidden: int, proj: int, layers: int,
@@ -134,7 +184,7 @@ class _CudnnRNN(torch.autograd.Function):
             output = x.new_empty((p["steps"], p["batch"], d * hout))
         hy = hx.new_empty(hx.shape)
         cy = cx.new_empty(cx.shape) if isinstance(cx, torch.Tensor) else None
-        workspace = x.new_empty((p["workspace"],), dtype=torch.uint8)
+        workspace = x.new_empty((p["workspace"]["forward"],), dtype=torch.uint8)
         reserve = x.new_empty((p["reserve"],), dtype=torch.uint8)
         del workspace, x_seq                       # locals of _cudnn_rnn, freed on return
         if p["batch_first"]:
@@ -159,14 +209,14 @@ class _CudnnRNN(torch.autograd.Function):
             dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         dhx = hx.new_empty(hx.shape)
         dcx = cx.new_empty(cx.shape) if cx is not None else None
-        workspace = x.new_empty((p["workspace"],), dtype=torch.uint8)
+        workspace = x.new_empty((p["workspace"]["backward"],), dtype=torch.uint8)
         del workspace, x_seq, dy_seq
         if not any(ctx.needs_input_grad[4:]):      # frozen weights: output_mask[3] is false
             return (None, dx, dhx, dcx, *[None] * len(weights))
         # _cudnn_rnn_backward_weight: x copied again, dw = zeros(weight_buf), a workspace.
         x_seq = _seq_major_copy(x) if p["batch_first"] else None
         dw = weights[0].new_zeros((p["num_weights"],))
-        workspace = x.new_empty((p["workspace"],), dtype=torch.uint8)
+        workspace = x.new_empty((p["workspace"]["backward"],), dtype=torch.uint8)
         del workspace, x_seq
         if p["has_biases"]:
             # get_parameters(dw) + _viewParams: the gradients are views into dw
@@ -230,9 +280,12 @@ def rnn_as_cudnn(name: str, args: tuple, kwargs: dict, lower: Any = None
         rows = steps * batch
     elem = x.element_size()
     reserve = reserve_bytes(mode, hidden, proj, layers, directions, rows, elem)
+    shape = (mode, x.shape[-1], hidden, proj, layers, directions, steps, batch, elem)
+    workspace = {phase: workspace_bytes(*shape, persistent=small_h_persistent(
+        mode, hidden, proj, packed, elem, phase)) for phase in ("forward", "backward")}
     p = dict(mode=mode, directions=directions, hout=hout, steps=steps, batch=batch, rows=rows,
-             batch_first=batch_first, packed=packed, reserve=reserve,
-             workspace=workspace_bytes(mode, reserve), has_biases=bool(b["has_biases"]),
+             batch_first=batch_first, packed=packed, reserve=reserve, workspace=workspace,
+             has_biases=bool(b["has_biases"]),
              num_weights=num_weights(mode, x.shape[-1], hidden, proj, layers, directions))
     out = _CudnnRNN.apply(p, x, hx, cx, *params)
     note = (f"{mode.lower().replace('_', '-')}: traced as cuDNN's fused kernel (one _cudnn_rnn "
