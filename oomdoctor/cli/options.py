@@ -553,35 +553,6 @@ def _fsdp_version(fsdp_version: str, strategies) -> int:
     return version
 
 
-def _ds_config_option(f):
-    """--ds-config FILE: a DeepSpeed run as its config describes it."""
-    return click.option(
-        "--ds-config", "ds_config", type=click.Path(exists=True, dir_okay=False),
-        help="A DeepSpeed JSON config: its ZeRO stage (--strategy dsN), fp16/bf16 mode "
-             "(--precision) and bucket sizes.")(f)
-
-
-def _deepspeed_run(ctx, path, precision, strategies):
-    """--ds-config: (precision, strategies, DeepSpeedConfig) as the config sets them; an
-    explicit --precision or --strategy that contradicts it is a usage error."""
-    from oomdoctor.plans.parallel import read_deepspeed_config
-    try:
-        with open(path, encoding="utf-8") as f:
-            run = read_deepspeed_config(json.load(f), path)
-    except (OSError, json.JSONDecodeError, ValueError) as e:
-        raise click.UsageError(f"--ds-config: {e}") from None
-    wanted = run.precision or "fp32"
-    given = ctx.get_parameter_source("precision") is not click.core.ParameterSource.DEFAULT
-    if given and precision != wanted:
-        raise click.UsageError(f"--precision {precision} contradicts {path}, which runs "
-                               f"{wanted}; drop one")
-    others = [s for s in strategies if s != run.strategy]
-    if others:
-        raise click.UsageError(f"{path} is DeepSpeed ZeRO stage {run.stage} ({run.strategy}); "
-                               f"--strategy {', '.join(others)} contradicts it")
-    return wanted, (run.strategy,), run.config
-
-
 # GPU-to-GPU links (oomdoctor.plans.recommend.LINKS; spelled out so --help never imports torch)
 LINKS = ("pcie-no-p2p", "pcie", "nvlink")
 

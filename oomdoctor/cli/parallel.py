@@ -10,11 +10,13 @@ import click
 from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
                                  cli)
 from oomdoctor.cli.script import model_or_script, model_source_only
+from oomdoctor.cli.deepspeed_options import (_deepspeed_defaults, _deepspeed_run,
+                                             _ds_config_option)
 from oomdoctor.cli.options import (_fsdp_version, _fsdp_version_option,
                                    _alloc_config, _card_options, _check_plot_file, _detect_gpus,
                                    _die, _load_model, _make_budget, _mp_policy,
                                    _mp_policy_option, _num_gpus, _progress, _torch_config,
-                                   _checkpoint_config, _deepspeed_run, _ds_config_option,
+                                   _checkpoint_config,
                                    _link_option, LINKS,
                                    _write_bar_plot)
 from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
@@ -54,7 +56,8 @@ _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default
 @_card_options
 @click.pass_context
 def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad_accum,
-                     strategies, ds_config, bucket_view, mp_policy, fsdp_version, link, gpu_name,
+                     strategies, ds_config, ds_release, bucket_view, mp_policy, fsdp_version, link,
+                     gpu_name,
                      memory, num_gpus, overhead, other_mem, margin, alloc_conf, checkpoint_class,
                      optimizer, as_json, debug):
     """Per-GPU memory of single, DDP, DataParallel, ZeRO-1/2/3 (FSDP) and a 2-GPU split; and
@@ -83,7 +86,7 @@ def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad
                                   _fsdp_version(fsdp_version, strategies))
         _print_parallel(report, link, budget, gpu_name, memory, n, as_json)
     model_file = model_file[0]
-    ds = None
+    ds = _deepspeed_defaults(ctx)
     if ds_config:
         precision, strategies, ds = _deepspeed_run(ctx, ds_config, precision, strategies)
     try:

@@ -8,10 +8,11 @@ import click
 
 from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                               EXIT_USAGE, cli)
+from oomdoctor.cli.deepspeed_options import (_deepspeed_defaults, _deepspeed_run,
+                                             _ds_config_option)
 from oomdoctor.cli.options import (_fsdp_version, _fsdp_version_option,
                                    _alloc_config, _budget_options, _check_plot_file,
-                                   _checkpoint_config, _deepspeed_run, _detect_gpus, _die,
-                                   _ds_config_option, _load_model, _make_budget,
+                                   _checkpoint_config, _detect_gpus, _die, _load_model, _make_budget,
                                    _link_option, _modelled_torch, _mp_policy,
                                    _mp_policy_option, _progress, _slow_trace_progress, _wants_longest_context,
                                    _write_bar_plot)
@@ -52,7 +53,7 @@ from oomdoctor.configs import (DEEPSPEED_CHOICES, MAX_BATCH, MODEL_PROTOCOL, PRE
 @script_input_options
 @_budget_options
 @click.pass_context
-def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, ds_config,
+def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, ds_config, ds_release,
              num_gpus, snapshot_file, plot_file, steps, mp_policy, fsdp_version, cpus, skip_input, gpu_name,
              memory,
              overhead,
@@ -137,7 +138,7 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
 def _estimate_deepspeed(ctx, ds_config, script, precision, strategy):
     """(precision, strategy, DeepSpeedConfig or None) as --ds-config sets them."""
     if not ds_config:
-        return precision, strategy, None
+        return precision, strategy, _deepspeed_defaults(ctx)
     if script is not None:
         raise click.UsageError("--ds-config plans a model source; a script's own "
                                "deepspeed.initialize is not followed yet")

@@ -7,25 +7,37 @@ casts the model's parameters to 16 bits (engine.py ``_configure_distributed_mode
 forward, the backward and the gradients are 16-bit, and the optimizer wrapper keeps fp32 master
 weights and runs the optimizer on them. The step is therefore traced in pure 16 bits
 (:func:`~oomdoctor.plans.parallel.strategy.trace_precision`) and rewritten here, after
-deepspeed/runtime (DeepSpeed master, 2026-08):
+deepspeed/runtime 0.19.8, checked event by event against its allocator on an H200
+(benchmarks/results/deepspeed/, tests/test_deepspeed_gpu.py):
 
-- **Master weights and optimizer state.** Stage 0: ``FP16_Optimizer`` (fp16/fused_optimizer.py)
-  keeps one flat fp32 copy of every parameter and the optimizer's state on it, whole on every
-  rank. Stages 1-2: ``DeepSpeedZeroOptimizer`` (zero/stage_1_and_2.py) keeps this rank's
-  partition (``single_partition_of_fp32_groups``); stage 3 likewise
-  (``fp32_partitioned_groups_flat``). The trace's 16-bit optimizer state becomes fp32, sharded
-  from stage 1.
-- **Gradients.** Stage 0: 16-bit, whole, all-reduced at the end of the backward through one flat
-  bucket (``buffered_allreduce_fallback``). Stage 1: whole until the backward ends, then reduced
-  into this rank's partition (``grads_in_partition``, 16-bit, 1/N). Stage 2: each gradient is
-  copied into the reduce bucket (``ipg_buffer``, ``reduce_bucket_size`` elements, two with
-  ``overlap_comm``) as autograd makes it and its own storage dropped
-  (``reduce_independent_p_g_buckets_and_remove_grads``). Stage 3: the same into its one bucket
+- **Master weights and optimizer state.** Stage 0: ``FP16_Optimizer`` (fp16/fused_optimizer.py,
+  for DeepSpeed's FusedAdam) keeps one flat fp32 copy of every parameter and the optimizer's
+  state on it, whole on every rank; ``FP16_UnfusedOptimizer`` (any other optimizer) one fp32
+  copy per parameter. Stages 1-2: ``DeepSpeedZeroOptimizer`` (zero/stage_1_and_2.py) keeps
+  this rank's partition (``single_partition_of_fp32_groups``); stage 3 one per sub-group of
+  whole parameters reaching ``sub_group_size`` elements (``fp32_partitioned_groups_flat``).
+  The optimizer steps these flat tensors, so each state slot is one flat fp32 tensor (per
+  sub-group), sharded from stage 1.
+- **Start-up.** Stages 0 (fused) to 2 flatten the 16-bit parameters into one buffer; stage 3
+  moves its partitions to the host, empties the cache and makes one buffer of them. Each
+  master partition is made through a transient copy, and ``initialize_optimizer_states``
+  gives the masters a zero fp32 gradient; these leave the cached segments the first forward
+  reuses.
+- **Gradients.** A gradient's hook runs when autograd has finished the node that made it.
+  Stage 0: 16-bit, whole, all-reduced at the end of the backward through one flat bucket
+  (``buffered_allreduce_fallback``, on one GPU too). Stage 1: whole until the backward ends,
+  then reduced into this rank's partition (``grads_in_partition``, 16-bit, 1/N). Stage 2:
+  each gradient is copied into the reduce bucket (``reduce_bucket_size`` elements, two with
+  ``overlap_comm``) by its hook and its own storage dropped
+  (``reduce_independent_p_g_buckets_and_remove_grads``); the bucket is made by the first hook
+  from 0.18.3, as the backward starts before (``--deepspeed``); the partition by the first
+  reduce (the bucket full, or the backward's end). Stage 3: the same into its one bucket
   (allocated at start-up), reduced into ``grad_partitions_flat_buffer`` (1/N, at start-up).
-- **The step's fp32 gradients.** Stage 0: every gradient converted to fp32 (a list), flattened
-  into one fp32 buffer, the 16-bit ones dropped (``FP16_Optimizer.step``). Stages 1-2: this
-  rank's partition flattened and converted (``single_grad_partition``); stage 3 one sub-group
-  (``sub_group_size`` elements) at a time (``_prepare_fp32_grad_for_sub_group``).
+- **The step.** The gradient norm copies one gradient at a time to float64 (stage 0: float32).
+  Stage 0: every gradient converted to fp32 (``FP16_Optimizer``: a list, flattened into one
+  buffer, the 16-bit ones dropped; unfused: one per parameter, the 16-bit ones kept). Stages
+  1-2: this rank's partition flattened and converted (``single_grad_partition``); stage 3 one
+  sub-group at a time (``_prepare_fp32_grad_for_sub_group``), its state made by the first step.
 - **Parameters at stage 3**: 16-bit partitions (1/N); parameters under
   ``stage3_param_persistence_threshold`` elements stay whole. DeepSpeed gathers module by module
   with a prefetch bucket; modelled as the largest layer plus ``stage3_prefetch_bucket_size``
@@ -33,11 +45,15 @@ deepspeed/runtime (DeepSpeed master, 2026-08):
   ``estimate_zero3_model_states_mem_needs``).
 
 In fp32 (neither mode enabled) there is no master copy and no conversion; the buffers remain.
-Not modelled: offload, ZeRO++ (quantized weights/gradients), the engine's start-up transients
-(a model moved to the GPU whole before stage 3 partitions it, when it is not built under
-``deepspeed.zero.Init``).
+Not modelled: offload, ZeRO++ (quantized weights/gradients), the whole model on the GPU before
+stage 3 partitions it (when it is not built under ``deepspeed.zero.Init``: emptied from the
+cache before training), stage 3's reduce-scatter buffers on their own stream (about 200 MB
+of reserve on the H200 runs).
 """
 from __future__ import annotations
+
+import bisect
+import importlib.util
 
 from oomdoctor.plans.parallel.events import _Context, _Gpu
 from oomdoctor.plans.parallel.fsdp import _shard
@@ -60,12 +76,26 @@ class _Model:
         handle = {i: h for h, i in ctx.param_index.items() if i < lay.num_param_storages}
         self.itemsize = {i: ctx.trace.storages[h].nbytes / max(1, lay.param_numel[i])
                          for i, h in handle.items()}
-        trainable = [i for i in handle if lay.param_trainable[i]]
-        self.numel = sum(lay.param_numel[i] for i in trainable)
+        trainable = sorted(i for i in handle if lay.param_trainable[i])   # the model's order
+        self.numels = [lay.param_numel[i] for i in trainable]
+        self.numel = sum(self.numels)
         self.grad_bytes = sum(ctx.trace.storages[handle[i]].nbytes for i in trainable)
         self.grad_itemsize = round(self.grad_bytes / self.numel) if self.numel else 2
         self.persistent = {handle[i] for i in handle
                            if lay.param_numel[i] < self.ds.param_persistence_threshold}
+        self._trainable = {handle[i] for i in trainable}
+        fused = self.mixed and self.ds.fused_optimizer
+        # FP16_Optimizer (stage 0, fused) and DeepSpeedZeroOptimizer (stages 1-2) flatten the
+        # 16-bit parameters into one buffer; stage 3 partitions them instead
+        self.flattens = self.stage in (1, 2) or (self.stage == 0 and fused)
+        # stage 3 moves its partitions into one buffer (_create_fp16_partitions_with_
+        # defragmentation); the parameters it keeps whole stay where they are
+        self.defragments = self.stage == 3
+        # ... and their optimizer steps flat fp32 partitions (stage 3 too)
+        self.flat_optimizer = self.stage >= 1 or (self.stage == 0 and fused)
+
+    def trainable(self, ctx: _Context, h: int) -> bool:
+        return h in self._trainable
 
     @property
     def optimizer_world(self) -> int:
@@ -82,8 +112,42 @@ class _Model:
         """Trainable elements this rank's optimizer owns."""
         return _shard(self.numel, self.optimizer_world)
 
+    def chunks(self) -> list[int]:
+        """The rank's partition as the optimizer steps it: stage 3 in sub-groups of whole
+        parameters, each closed once it reaches ``sub_group_size`` elements (stage3.py
+        ``_create_fp16_sub_groups``), else whole."""
+        if self.stage != 3:
+            return [self.local_numel()]
+        out, size = [], 0
+        for n in self.numels:
+            size += _shard(n, self.world)
+            if size >= self.ds.sub_group_size:
+                out.append(size)
+                size = 0
+        return out + [size] if size or not out else out
+
     def bucket_bytes(self) -> int:
         return self.ds.reduce_bucket_size * self.grad_itemsize
+
+
+class _Hooks:
+    """When DeepSpeed's gradient hook runs for a gradient the trace allocated at ``t``: after
+    autograd's node that made it has returned and released its inputs (AccumulateGrad, then
+    the post-accumulate hook), so just before the next allocation that is not itself a
+    gradient. Measured on an H200 (benchmarks/results/deepspeed/traces/zero2-bf16-*): the
+    output projection's weight gradient, then its bias gradient, the logits' gradient freed,
+    and only then ``setup_buckets`` allocates the reduce bucket."""
+
+    def __init__(self, ctx: _Context) -> None:
+        self._allocs = sorted(s.t_alloc for s in ctx.storages
+                              if s.category is not Category.GRADIENTS)
+        self._timing = ctx.timing
+
+    def ready(self, t: float) -> float:
+        i = bisect.bisect_right(self._allocs, t)
+        nxt = self._allocs[i] if i < len(self._allocs) else self._timing.end
+        hi = self._timing.phases[self._timing.phase_index(t)][1]
+        return min(nxt - 0.5, hi - 0.45)   # before the epilogue's buffers (hi - 0.31 ..)
 
 
 def deepspeed(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]:
@@ -91,9 +155,10 @@ def deepspeed(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]
     g = _Gpu("each GPU", ctx.first_handle)
     ctx.workspaces(g)
     m = _Model(ctx, strategy)
-    _states(ctx, g, m)
+    hooks = _Hooks(ctx)
+    _states(ctx, g, m, hooks)
     _optimizer_buffers(ctx, g, m)
-    _gradient_buffers(ctx, g, m)
+    _gradient_buffers(ctx, g, m, hooks)
     if m.stage == 3:
         _gathers(ctx, g, m)
     return [g], _notes(m)
@@ -110,11 +175,26 @@ def _notes(m: _Model) -> list[str]:
             f"DeepSpeed buffers as configured: reduce_bucket_size {ds.reduce_bucket_size:,} "
             f"elements ({'two buckets, ' if ds.overlap(m.stage) and m.stage in (1, 2) else ''}"
             f"{m.bucket_bytes() / 2**20:,.0f} MiB each, allocated whatever the model's size; "
-            "set it in the config's zero_optimization, or pass --ds-config)"]
+            "set it in the config's zero_optimization, or pass --ds-config)",
+            _release_note(ds)]
     if ds.auto:
         notes.append(f"'auto' in the DeepSpeed config for {', '.join(ds.auto)}: the HF Trainer "
                      "fills these in from the model; DeepSpeed's defaults were assumed")
     return notes
+
+
+def _release_note(ds: DeepSpeedConfig) -> str:
+    """Which DeepSpeed release the estimate follows, why, and what that changes."""
+    if ds.release:
+        source = "as given"
+    elif importlib.util.find_spec("deepspeed") is not None:
+        source = "the installed one"
+    else:
+        source = "the newest modelled"
+    when = ("at the first gradient" if ds.buckets_at_first_gradient
+            else "as the backward starts (before 0.18.3)")
+    return (f"DeepSpeed {'.'.join(map(str, ds.version))} assumed ({source}; --deepspeed "
+            f"VERSION sets it): ZeRO-1/2 make their reduce buckets {when}")
 
 
 def _steps(ctx: _Context) -> list[tuple[float, float]]:
@@ -129,37 +209,101 @@ def _steps(ctx: _Context) -> list[tuple[float, float]]:
     return out
 
 
-def _states(ctx: _Context, g: _Gpu, m: _Model) -> None:
-    """The trace's storages: parameters partitioned at stage 3, optimizer state fp32 and
-    sharded, each parameter gradient dropped where DeepSpeed copies it into its buffers."""
+def _states(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
+    """The trace's storages: parameters partitioned at stage 3 (or flattened into one buffer
+    at start-up), optimizer state fp32, sharded and flat, each parameter gradient dropped
+    where DeepSpeed copies it into its buffers."""
     tl = ctx.timing
     steps = _steps(ctx)
+    flat = _flat_states(ctx, m)
+    folded = set(flat)
+    flatten_at = ctx.setup_end - 0.45 if m.flattens or m.defragments else None
+    flat_bytes = 0
     for s in ctx.storages:
         h, size = s.handle, ctx.size[s.handle]
         key = ctx.key(h)
+        if h in folded:
+            continue
         if s.phase is Phase.SETUP and s.category is Category.PARAMETERS:
             whole = m.stage < 3 or h in m.persistent
-            g.add(key, size if whole else _shard(size, m.world), s.t_alloc, s.t_free, h)
+            stored = size if whole else _shard(size, m.world)
+            moved = flatten_at is not None and m.trainable(ctx, h) and (m.flattens or not whole)
+            flat_bytes += stored if moved else 0
+            g.add(key, stored, s.t_alloc, flatten_at - 0.002 * m.defragments if moved
+                  else s.t_free, h)
         elif s.phase is Phase.OPTIMIZER or s.category is Category.OPTIMIZER_STATE:
             scale = m.state_scale(ctx.opt_param.get(h))
             g.add(key, int(_shard(size, m.optimizer_world) * scale), s.t_alloc, s.t_free, h)
         elif s.category is Category.GRADIENTS and tl.phase_of(s.t_alloc) is Phase.BACKWARD \
                 and tl.grad_owner.get(h) is not None:
-            g.add(key, size, s.t_alloc, _gradient_free(ctx, m, s, steps), h)
+            g.add(key, size, s.t_alloc, _gradient_free(ctx, m, s, steps, hooks), h)
         else:
             g.add(key, size, s.t_alloc, s.t_free, h)
+    if flat_bytes:
+        _flatten(g, m, flat_bytes, flatten_at)
+    _add_flat_states(ctx, g, m, flat)
 
 
-def _gradient_free(ctx: _Context, m: _Model, s, steps: list[tuple[float, float]]) -> float:
+def _flatten(g: _Gpu, m: _Model, nbytes: int, at: float) -> None:
+    """The 16-bit parameters moved into one buffer, whose originals go at ``at``. Stages 0-2
+    flatten on the GPU (``bit16_groups_flat``: made while the originals live). Stage 3's
+    defragmentation (runtime/utils.py ``defragment``) moves its partitions to the host first
+    and empties the cache (measured: the reserve fell to 2 MiB, traces/zero3-*), then makes
+    the buffer."""
+    if m.defragments:
+        g.empty_cache(at - 0.001)
+        g.add("parameters", nbytes, at, None)
+    else:
+        g.add("parameters", nbytes, at - 0.002, None)
+
+
+def _flat_states(ctx: _Context, m: _Model) -> list[int]:
+    """The optimizer state storages DeepSpeed's flat partitions replace: the optimizer steps one
+    flat fp32 tensor per parameter group, so each state slot (exp_avg, exp_avg_sq) is one
+    tensor of the partition's size, not one per parameter. Measured: two 1.02 GB Adam moments
+    as two new segments (benchmarks/results/deepspeed/traces/zero2-*)."""
+    if not m.flat_optimizer or not m.grad_bytes:
+        return []
+    return [s.handle for s in ctx.storages
+            if s.category is Category.OPTIMIZER_STATE and s.phase is Phase.OPTIMIZER]
+
+
+def _add_flat_states(ctx: _Context, g: _Gpu, m: _Model, handles: list[int]) -> None:
+    """The state slots as flat tensors of this rank's partition (the traced state bytes over
+    the trainable parameters' bytes: 2 for Adam, whose per-parameter step counters fold into
+    one): one per stage-3 sub-group (``sub_group_size`` elements), else one per slot."""
+    if not handles:
+        return
+    by_handle = {s.handle: s for s in ctx.storages if s.handle in set(handles)}
+    slots = round(sum(ctx.trace.storages[h].nbytes for h in handles) / m.grad_bytes)
+    t_alloc = min(s.t_alloc for s in by_handle.values())
+    frees = [s.t_free for s in by_handle.values()]
+    t_free = None if None in frees else max(frees)
+    itemsize = _FP32 if m.mixed else m.grad_itemsize
+    chunks = m.chunks()
+    first = max(((a, e) for a, e in _steps(ctx) if a <= t_alloc), default=None)
+    # made lazily by the first step, sub-group by sub-group after its fp32 gradients
+    at = [a + 0.3 * d for a, d, _ in _subgroups(*first, len(chunks))] \
+        if first is not None and len(chunks) > 1 else [t_alloc] * len(chunks)
+    for n, t in zip(chunks, at):
+        for _ in range(slots):
+            g.add("optimizer_state", n * itemsize, t, t_free)
+
+
+def _gradient_free(ctx: _Context, m: _Model, s, steps: list[tuple[float, float]],
+                   hooks: _Hooks) -> float:
     """When a parameter's own 16-bit gradient storage goes."""
     if m.stage >= 2:
-        return s.t_alloc + 0.001               # copied into the reduce bucket at once
+        return hooks.ready(s.t_alloc)          # its hook copies it into the reduce bucket
     if m.stage == 1:
         ph = ctx.timing.phase_index(s.t_alloc)
         return ctx.timing.phases[ph][1] - 0.3  # reduced into the partition as the backward ends
-    start = next((a for a, _ in steps if a > s.t_alloc), None)
-    if m.mixed and start is not None:          # FP16_Optimizer.step drops it (p.grad = None)
-        return min(s.t_free if s.t_free is not None else start, start - 0.13)
+    start, end = next(((a, e) for a, e in steps if a > s.t_alloc), (None, None))
+    if m.mixed and start is not None:
+        free = s.t_free if s.t_free is not None else end
+        if m.ds.fused_optimizer:               # FP16_Optimizer.step drops it (p.grad = None)
+            return min(free, start - 0.13)
+        return min(free, end - 0.01)           # FP16_UnfusedOptimizer: zero_grad after the step
     return s.t_free
 
 
@@ -169,34 +313,90 @@ def _optimizer_buffers(ctx: _Context, g: _Gpu, m: _Model) -> None:
         return
     local = m.local_numel()
     if m.mixed:
-        g.add("optimizer_state", local * _FP32, ctx.setup_end - 0.4, None)
+        _masters(ctx, g, m)
     for start, end in _steps(ctx):
+        _norm_copy(g, m, start)
         if m.stage == 0:
-            if m.mixed:                        # the fp32 copies, then their flat buffer
+            if m.mixed and m.ds.fused_optimizer:   # the fp32 copies, then their flat buffer
                 g.add("gradients", local * _FP32, start - 0.2, start - 0.12)
                 g.add("gradients", local * _FP32, start - 0.15, end)
+            elif m.mixed:                      # FP16_UnfusedOptimizer.step: p32.grad = p16.grad.to
+                for n in m.numels:             # (fp32), each kept until the update is copied back
+                    g.add("gradients", n * _FP32, start - 0.15, end - 0.02)
             continue
-        k = min(local, m.ds.sub_group_size) if m.stage == 3 else local
-        # this rank's partition flattened (a copy), then converted to fp32 (in fp32 the copy
-        # is the optimizer's gradient: .to() returns it)
-        g.add("gradients", k * m.grad_itemsize, start - 0.2, start - 0.12 if m.mixed else end)
-        if m.mixed:
-            g.add("gradients", k * _FP32, start - 0.15, end)
+        # each sub-group's gradients flattened (a copy), then converted to fp32 (in fp32 the
+        # copy is the optimizer's gradient: .to() returns it), stepped, dropped
+        chunks = m.chunks()
+        for n, (a, d, b) in zip(chunks, _subgroups(start, end, len(chunks))):
+            g.add("gradients", n * m.grad_itemsize, a, a + 0.4 * d if m.mixed else b)
+            if m.mixed:
+                g.add("gradients", n * _FP32, a + 0.25 * d, b)
 
 
-def _gradient_buffers(ctx: _Context, g: _Gpu, m: _Model) -> None:
+def _subgroups(start: float, end: float, count: int) -> list[tuple[float, float, float]]:
+    """(begin, a short span, end) of each of ``count`` sub-groups in the step (start, end):
+    stage 3's ``step`` prepares, steps and releases one sub-group after another (stage3.py
+    ``_prepare_sub_group`` .. ``_release_sub_group``); the first begins just before the
+    step's own events."""
+    lo = start - 0.2
+    width = (end - lo) / count
+    short = min(width, 0.2)
+    return [(lo + j * width, short, lo + (j + 1) * width) for j in range(count)]
+
+
+def _norm_copy(g: _Gpu, m: _Model, start: float) -> None:
+    """The gradient norm's copy of one gradient at a time, at the step's start: ZeRO's
+    ``get_grad_norm_direct`` takes each of this rank's gradients ``.to(get_norm_dtype())``
+    (float64 where the device has it; zero/utils.py), stage 0's ``get_weight_norm`` ``.float()``.
+    Measured: 409.6 MB for the 51.2M-element output projection (traces/zero2-*)."""
+    largest = max(m.numels, default=0)
+    if m.stage == 3:
+        largest = _shard(largest, m.world)
+    elif m.stage >= 1:
+        largest = min(largest, m.local_numel())
+    g.add("temporaries", largest * (8 if m.stage else _FP32), start - 0.3, start - 0.29)
+
+
+def _masters(ctx: _Context, g: _Gpu, m: _Model) -> None:
+    """The fp32 master partition, one tensor per stage-3 sub-group, and the start-up
+    transients around it, which leave cached segments the first forward reuses (seen in
+    benchmarks/results/deepspeed/traces/). Stages 1-2 clone the 16-bit partition and convert
+    the clone (stage_1_and_2.py ``weights_partition``); stage 3 converts each sub-group's and
+    clones the result (stage3.py ``_create_fp32_partitions``: the converted copy lives until
+    the next sub-group's replaces it in the loop). Then ``initialize_optimizer_states`` makes a
+    zero fp32 gradient (stage 3: one, of the largest sub-group). Stage 0 has no transients."""
+    t0 = ctx.setup_end - 0.44
+    chunks = m.chunks()
+    step = 0.02 / (len(chunks) + 1)
+    previous = None
+    for j, n in enumerate(chunks):
+        at = t0 + j * step
+        if m.stage == 3:
+            copy = g.add("optimizer_state", n * _FP32, at, None)
+            if previous is not None:
+                g.free(previous, at + step * 0.1)
+            previous = copy
+        elif m.stage:
+            g.add("optimizer_state", n * m.grad_itemsize, at, at + step * 0.5)
+        g.add("optimizer_state", n * _FP32, at + step * 0.25, None)
+    if previous is not None:
+        g.free(previous, t0 + len(chunks) * step)
+    if m.stage:
+        g.add("gradients", max(chunks) * _FP32, t0 + 0.025, t0 + 0.03)
+
+
+def _gradient_buffers(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
     """The reduce buckets and the per-rank gradient partition (both hold gradients)."""
     tl = ctx.timing
     backwards = tl.marks_of(Phase.BACKWARD)
     if not backwards or not m.numel:
         return
     partition = _shard(m.numel, m.world) * m.grad_itemsize
-    if m.stage == 0:
-        if m.world > 1:                        # each backward's flat all-reduce bucket
-            flat = min(m.numel, m.ds.allreduce_bucket_size) * m.grad_itemsize
-            for ph in backwards:
-                end = tl.phases[ph][1]
-                g.add("communication", flat, end - 0.35, end - 0.32)
+    if m.stage == 0:                           # each backward's flat all-reduce bucket (made
+        flat = min(m.numel, m.ds.allreduce_bucket_size) * m.grad_itemsize   # on one GPU too)
+        for ph in backwards:
+            end = tl.phases[ph][1]
+            g.add("communication", flat, end - 0.35, end - 0.32)
         return
     if m.stage == 3:                           # both at start-up, for good (stage3.py __init__)
         g.add("gradients", m.bucket_bytes(), ctx.setup_end - 0.35, None)
@@ -206,16 +406,41 @@ def _gradient_buffers(ctx: _Context, g: _Gpu, m: _Model) -> None:
     held = None
     for ph in backwards:
         lo, hi, _ = tl.phases[ph]
-        if m.ds.contiguous_gradients:          # setup_buckets .. _release_ipg_buffers
+        first, reduce_at = _bucket_times(ctx, m, hooks, ph)
+        if not m.ds.buckets_at_first_gradient:
+            first = lo + 0.01
+        if m.ds.contiguous_gradients:          # setup_buckets (the first hook) .. the epilogue
             for _ in range(2 if m.ds.overlap(m.stage) else 1):
-                g.add("gradients", m.bucket_bytes(), lo + 0.01, hi - 0.29)
-        # grads_in_partition: made by the first reduce of a step; the parameters' gradients
-        # are views into it until the step has converted them to fp32 and drops them
+                g.add("gradients", m.bucket_bytes(), first, hi - 0.29)
+        # grads_in_partition: made by the first reduce of a step (copy_grads_in_partition),
+        # when the bucket first fills or at the backward's epilogue; the parameters'
+        # gradients are views into it until the step has converted them to fp32 and drops them
         step = next((s for s in steps if s > lo), None)
         if held != step:
-            at = hi - 0.31 if m.stage == 1 else lo + 0.02
+            at = reduce_at if m.stage == 2 and reduce_at is not None else hi - 0.31
             g.add("gradients", partition, at, step - 0.12 if step is not None else None)
             held = step
+
+
+def _bucket_times(ctx: _Context, m: _Model, hooks: _Hooks, ph: int
+                  ) -> tuple[float, float | None]:
+    """(when one backward's first gradient hook allocates the bucket, when a gradient first
+    finds it full and reduces it: None if the backward's gradients fit it, reduced at the
+    epilogue). ``reduce_independent_p_g_buckets_and_remove_grads`` (stage_1_and_2.py)."""
+    tl = ctx.timing
+    grads = sorted((s.t_alloc, ctx.size[s.handle]) for s in ctx.storages
+                   if s.category is Category.GRADIENTS and tl.grad_owner.get(s.handle) is not None
+                   and tl.phase_index(s.t_alloc) == ph)
+    if not grads:                              # accumulating into existing gradients
+        return tl.phases[ph][0] + 0.01, None
+    first = hooks.ready(grads[0][0]) - 0.01
+    elements = 0
+    for t, nbytes in grads:
+        n = nbytes // max(1, m.grad_itemsize)
+        if elements and elements + n > m.ds.reduce_bucket_size:
+            return first, hooks.ready(t) - 0.005
+        elements += n
+    return first, None
 
 
 def _gathers(ctx: _Context, g: _Gpu, m: _Model) -> None:

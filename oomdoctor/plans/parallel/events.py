@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from oomdoctor.sim.allocator import EMPTY_CACHE
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.plans.parallel.layout import Layout
 from oomdoctor.plans.parallel.results import _CATEGORY_KEY
@@ -36,6 +37,10 @@ class _Gpu:
         if t_free is not None:
             self.items.append((t_free, len(self.items), False, handle, nbytes))
         return handle
+
+    def empty_cache(self, t: float) -> None:
+        """``torch.cuda.empty_cache()`` at ``t``."""
+        self.items.append((t, len(self.items), False, EMPTY_CACHE, 0))
 
     def free(self, handle: int, t_free: float) -> None:
         """Free at ``t_free`` what :meth:`add` allocated with no free."""

@@ -1,6 +1,8 @@
 """Strategy names, aliases and descriptions, and :class:`Strategy`: one way to use N GPUs."""
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 from dataclasses import dataclass, replace
 
 
@@ -194,10 +196,50 @@ class DeepSpeedConfig:
     param_persistence_threshold: int = 100_000   # stage3_param_persistence_threshold
     max_reuse_distance: int = 1_000_000_000      # stage3_max_reuse_distance
     contiguous_gradients: bool = True
+    # Stage 0's fp16/bf16 wrapper (engine.py _configure_fp16_optimizer): FP16_Optimizer, flat,
+    # for DeepSpeed's FusedAdam (the config's Adam/AdamW, or a client FusedAdam as
+    # DeepSpeed-Chat passes); FP16_UnfusedOptimizer, per parameter, for any other (torch_adam,
+    # a torch optimizer).
+    fused_optimizer: bool = True
     auto: tuple[str, ...] = ()                   # keys the config left "auto" (defaults used)
+    release: str = ""                            # DeepSpeed's version; "" the installed one,
+                                                 # else NEWEST_DEEPSPEED
 
     def overlap(self, stage: int) -> bool:
         return stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    @property
+    def version(self) -> tuple[int, ...]:
+        return deepspeed_release(self.release) if self.release else installed_deepspeed()
+
+    @property
+    def buckets_at_first_gradient(self) -> bool:
+        """Where ZeRO-1/2 allocate their reduce buckets: from 0.18.3 (DeepSpeed PR #7665,
+        "PyTorch-compatible backward API") ``setup_buckets`` at the first gradient's hook;
+        before it, ``DeepSpeedZeroOptimizer.backward`` before the loss's backward starts."""
+        return self.version >= (0, 18, 3)
+
+
+# The DeepSpeed release this model follows (deepspeed/runtime as of it, and the H200 runs of
+# benchmarks/results/deepspeed/) when none is installed or named.
+NEWEST_DEEPSPEED = (0, 19, 8)
+
+
+def deepspeed_release(text: str) -> tuple[int, ...]:
+    """``0.9.2`` (or ``0.18``) as a comparable tuple; a ValueError that says what it takes."""
+    parts = text.strip().lstrip("v").split("+")[0].split(".")
+    if not 1 < len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"DeepSpeed release {text!r}: give it as 0.9.2 or 0.18")
+    return tuple(int(p) for p in parts) + (0,) * (3 - len(parts))
+
+
+@functools.lru_cache(maxsize=1)
+def installed_deepspeed() -> tuple[int, ...]:
+    """The installed DeepSpeed's release, else :data:`NEWEST_DEEPSPEED`."""
+    try:
+        return deepspeed_release(importlib.metadata.version("deepspeed"))
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return NEWEST_DEEPSPEED
 
 
 # zero_optimization keys -> DeepSpeedConfig fields
@@ -251,4 +293,19 @@ def read_deepspeed_config(doc: dict, source: str = "the DeepSpeed config") -> De
                                                               "contiguous_gradients") \
                     else int(float(zero[key]))
     return DeepSpeedRun(stage, enabled[0] if enabled else None,
-                        DeepSpeedConfig(**values, auto=tuple(auto)))
+                        DeepSpeedConfig(**values, fused_optimizer=_fused_optimizer(doc),
+                                        auto=tuple(auto)))
+
+
+def _fused_optimizer(doc: dict) -> bool:
+    """Whether the config's optimizer is DeepSpeed's FusedAdam (engine.py
+    _configure_basic_optimizer: Adam/AdamW unless ``torch_adam``; the 1-bit Adams count as
+    fused too). Without an optimizer section the client's is used: FusedAdam assumed, as
+    DeepSpeed's examples pass it."""
+    opt = doc.get("optimizer")
+    if not opt:
+        return True
+    kind = str(opt.get("type", "")).lower()
+    if kind in ("onebitadam", "zerooneadam"):
+        return True
+    return kind in ("adam", "adamw") and not (opt.get("params") or {}).get("torch_adam", False)

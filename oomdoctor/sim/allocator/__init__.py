@@ -57,7 +57,7 @@ from __future__ import annotations
 # (PYTORCH_CUDA_ALLOC_CONF), results.py (the OOM error and what a replay
 # reports), pools.py (blocks and free-block pools), caching.py (the allocator
 # and replay).
-from oomdoctor.sim.allocator.caching import CachingAllocator, replay
+from oomdoctor.sim.allocator.caching import EMPTY_CACHE, CachingAllocator, replay
 from oomdoctor.sim.allocator.config import AllocatorConfig
 from oomdoctor.sim.allocator.results import AllocatorOOM, BlockInfo, ReplayResult, SegmentInfo
 from oomdoctor.sim.allocator.sizes import (
@@ -77,6 +77,7 @@ from oomdoctor.sim.allocator.sizes import (
 
 
 __all__ = [
+    "EMPTY_CACHE",
     "KiB",
     "MiB",
     "GiB",

@@ -510,6 +510,11 @@ class CachingAllocator:
 # --------------------------------------------------------------------------
 
 
+# The handle of a free event that stands for ``torch.cuda.empty_cache()`` in an event list
+# (DeepSpeed's stage 3 empties the cache as it moves its partitions into one buffer).
+EMPTY_CACHE = -1
+
+
 def replay(events: Iterable[tuple[bool, int, int]],
            config: AllocatorConfig = AllocatorConfig(),
            limit_bytes: int | None = None, streams: dict[int, int] | None = None
@@ -519,6 +524,7 @@ def replay(events: Iterable[tuple[bool, int, int]],
     For frees, ``nbytes`` is ignored.  ``streams``: handle -> the stream it is allocated on,
     for those not on the default stream.  Stops at the first OOM, which is
     returned in the result (not raised) together with its event index.
+    A free of :data:`EMPTY_CACHE` empties the cache.
     """
     alloc = CachingAllocator(config, limit_bytes)
     malloc = alloc.malloc
@@ -542,6 +548,8 @@ def replay(events: Iterable[tuple[bool, int, int]],
             if alloc.peak_reserved_bytes > peak_r:
                 peak_r = alloc.peak_reserved_bytes
                 idx_r = i
+        elif handle == EMPTY_CACHE:
+            alloc.empty_cache()
         else:
             free(handle)
     return ReplayResult(peak_a, peak_r, idx_a, idx_r, alloc.num_alloc_retries, None, None)

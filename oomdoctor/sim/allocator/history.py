@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from oomdoctor.sim.allocator.caching import CachingAllocator
+from oomdoctor.sim.allocator.caching import EMPTY_CACHE, CachingAllocator
 from oomdoctor.sim.allocator.config import AllocatorConfig
 from oomdoctor.sim.allocator.pools import _Block, _Pool
 from oomdoctor.sim.allocator.results import AllocatorOOM, SegmentInfo
@@ -93,6 +93,9 @@ def replay_history(events: Iterable[tuple[bool, int, int]],
     oom, oom_index = None, None
     for i, (is_alloc, handle, nbytes) in enumerate(events):
         alloc.index = i
+        if not is_alloc and handle == EMPTY_CACHE:
+            alloc.empty_cache()
+            continue
         if not is_alloc:
             block = alloc._live.get(handle)
             if block is not None:     # a 0-byte tensor never reaches the allocator
