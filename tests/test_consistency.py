@@ -145,3 +145,23 @@ def test_one_configuration_one_answer_in_every_command(tmp_path):
     [row] = probe["results"]
     largest = row["max_batch_size"]
     assert 16 <= largest < 32          # recommend's choices are the divisors of 64 / 2
+
+
+def test_bucket_view_is_an_option_wherever_ddp_is_planned():
+    """--bucket-view on `estimate --strategy ddp` gives parallel's DDP figure with the same flag;
+    without --strategy ddp it is a usage error, not a silent no-op."""
+    tiny = os.path.join(HERE, "..", "sample_models", "tiny_mlp.py")
+    common = ["-b", "8", "--gpu", "a10", "--json", "--bucket-view"]
+
+    def peak(args):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 0, r.output
+        [strategy] = json.loads(r.stdout)["strategies"]
+        return [g["peak_allocated_bytes"] for g in strategy["gpus"]]
+
+    est = peak(["estimate", tiny, "--strategy", "ddp", "--num-gpus", "2", *common])
+    par = peak(["parallel", tiny, "--strategy", "ddp", "--gpus", "2", *common])
+    plain = peak(["estimate", tiny, "--strategy", "ddp", "--num-gpus", "2", *common[:-1]])
+    assert est == par and est[0] < plain[0]     # the gradients' second copy is gone
+    r = CliRunner().invoke(cli, ["estimate", tiny, "-b", "8", "--bucket-view"])
+    assert r.exit_code == 2 and "--strategy ddp" in r.output

@@ -553,6 +553,13 @@ def _fsdp_version(fsdp_version: str, strategies) -> int:
     return version
 
 
+def _bucket_view_option(f):
+    """--bucket-view: DDP's gradient_as_bucket_view=True, on every command that plans DDP."""
+    return click.option(
+        "--bucket-view", is_flag=True,
+        help="DDP with gradient_as_bucket_view=True (no second copy of the gradients).")(f)
+
+
 # GPU-to-GPU links (oomdoctor.plans.recommend.LINKS; spelled out so --help never imports torch)
 LINKS = ("pcie-no-p2p", "pcie", "nvlink")
 

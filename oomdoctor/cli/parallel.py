@@ -12,7 +12,7 @@ from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
 from oomdoctor.cli.script import model_or_script, model_source_only
 from oomdoctor.cli.deepspeed_options import (_deepspeed_defaults, _deepspeed_run,
                                              _ds_config_option)
-from oomdoctor.cli.options import (_fsdp_version, _fsdp_version_option,
+from oomdoctor.cli.options import (_bucket_view_option, _fsdp_version, _fsdp_version_option,
                                    _alloc_config, _card_options, _check_plot_file, _detect_gpus,
                                    _die, _load_model, _make_budget, _mp_policy,
                                    _mp_policy_option, _num_gpus, _progress, _torch_config,
@@ -48,8 +48,7 @@ _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default
                    "DeepSpeed's ZeRO stages as DeepSpeed runs them (fp16/bf16 in its own mode: "
                    "16-bit model, fp32 master weights in the optimizer).")
 @_ds_config_option
-@click.option("--bucket-view", is_flag=True,
-              help="DDP with gradient_as_bucket_view=True (no second copy of the gradients).")
+@_bucket_view_option
 @_mp_policy_option
 @_fsdp_version_option
 @_link_option

@@ -10,7 +10,7 @@ from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK
                               EXIT_USAGE, cli)
 from oomdoctor.cli.deepspeed_options import (_deepspeed_defaults, _deepspeed_run,
                                              _ds_config_option)
-from oomdoctor.cli.options import (_fsdp_version, _fsdp_version_option,
+from oomdoctor.cli.options import (_bucket_view_option, _fsdp_version, _fsdp_version_option,
                                    _alloc_config, _budget_options, _check_plot_file,
                                    _checkpoint_config, _detect_gpus, _die, _load_model, _make_budget,
                                    _link_option, _modelled_torch, _mp_policy,
@@ -37,6 +37,7 @@ from oomdoctor.configs import (DEEPSPEED_CHOICES, MAX_BATCH, MODEL_PROTOCOL, PRE
                    "or the naive two-GPU split (pipeline2) on --num-gpus cards; ds0..ds3: "
                    "DeepSpeed's ZeRO stages as DeepSpeed runs them.")
 @_ds_config_option
+@_bucket_view_option
 @click.option("--num-gpus", type=click.IntRange(1), default=2, show_default=True,
               help="GPUs for --strategy (ignored for single).")
 @click.option("--snapshot", "snapshot_file", type=click.Path(dir_okay=False), metavar="FILE",
@@ -54,6 +55,7 @@ from oomdoctor.configs import (DEEPSPEED_CHOICES, MAX_BATCH, MODEL_PROTOCOL, PRE
 @_budget_options
 @click.pass_context
 def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, ds_config, ds_release,
+             bucket_view,
              num_gpus, snapshot_file, plot_file, steps, mp_policy, fsdp_version, cpus, skip_input, gpu_name,
              memory,
              overhead,
@@ -80,6 +82,9 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     precision, strategy, ds = _estimate_deepspeed(ctx, ds_config, script, precision, strategy)
+    if bucket_view and strategy != "ddp":
+        raise click.UsageError("--bucket-view is DDP's gradient_as_bucket_view: give it with "
+                               "--strategy ddp")
 
     def _cfg():
         return TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
@@ -108,7 +113,7 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
         elif strategy != "single":
             from oomdoctor.plans import parallel as par
             report = par.estimate_strategies(_load_model(model_file), _cfg(), budget, num_gpus,
-                                             [strategy], alloc,
+                                             [strategy], alloc, bucket_view,
                                              progress=lambda m: click.echo(m, err=True),
                                              mixed_precision=_mp_policy(mp_policy, precision,
                                                                         [strategy]),
