@@ -9,10 +9,10 @@ import sys
 # the commands that need it, so `oomdoctor explain` and `--help` stay fast.
 from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                                  EXIT_USAGE, cli)
-from oomdoctor.cli import probe, check, parallel, gpus, explain  # noqa: F401,I001
+from oomdoctor.cli import estimate as _estimate, probe, check, parallel, gpus, explain  # noqa: F401,I001
 # The command objects stay importable by name, except `probe` and `check`: those names are
 # now the modules (the commands are cli.commands["probe"] and cli.commands["check"]).
-from oomdoctor.cli.probe import estimate
+from oomdoctor.cli.estimate import estimate
 from oomdoctor.cli.parallel import (LINK_CHOICES, parallel_command, recommend_command,
                                     smoke_command, split_command)
 from oomdoctor.cli.gpus import gpus_command, watch_command
