@@ -13,8 +13,10 @@ fp32 master copies) is what this measures.
 
 The optimizer is torch's fused AdamW through DeepSpeed's ``torch_adam`` switch: the memory of
 DeepSpeed's FusedAdam (two fp32 states, no temporaries) without building its CUDA extension
-on the machine. fp16 setups call ``engine.backward(loss)`` (the loss scaler needs it, as
-DeepSpeed-Chat does); bf16 ones ``loss.backward()`` as train.py does.
+on the machine (``--set second`` also runs DeepSpeed's own FusedAdam, built by its JIT op
+builder). fp16 and stage-0 setups call ``engine.backward(loss)`` (the loss scaler needs it, and
+stage 0 refuses a direct backward, as DeepSpeed-Chat does it); the others ``loss.backward()`` as
+train.py does.
 
 Peaks are per phase (the allocator's peak is reset at each phase's start), so the whole run's
 peak is the largest of them; ``--trace-dir`` also writes each run's allocator events
@@ -43,23 +45,50 @@ _BASELINE_ZERO3 = {"stage": 3, "overlap_comm": True, "contiguous_gradients": Tru
                    "reduce_bucket_size": 5e7, "stage3_param_persistence_threshold": 0}
 # DeepSpeed-Chat's get_train_ds_config (3a77097): fp16, loss_scale_window 100, clipping 1.0
 _CHAT_FP16 = {"fp16": {"enabled": True, "loss_scale_window": 100}, "gradient_clipping": 1.0}
+# DeepSpeed's own FusedAdam (built by its JIT op builder on the machine): stage 0's
+# FP16_Optimizer path, which DeepSpeed-Chat's runs took
+_FUSED_ADAMW = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}
 SETUPS = {
     "zero3-bf16": {"bf16": {"enabled": True}, "zero_optimization": _BASELINE_ZERO3},
     "zero2-bf16": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}},
     "zero2-fp16": {**_CHAT_FP16, "zero_optimization": {"stage": 2}},
     "zero0-fp16": {**_CHAT_FP16, "zero_optimization": {"stage": 0}},
+    # the second set: stage 1, fp32, small overlapped buckets, accumulation, FusedAdam
+    "zero1-bf16": {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+    "zero2-fp32": {"zero_optimization": {"stage": 2}},
+    "zero2-bf16-small-buckets": {"bf16": {"enabled": True},
+                                 "zero_optimization": {"stage": 2, "overlap_comm": True,
+                                                       "reduce_bucket_size": 5e7}},
+    "zero2-bf16-accum2": {"bf16": {"enabled": True}, "gradient_accumulation_steps": 2,
+                          "zero_optimization": {"stage": 2}},
+    "zero0-bf16-fusedadam": {"bf16": {"enabled": True}, "optimizer": _FUSED_ADAMW,
+                             "zero_optimization": {"stage": 0}},
+    "zero0-fp16-fusedadam": {**_CHAT_FP16, "optimizer": _FUSED_ADAMW,
+                             "zero_optimization": {"stage": 0}},
 }
 MODELS = {"254m": (1024, 12, 16), "1.4b": (2048, 24, 16), "tiny": (64, 2, 4)}
-# (setup, model, batch, checkpointing)
-JOBS = [("zero3-bf16", "254m", 4, False), ("zero3-bf16", "254m", 4, True),
-        ("zero3-bf16", "1.4b", 1, False), ("zero3-bf16", "1.4b", 1, True),
-        ("zero2-bf16", "254m", 4, False), ("zero2-fp16", "254m", 4, False),
-        ("zero0-fp16", "254m", 4, False)]
+# (setup, model, batch, checkpointing), by set
+JOBS = {
+    "first": [("zero3-bf16", "254m", 4, False), ("zero3-bf16", "254m", 4, True),
+              ("zero3-bf16", "1.4b", 1, False), ("zero3-bf16", "1.4b", 1, True),
+              ("zero2-bf16", "254m", 4, False), ("zero2-fp16", "254m", 4, False),
+              ("zero0-fp16", "254m", 4, False)],
+    "second": [("zero1-bf16", "254m", 4, False), ("zero2-fp32", "254m", 4, False),
+               ("zero2-bf16-small-buckets", "254m", 4, False),
+               ("zero2-bf16-accum2", "254m", 2, False),
+               ("zero0-bf16-fusedadam", "254m", 4, False),
+               ("zero0-fp16-fusedadam", "254m", 4, False)],
+}
 
 
 def ds_config(setup: str, batch: int) -> dict:
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
             "optimizer": _ADAMW, **SETUPS[setup]}
+
+
+def _steps(setup: str) -> int:
+    """Forward-backward-step rounds: three optimizer steps' worth."""
+    return STEPS * SETUPS[setup].get("gradient_accumulation_steps", 1)
 
 
 def _child(job: dict) -> dict:
@@ -112,14 +141,16 @@ def _child(job: dict) -> dict:
         engine, *_ = phase("initialize", lambda: deepspeed.initialize(
             model=model, model_parameters=model.parameters(),
             config=ds_config(job["setup"], job["batch_size"])))
-        fp16 = "fp16" in SETUPS[job["setup"]]
+        cfg = SETUPS[job["setup"]]
+        engine_backward = "fp16" in cfg or cfg["zero_optimization"]["stage"] == 0
         engine.train()
-        for step in range(STEPS):
+        for step in range(_steps(job["setup"])):
             ids = torch.randint(0, mod.VOCAB, (job["batch_size"], mod.SEQ), device=dev)
             labels = torch.randint(0, mod.VOCAB, (job["batch_size"], mod.SEQ), device=dev)
             loss = phase(f"forward{step}", lambda: torch.nn.functional.cross_entropy(
                 engine(ids).view(-1, mod.VOCAB), labels.view(-1)))
-            phase(f"backward{step}", (lambda: engine.backward(loss)) if fp16 else loss.backward)
+            phase(f"backward{step}", (lambda: engine.backward(loss)) if engine_backward
+                  else loss.backward)
             del loss
             phase(f"step{step}", engine.step)
     except torch.OutOfMemoryError as e:
@@ -192,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model: check the plumbing")
     ap.add_argument("--jobs", type=int, default=3, help="configurations running at once")
     ap.add_argument("--trace-dir", help="also write each run's allocator events here")
+    ap.add_argument("--set", choices=list(JOBS), default="first", help="which runs (default first)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per configuration")
     ap.add_argument("--out", default="/tmp/deepspeed-dry.json")
     args = ap.parse_args(argv)
@@ -205,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     jobs = []
-    for i, (setup, model, batch, ck) in enumerate(JOBS):
+    for i, (setup, model, batch, ck) in enumerate(JOBS[args.set]):
         name = f"{setup}-{model}-b{batch}-ck{int(ck)}.json.gz"
         jobs.append({"setup": setup, "model": "tiny" if args.dry_run else model,
                      "batch_size": batch, "checkpointing": ck, "dry_run": args.dry_run,

@@ -1,6 +1,11 @@
 """DeepSpeed's ZeRO stages against real runs on an H200 (benchmarks/results/deepspeed/, written
 by benchmarks/measure_deepspeed.py: DeepSpeed 0.19.8, torch 2.11, one GPU, DeepSpeedExamples'
-bf16_master_weight transformer trained as its train.py does). Each record is typed as a user
+bf16_master_weight transformer trained as its train.py does: ZeRO-0 to 3, bf16, fp16 and fp32,
+torch's AdamW and DeepSpeed's FusedAdam, small overlapped buckets, accumulation, checkpointing.
+The second file was measured once the model matched the first; before it was read, stage 1,
+the overlapped buckets and FusedAdam were already within 0.13% allocated, fp32 -11.5% (its
+master copy) and accumulation +4.4%, and four reserved peaks 9-13% off, each then traced to its
+cause in the events). Each record is typed as a user
 would (`oomdoctor parallel MODEL --ds-config ds.json --deepspeed 0.19.8`) and both peaks are
 asserted: what DeepSpeed allocates besides the shards (flat 16-bit buffers, fp32 master
 sub-groups, reduce buckets, the gradient norm's float64 copies, start-up transients and the
@@ -19,8 +24,10 @@ ROOT = os.path.dirname(HERE)
 MODEL = os.path.join(HERE, "models", "ds_simple_transformer.py")
 FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "deepspeed", "*.json")))
 # the calibration's tolerances (tests/test_calibration.py) are 3% and 5%; these runs hold
-# tighter, and are asserted so
-ALLOCATED_TOL, RESERVED_TOL = 0.01, 0.03
+# tighter, and are asserted so (the widest: accumulation -1.2% allocated, where the trace adds
+# the second micro-batch's gradients into the first's and DeepSpeed, having dropped those,
+# gets new ones; stage 3's reduce-scatter stream, about 200 MB, -2.8% reserved)
+ALLOCATED_TOL, RESERVED_TOL = 0.015, 0.03
 
 
 def _records() -> list[tuple[dict, dict]]:
@@ -54,6 +61,8 @@ def _estimate(rec: dict, env: dict, tmp_path, monkeypatch) -> dict:
     config.write_text(json.dumps(rec["ds_config"]))
     args = ["parallel", MODEL, "--gpus", "1", "--gpu", "h200", "-b", str(rec["batch_size"]),
             "--ds-config", str(config), "--deepspeed", env["deepspeed"], "--json"]
+    accumulation = rec["ds_config"].get("gradient_accumulation_steps", 1)
+    args += ["--grad-accum", str(accumulation)] if accumulation > 1 else []
     r = CliRunner().invoke(cli, args + (["--checkpointing"] if rec["checkpointing"] else []))
     assert r.exit_code == 0, r.output
     [strategy] = json.loads(r.stdout)["strategies"]
@@ -62,7 +71,7 @@ def _estimate(rec: dict, env: dict, tmp_path, monkeypatch) -> dict:
 
 
 def test_the_records_are_there():
-    assert len(RECORDS) >= 7, FILES
+    assert len(RECORDS) >= 13, FILES
     assert all(r["error"] is None for _, r in RECORDS)
 
 

@@ -141,6 +141,7 @@ class _Hooks:
     def __init__(self, ctx: _Context) -> None:
         self._allocs = sorted(s.t_alloc for s in ctx.storages
                               if s.category is not Category.GRADIENTS)
+        self._every = sorted(s.t_alloc for s in ctx.storages)
         self._timing = ctx.timing
 
     def ready(self, t: float) -> float:
@@ -148,6 +149,17 @@ class _Hooks:
         nxt = self._allocs[i] if i < len(self._allocs) else self._timing.end
         hi = self._timing.phases[self._timing.phase_index(t)][1]
         return min(nxt - 0.5, hi - 0.45)   # before the epilogue's buffers (hi - 0.31 ..)
+
+    def moved(self, t: float, src: int, dst: int) -> float:
+        """Position ``t`` of phase ``src`` at the same allocation ordinal in phase ``dst``: an
+        accumulating backward runs the same ops as the first (the trace accumulates into the
+        gradients the first made, where DeepSpeed, having dropped them, gets new ones)."""
+        (a, _, _), (b, hi, _) = self._timing.phases[src], self._timing.phases[dst]
+        every = self._every           # counted with the gradients: accumulated, they are
+        k = bisect.bisect_right(every, t) - bisect.bisect_left(every, a)   # temporaries there
+        i = bisect.bisect_left(every, b) + k
+        at = every[i] - 0.5 if i < len(every) else hi
+        return min(at, hi - 0.45)
 
 
 def deepspeed(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]:
@@ -249,12 +261,17 @@ def _flatten(g: _Gpu, m: _Model, nbytes: int, at: float) -> None:
     flatten on the GPU (``bit16_groups_flat``: made while the originals live). Stage 3's
     defragmentation (runtime/utils.py ``defragment``) moves its partitions to the host first
     and empties the cache (measured: the reserve fell to 2 MiB, traces/zero3-*), then makes
-    the buffer."""
+    the buffer. Stage 0's FP16_Optimizer flattens clones of the parameters (fused_optimizer.py:
+    ``[p.clone().detach() ...]``), dropped once the buffer is made (measured: their segments,
+    traces/zero0-*-fusedadam-*)."""
     if m.defragments:
         g.empty_cache(at - 0.001)
         g.add("parameters", nbytes, at, None)
-    else:
-        g.add("parameters", nbytes, at - 0.002, None)
+        return
+    if m.stage == 0:
+        for n in m.numels:
+            g.add("parameters", n * m.grad_itemsize, at - 0.004, at - 0.001)
+    g.add("parameters", nbytes, at - 0.002, None)
 
 
 def _flat_states(ctx: _Context, m: _Model) -> list[int]:
@@ -285,6 +302,8 @@ def _add_flat_states(ctx: _Context, g: _Gpu, m: _Model, handles: list[int]) -> N
     # made lazily by the first step, sub-group by sub-group after its fp32 gradients
     at = [a + 0.3 * d for a, d, _ in _subgroups(*first, len(chunks))] \
         if first is not None and len(chunks) > 1 else [t_alloc] * len(chunks)
+    if m.stage == 0:                 # FP16_Optimizer: made at start-up, by one step
+        at = [ctx.setup_end - 0.44 + 0.027] * len(chunks)
     for n, t in zip(chunks, at):
         for _ in range(slots):
             g.add("optimizer_state", n * itemsize, t, t_free)
@@ -297,7 +316,8 @@ def _gradient_free(ctx: _Context, m: _Model, s, steps: list[tuple[float, float]]
         return hooks.ready(s.t_alloc)          # its hook copies it into the reduce bucket
     if m.stage == 1:
         ph = ctx.timing.phase_index(s.t_alloc)
-        return ctx.timing.phases[ph][1] - 0.3  # reduced into the partition as the backward ends
+        return ctx.timing.phases[ph][1] - 0.32  # copied into the bucket as the backward ends,
+                                                # before the partition is made
     start, end = next(((a, e) for a, e in steps if a > s.t_alloc), (None, None))
     if m.mixed and start is not None:
         free = s.t_free if s.t_free is not None else end
@@ -312,13 +332,14 @@ def _optimizer_buffers(ctx: _Context, g: _Gpu, m: _Model) -> None:
     if not m.numel:
         return
     local = m.local_numel()
-    if m.mixed:
+    if m.mixed or m.stage:
         _masters(ctx, g, m)
     for start, end in _steps(ctx):
         _norm_copy(g, m, start)
         if m.stage == 0:
-            if m.mixed and m.ds.fused_optimizer:   # the fp32 copies, then their flat buffer
-                g.add("gradients", local * _FP32, start - 0.2, start - 0.12)
+            if m.mixed and m.ds.fused_optimizer:   # each gradient's fp32 copy (a list), then
+                for n in m.numels:                 # their flat buffer (FP16_Optimizer.step)
+                    g.add("gradients", n * _FP32, start - 0.2, start - 0.12)
                 g.add("gradients", local * _FP32, start - 0.15, end)
             elif m.mixed:                      # FP16_UnfusedOptimizer.step: p32.grad = p16.grad.to
                 for n in m.numels:             # (fp32), each kept until the update is copied back
@@ -354,34 +375,39 @@ def _norm_copy(g: _Gpu, m: _Model, start: float) -> None:
         largest = _shard(largest, m.world)
     elif m.stage >= 1:
         largest = min(largest, m.local_numel())
-    g.add("temporaries", largest * (8 if m.stage else _FP32), start - 0.3, start - 0.29)
+    g.add("temporaries", largest * (8 if m.stage else _FP32), start - 0.25, start - 0.24)
 
 
 def _masters(ctx: _Context, g: _Gpu, m: _Model) -> None:
     """The fp32 master partition, one tensor per stage-3 sub-group, and the start-up
     transients around it, which leave cached segments the first forward reuses (seen in
-    benchmarks/results/deepspeed/traces/). Stages 1-2 clone the 16-bit partition and convert
-    the clone (stage_1_and_2.py ``weights_partition``); stage 3 converts each sub-group's and
-    clones the result (stage3.py ``_create_fp32_partitions``: the converted copy lives until
-    the next sub-group's replaces it in the loop). Then ``initialize_optimizer_states`` makes a
-    zero fp32 gradient (stage 3: one, of the largest sub-group). Stage 0 has no transients."""
+    benchmarks/results/deepspeed/traces/). Stages 1-2 clone the partition and convert the
+    clone (stage_1_and_2.py ``weights_partition``: in fp32 the clone is the master, a second
+    copy of the weights); stage 3 converts each sub-group's and clones the result (stage3.py
+    ``_create_fp32_partitions``: the converted copy lives until the next sub-group's replaces
+    it in the loop; in fp32 the partition itself is the master). Then
+    ``initialize_optimizer_states`` makes a zero fp32 gradient (stage 3: one, of the largest
+    sub-group). Stage 0's FP16_Optimizer (fused_optimizer.py) clones and converts like stages
+    1-2, and makes its state there too (its ``initialize_optimizer_states`` steps once);
+    FP16_UnfusedOptimizer's per-parameter copies are not modelled as transients."""
     t0 = ctx.setup_end - 0.44
     chunks = m.chunks()
     step = 0.02 / (len(chunks) + 1)
     previous = None
     for j, n in enumerate(chunks):
         at = t0 + j * step
-        if m.stage == 3:
+        if m.stage == 3 and m.mixed:
             copy = g.add("optimizer_state", n * _FP32, at, None)
             if previous is not None:
                 g.free(previous, at + step * 0.1)
             previous = copy
-        elif m.stage:
+        elif m.mixed and m.flattens:
             g.add("optimizer_state", n * m.grad_itemsize, at, at + step * 0.5)
-        g.add("optimizer_state", n * _FP32, at + step * 0.25, None)
+        if m.mixed or m.stage < 3:
+            g.add("optimizer_state", n * _FP32, at + step * 0.25, None)
     if previous is not None:
         g.free(previous, t0 + len(chunks) * step)
-    if m.stage:
+    if m.stage or m.flattens:
         g.add("gradients", max(chunks) * _FP32, t0 + 0.025, t0 + 0.03)
 
 
@@ -403,36 +429,50 @@ def _gradient_buffers(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
         g.add("gradients", partition, ctx.setup_end - 0.34, None)
         return
     steps = [start for start, _ in _steps(ctx)]
-    held = None
+    held, handle, template = None, None, None
     for ph in backwards:
         lo, hi, _ = tl.phases[ph]
         first, reduce_at = _bucket_times(ctx, m, hooks, ph)
-        if not m.ds.buckets_at_first_gradient:
+        if first is None and template is not None:     # an accumulating backward
+            first, reduce_at = (t if t is None else hooks.moved(t, template, ph)
+                                for t in _bucket_times(ctx, m, hooks, template))
+        elif first is not None:
+            template = ph
+        if first is None or not m.ds.buckets_at_first_gradient:
             first = lo + 0.01
         if m.ds.contiguous_gradients:          # setup_buckets (the first hook) .. the epilogue
             for _ in range(2 if m.ds.overlap(m.stage) else 1):
                 g.add("gradients", m.bucket_bytes(), first, hi - 0.29)
         # grads_in_partition: made by the first reduce of a step (copy_grads_in_partition),
         # when the bucket first fills or at the backward's epilogue; the parameters'
-        # gradients are views into it until the step has converted them to fp32 and drops them
+        # gradients are views into it until the step has converted them to fp32 and drops them.
+        # An accumulating backward's epilogue makes a new one and drops the old after the
+        # bucket (measured: traces/zero2-bf16-accum2-*).
         step = next((s for s in steps if s > lo), None)
         if held != step:
             at = reduce_at if m.stage == 2 and reduce_at is not None else hi - 0.31
-            g.add("gradients", partition, at, step - 0.12 if step is not None else None)
+            handle = g.add("gradients", partition, at, None)
             held = step
+        elif m.stage == 2:
+            g.free(handle, hi - 0.28)
+            handle = g.add("gradients", partition, hi - 0.31, None)
+        following = next((tl.phases[b][0] for b in backwards if b > ph), None)
+        if step is not None and (following is None or following > step):
+            g.free(handle, step - 0.12)        # the step has converted and dropped it
 
 
 def _bucket_times(ctx: _Context, m: _Model, hooks: _Hooks, ph: int
-                  ) -> tuple[float, float | None]:
+                  ) -> tuple[float | None, float | None]:
     """(when one backward's first gradient hook allocates the bucket, when a gradient first
     finds it full and reduces it: None if the backward's gradients fit it, reduced at the
-    epilogue). ``reduce_independent_p_g_buckets_and_remove_grads`` (stage_1_and_2.py)."""
+    epilogue). ``reduce_independent_p_g_buckets_and_remove_grads`` (stage_1_and_2.py). Both
+    None for a backward that makes no gradient of its own in the trace."""
     tl = ctx.timing
     grads = sorted((s.t_alloc, ctx.size[s.handle]) for s in ctx.storages
                    if s.category is Category.GRADIENTS and tl.grad_owner.get(s.handle) is not None
                    and tl.phase_index(s.t_alloc) == ph)
     if not grads:                              # accumulating into existing gradients
-        return tl.phases[ph][0] + 0.01, None
+        return None, None
     first = hooks.ready(grads[0][0]) - 0.01
     elements = 0
     for t, nbytes in grads:
