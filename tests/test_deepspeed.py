@@ -158,3 +158,26 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
     assert "ds3 x4" in r.output and "reduce_bucket_size 50,000,000" in r.output
+
+
+def test_the_deepspeed_release_is_stated_settable_and_moves_the_bucket():
+    """--deepspeed: before 0.18.3 ZeRO-2 makes its reduce bucket as the backward starts, while the
+    logits' gradients still live; since, at the first gradient's hook (measured on an H200,
+    tests/test_deepspeed_gpu.py). The note names the release and why it was assumed; a release
+    that is not one is a usage error."""
+    model = os.path.join(HERE, "models", "ds_simple_transformer.py")   # 102 MB of logits
+
+    def run(*extra):
+        r = CliRunner().invoke(cli, ["parallel", model, "--strategy", "ds2", "--gpus", "2",
+                                     "-b", "2", "--precision", "bf16", "--json", *extra])
+        return r
+    old, new = run("--deepspeed", "0.9.2"), run("--deepspeed", "0.19.8")
+    assert old.exit_code == 0 and new.exit_code == 0, old.output + new.output
+    old_gpu, new_gpu = (json.loads(r.stdout)["strategies"][0] for r in (old, new))
+    assert any("DeepSpeed 0.9.2 assumed (as given" in n for n in old_gpu["notes"])
+    assert any("DeepSpeed 0.19.8 assumed (as given" in n and "first gradient" in n
+               for n in new_gpu["notes"])
+    # the bucket (954 MiB) on top of the loss's backward, or after it
+    assert old_gpu["gpus"][0]["peak_allocated_bytes"] > new_gpu["gpus"][0]["peak_allocated_bytes"]
+    bad = run("--deepspeed", "banana")
+    assert bad.exit_code == 2 and "give it as 0.9.2" in bad.output
