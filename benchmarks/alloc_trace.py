@@ -26,7 +26,7 @@ def write_trace(path: str) -> str | None:
     import torch
     try:
         snap = torch.cuda.memory._snapshot()
-        events = [[e["action"], e["addr"], e["size"], e.get("stream", 0),
+        events = [[e["action"], e.get("addr", 0), e["size"], e.get("stream", 0),
                    _where(e.get("frames", []))]
                   for trace in snap["device_traces"] for e in trace]
         segments = [{"address": s["address"], "total_size": s["total_size"],

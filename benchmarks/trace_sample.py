@@ -5,7 +5,9 @@ deviations (issue 34: ResNet's convolution workspaces).
     python benchmarks/trace_sample.py resnet_cnn fp32 4 --out DIR [--checkpointing]
 
 Writes DIR/<model>-<precision>-ck<0|1>-b<batch>.json.gz (benchmarks/alloc_trace.py) and prints
-one JSON line with the peaks, cuDNN's version and benchmark flag. Needs CUDA (exit 2 without).
+one JSON line with the peaks, the OOM's first line if the run went out of memory (its events up
+to the OOM are written too), what the card holds outside the allocator, cuDNN's version and
+benchmark flag. Needs CUDA (exit 2 without).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -42,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     runner.cleanup()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc",
                                              stacks="python")
-    runner.train(spec, cfg)
+    oom = None
+    try:
+        runner.train(spec, cfg)
+    except torch.OutOfMemoryError as e:   # the events up to the OOM are the point (issue 34)
+        oom = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
+        traceback.clear_frames(e.__traceback__)   # its frames hold the run's tensors
+    free, total = torch.cuda.mem_get_info()
     os.makedirs(args.out, exist_ok=True)
     name = f"{args.model}-{args.precision}-ck{int(args.checkpointing)}-b{args.batch}.json.gz"
     err = write_trace(os.path.join(args.out, name))
@@ -50,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"file": name, "model": args.model, "precision": args.precision,
                       "checkpointing": args.checkpointing, "batch_size": args.batch,
                       "max_memory_allocated": alloc, "max_memory_reserved": reserved,
+                      "oom": oom,
+                      # what the card holds outside the allocator at the end (CUDA context)
+                      "outside_allocator_bytes": total - free - torch.cuda.memory_reserved(),
                       "cudnn": torch.backends.cudnn.version(),
                       "cudnn_benchmark": torch.backends.cudnn.benchmark,
                       "torch": torch.__version__, "trace_error": err}), flush=True)

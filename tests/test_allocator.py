@@ -359,8 +359,23 @@ def test_release_available_cached_blocks_frees_several_oversize_blocks():
     a.malloc("Z", 50 * MiB)
     assert a.num_alloc_retries == 0
     assert a.reserved_bytes == 74 * MiB
-    assert layout(a) == [("large", [(12 * MiB, True)]), ("large", [(12 * MiB, False)]),
-                         ("large", [(50 * MiB, True)])]
+    # By address: Z reuses the range X and Y freed, below L and D (addresses.py: the driver
+    # places later segments below earlier ones; L and D share one 32 MiB granule).
+    assert layout(a) == [("large", [(50 * MiB, True)]), ("large", [(12 * MiB, True)]),
+                         ("large", [(12 * MiB, False)])]
+
+
+def test_of_two_equal_cached_segments_the_newer_is_reused():
+    # Best fit breaks ties by address, and the driver places each new segment below the
+    # earlier ones (addresses.py; measured on an H200), so B's segment, not A's, is reused.
+    a = CachingAllocator()
+    a.malloc("A", 100 * MiB)
+    a.malloc("B", 100 * MiB)
+    a.free("A")
+    a.free("B")
+    a.malloc("C", 100 * MiB)
+    assert layout(a) == [("large", [(100 * MiB, True)]), ("large", [(100 * MiB, False)])]
+    assert a.segments()[0].address < a.segments()[1].address
 
 
 # ----------------------------------------------------------------- expandable segments

@@ -135,9 +135,11 @@ KNOWN_DEVIATIONS: dict[str, list[tuple]] = {
     # two steps, the largest 10.0 GiB (fp32) and 6.0 GiB (bf16 AMP), each cached as its own
     # segment. Their sizes are the algorithms cuDNN's heuristics pick at run time for each shape
     # (and, at the card's limit, the ones whose workspace still fits): no trace sees them.
+    # fp16 with checkpointing is inside by chance since segments take the driver's address
+    # order (sim/allocator/addresses.py): -3.4%, the workspaces still missing.
     "cuDNN convolution workspaces at batch 4096": [
         (_H200, "resnet_cnn", p, ck, 4096, "reserved")
-        for p, ck in (("fp32", False), ("fp32", True), ("fp16", False), ("fp16", True),
+        for p, ck in (("fp32", False), ("fp32", True), ("fp16", False),
                       ("bf16", False), ("bf16", True), ("bf16-pure", False), ("bf16-pure", True))
     ],
     # ResNet at batch 4, fp32 only: 12 MiB (10 with checkpointing) more allocated than
@@ -150,11 +152,28 @@ KNOWN_DEVIATIONS: dict[str, list[tuple]] = {
         (_H200, "resnet_cnn", "fp32", False, 4, "allocated"),
         (_H200, "resnet_cnn", "fp32", True, 4, "allocated"),
     ],
-    # The -search file's own search, with the grown context: the simulator says 433 where 441
-    # trained. Its reserved peak is not monotonic there (443: 147,512 MiB, 444: 142,504 MiB in
-    # the replay), so the search stops early; cause not found yet.
+    # The -search file's own search: 441 trained, the probe says 426. What fits is not monotonic
+    # in the batch size there, on the GPU as in the replay (measured one fresh process per batch,
+    # nvidia-h200-2.11.0-fresh.json: 429, 433, 437, 441 train; 430-432, 434, 436, 438, 440 run
+    # out of memory in the second step at the third logits-sized block: in the replay an
+    # activation block sits in one of the two cached logits segments, and the GPU's OOM message
+    # counts the same allocated bytes); the harness's replay agrees at all eleven.
+    # The probe replays the step alone, without the harness's construction on the GPU and the
+    # cached segments it leaves for the OOM retry to free: nothing from 427 to 445 fits there.
     "max batch under pure bf16 with checkpointing": [
         ("nvidia-h200-2.11.0-search.json", "gpt2_small", "bf16-pure", True, 441, "max batch"),
+    ],
+    # calibrate.py measures every record in one long-lived process, emptying the cache between
+    # runs. lora_gpt at 540 trained there; in a fresh process (-fresh.json) it runs out of
+    # memory in the second step, with the peaks and the OOM message the replay gives, to the
+    # byte. Likely cause (not measured): the driver places new segments in the address ranges
+    # earlier runs freed, in another order than a fresh process's (sim/allocator/addresses.py),
+    # and best fit breaks ties by address. The replay models a fresh process; the probe says 459
+    # (not measured fresh).
+    "measured in a process that had freed earlier runs' segments": [
+        (_H200, "lora_gpt", "fp16", True, 540, "reserved"),
+        (_H200, "lora_gpt", "bf16", True, 540, "reserved"),
+        (_H200, "lora_gpt", "bf16", True, 540, "max batch"),
     ],
 }
 

@@ -68,6 +68,15 @@ class PhaseMark:
     micro: int                   # micro-batch within the step
 
 
+# Ops whose CUDA kernel allocates its outputs in another order than it returns them: the output
+# indices in allocation order. The order decides which cached block each one takes.
+# native_dropout: dropout_cuda makes the bool mask before the output (aten/src/ATen/native/cuda/
+# Dropout.cu: `Tensor mask = at::empty_like(self, ...)`, then `Tensor ret = at::empty_like(self)`);
+# the meta kernel returns (output, mask). Measured (issue 34, benchmarks/results/newpaths/traces/
+# gpt2_small-bf16-pure-ck1-b441): the mask takes the front of the block the embedding freed.
+CUDA_ALLOCATION_ORDER: dict[str, tuple[int, ...]] = {"native_dropout.default": (1, 0)}
+
+
 class Recorder(TorchDispatchMode):
     """Sees every ATen op; records fresh output storages and, via weakrefs, their frees."""
 
@@ -174,7 +183,11 @@ class Recorder(TorchDispatchMode):
         fresh = self._fresh_outputs(func)
         shape = reductions.reduce_shape(func.__name__, args, kwargs or {})
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        for i, o in enumerate(outs):
+        order = CUDA_ALLOCATION_ORDER.get(func.__name__)
+        if order is None or len(order) != len(outs):
+            order = range(len(outs))
+        for i in order:
+            o = outs[i]
             is_fresh = fresh[i] if i < len(fresh) else True
             for t in tree_leaves(o) if isinstance(o, (tuple, list)) else (o,):
                 if not isinstance(t, torch.Tensor) or t.is_sparse or (

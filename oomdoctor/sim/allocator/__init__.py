@@ -37,8 +37,10 @@ one stream and no CUDA graphs):
   succeeds exactly when ``reserved + segment size <= limit_bytes``.  The
   driver-level limit is the only notion of "capacity"; the GPU's own
   rounding of ``cudaMalloc`` sizes (to 2 MiB pages) is not added.
-* ``cudaMalloc`` addresses are handed out in increasing order and never
-  reused; they only matter to break ties between equally sized free blocks.
+* ``cudaMalloc`` addresses follow the driver as measured in a fresh process
+  (addresses.py: top-down in 32 MiB granules, freed ranges reused); they only
+  matter to break ties between equally sized free blocks, where they decide
+  which cached segments stay whole for the OOM retry to free.
 * An expandable segment has an (effectively) unbounded virtual address
   range, where PyTorch reserves 1 1/8 of the GPU's memory; so a second
   expandable segment per pool is never needed.  Free pages anywhere in the
@@ -55,8 +57,8 @@ from __future__ import annotations
 
 # The package: sizes.py (the C++ constants and rounding rules), config.py
 # (PYTORCH_CUDA_ALLOC_CONF), results.py (the OOM error and what a replay
-# reports), pools.py (blocks and free-block pools), caching.py (the allocator
-# and replay).
+# reports), pools.py (blocks and free-block pools), addresses.py (where the
+# driver puts each segment), caching.py (the allocator and replay).
 from oomdoctor.sim.allocator.caching import EMPTY_CACHE, CachingAllocator, replay
 from oomdoctor.sim.allocator.config import AllocatorConfig
 from oomdoctor.sim.allocator.results import AllocatorOOM, BlockInfo, ReplayResult, SegmentInfo

@@ -5,6 +5,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Iterable
 
+from oomdoctor.sim.allocator.addresses import AddressSpace
 from oomdoctor.sim.allocator.config import AllocatorConfig
 from oomdoctor.sim.allocator.pools import _Block, _expandable_size, _ExpSeg, _Pool
 from oomdoctor.sim.allocator.results import AllocatorOOM, BlockInfo, ReplayResult, SegmentInfo
@@ -12,7 +13,6 @@ from oomdoctor.sim.allocator.sizes import (
     _UNLIMITED,
     K_LARGE_BUFFER,
     K_MIN_BLOCK_SIZE,
-    K_ROUND_LARGE,
     K_SMALL_BUFFER,
     K_SMALL_SIZE,
     round_size,
@@ -58,7 +58,8 @@ class CachingAllocator:
         self._side: dict[int, _Pool] = {}     # live handle on another stream -> its pool
         self._live: dict[int, _Block] = {}
         self._zero: set[int] = set()  # handles of 0-byte tensors (no block)
-        self._next_addr = 1 << 40  # fake device addresses, increasing
+        self._next_addr = 1 << 40  # expandable segments' address ranges, increasing
+        self._addresses = AddressSpace()   # cudaMalloc'd segments' (addresses.py: ties)
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.requested_bytes = 0
@@ -288,8 +289,7 @@ class CachingAllocator:
         limit = self.limit_bytes
         if limit is not None and self.reserved_bytes + alloc_size > limit:
             return None  # cudaMalloc fails with cudaErrorMemoryAllocation
-        addr = self._next_addr
-        self._next_addr += -(-alloc_size // K_ROUND_LARGE) * K_ROUND_LARGE
+        addr = self._addresses.place(alloc_size)
         self._add_reserved(alloc_size)
         return _Block(addr, alloc_size, pool.small, None)
 
@@ -322,6 +322,7 @@ class CachingAllocator:
         # release_block: cudaFree a wholly free (unsplit) cudaMalloc segment.
         pool.remove_free(block)
         self.reserved_bytes -= block.size
+        self._addresses.release(block.addr, block.size)
 
     def _release_available_cached_blocks(self, pool: _Pool, size: int) -> bool:
         # release_available_cached_blocks: free the smallest cached block of at
@@ -511,8 +512,10 @@ class CachingAllocator:
 
 
 # The handle of a free event that stands for ``torch.cuda.empty_cache()`` in an event list
-# (DeepSpeed's stage 3 empties the cache as it moves its partitions into one buffer).
-EMPTY_CACHE = -1
+# (DeepSpeed's stage 3 empties the cache as it moves its partitions into one buffer). Far below
+# any storage's handle: oomdoctor.runs.onbuild numbers construction's storages -1, -2, ..., and
+# at -1 the free of a tied weight's first copy became an empty_cache that kept the copy alive.
+EMPTY_CACHE = -(1 << 62)
 
 
 def replay(events: Iterable[tuple[bool, int, int]],
