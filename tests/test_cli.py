@@ -306,3 +306,32 @@ def test_probe_recommends_pure_fp16_last_and_says_what_it_costs():
               "--max-batch-size", "64")
     assert "recommended: pure fp16 (model.half(), no GradScaler)" in res.stdout
     assert "riskiest precision" in res.stdout and "eps=1e-4" in res.stdout
+
+
+def test_expandable_segments_are_not_probed_where_one_sample_more_cannot_fit(monkeypatch):
+    """allocator_gain skips its second probe when the trial one sample above the recommended
+    batch needs more than the budget in allocated bytes alone (replayed without the limit): no
+    allocator setting can make that room, and the probe of a large model saves its traces."""
+    from oomdoctor.plans import probe as probe_mod
+    from oomdoctor.plans.estimate import Budget
+    from oomdoctor.sim.gpus import PROFILES
+    from oomdoctor.sim.trace import TraceConfig
+    budget = Budget(PROFILES["rtx3090"])
+    limit = budget.limit_bytes
+
+    def result(one_more_allocated):
+        trials = (probe_mod.Trial(4, True, limit - 2**30, limit - 2**28, "traced"),
+                  probe_mod.Trial(5, False, one_more_allocated, limit + 2**30, "traced"))
+        config = probe_mod.ConfigResult("bf16", True, 4, None, trials)
+        return probe_mod.ProbeResult("m", "rtx3090", budget.gpu.total_bytes, limit, 0.0, 1,
+                                     (config,))
+
+    calls = []
+    monkeypatch.setattr(probe_mod, "probe_config", lambda *a, **k: calls.append(a) or
+                        probe_mod.ConfigResult("bf16", True, 4, None, ()))
+    alloc = probe_mod.AllocatorConfig()
+    assert probe_mod.allocator_gain(None, result(limit + 2**20), TraceConfig(1), budget,
+                                    alloc) is None
+    assert not calls                                  # over the budget in allocated bytes
+    probe_mod.allocator_gain(None, result(limit - 2**20), TraceConfig(1), budget, alloc)
+    assert len(calls) == 1                            # fragmentation could be what stops it

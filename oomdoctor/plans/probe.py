@@ -404,6 +404,11 @@ def allocator_gain(spec: ModelSpec, r: ProbeResult, base: TraceConfig, budget: B
     best = recommended(r)
     if best is None or best.capped or alloc.expandable_segments:
         return None
+    # No setting of the allocator makes room where one sample more needs more than the budget
+    # in allocated bytes alone (its trial replayed without the limit): skip the second probe.
+    one_more = next((t for t in best.trials if t.batch_size == best.max_batch_size + 1), None)
+    if one_more is not None and one_more.peak_allocated_bytes > budget.limit_bytes:
+        return None
     cfg = replace(base, precision=best.precision, checkpointing=best.checkpointing, batch_size=1)
     other = probe_config(spec, cfg, budget, replace(alloc, expandable_segments=True),
                          max_batch=max_batch)
