@@ -227,8 +227,8 @@ def split_command(ctx, model_file, batch_size, precision, checkpointing, grad_ac
 
 
 @cli.command("recommend", epilog=MODEL_PROTOCOL)
-@click.argument("model_file", nargs=-1, required=True, metavar="MODEL",
-                callback=model_source_only)
+@click.argument("model_file", nargs=-1, required=True, metavar="MODEL | -- COMMAND...",
+                callback=model_or_script)
 @click.option("--target-batch", type=click.IntRange(1), default=256, show_default=True,
               help="The effective batch you want (micro-batch x accumulation x GPUs).")
 @click.option("--precision", "precisions", type=click.Choice(PRECISIONS), multiple=True,
@@ -264,7 +264,9 @@ def split_command(ctx, model_file, batch_size, precision, checkpointing, grad_ac
               help="Draw each strategy's per-GPU peak reserved, stacked by category, against "
                    "the budget: FILE.png, .svg or .html (needs matplotlib: the plot extra).")
 @_card_options
-def recommend_command(model_file, target_batch, precisions, strategies, link, top, jobs, quick,
+@click.pass_context
+def recommend_command(ctx, model_file, target_batch, precisions, strategies, link, top, jobs,
+                      quick,
                       run_smoke, nodes, inter_node, inter_node_gbps, host_ram, trainings,
                       plot_file, gpu_name, memory,
                       num_gpus, overhead, other_mem, margin, alloc_conf, checkpoint_class,
@@ -275,6 +277,11 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     oomdoctor recommend sample_models/gpt2_small.py --gpu rtx3090 --num-gpus 2 --target-batch 256
     oomdoctor recommend sample_models/llama7b.py --gpu rtx3090 --num-gpus 2 --target-batch 64
     oomdoctor recommend sample_models/gpt2_small.py --nodes 2 --num-gpus 2 --inter-node-link ib
+    oomdoctor recommend --gpu rtx3090 --num-gpus 2 -- python train.py --lr 3e-4
+
+    After `--`, MODEL is a single-GPU training script's command line: it runs on a fake GPU at
+    each micro-batch tried (every DataLoader's batch_size, or its {batch}), and the strategy,
+    micro-batch and accumulation are planned; its precision and checkpointing stay its own.
 
     Exit codes: 0 a configuration fits, 1 nothing fits (the output says what would), 2 usage
     error, 3 model file error.
@@ -294,6 +301,11 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
     alloc = _alloc_config(alloc_conf) if alloc_conf else rec.LAUNCH_ALLOCATOR
     n = num_gpus or (detected[1] if detected else _num_gpus(None))
     ram, ram_source = _host_ram(host_ram, detected is not None)
+    script = _recommend_script_of(ctx, model_file, debug)
+    if script is not None:
+        _recommend_script(ctx, script, budget, alloc, n, link or (detected[2] if detected
+                                                                  else None), debug)
+    model_file = model_file[0]
     try:
         hw = rec.hardware(budget.gpu, n, link or (detected[2] if detected else None),
                           detected is not None, nodes, inter_node, inter_node_gbps)
@@ -322,6 +334,13 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
         smoked = _smoke_best(spec, result.best, budget, alloc, checkpoint_class, optimizer,
                              debug)
     plot = _recommend_plot(result, plot_file, debug) if plot_file else None
+    _print_recommend(result, plot, smoked, shared, as_json)
+
+
+def _print_recommend(result, plot, smoked, shared, as_json):
+    """Print recommend's answer (with its plot, smoke run and sharing plan) and exit with its
+    verdict."""
+    from oomdoctor.plans import recommend as rec
     if as_json:
         doc = result.to_json()
         if plot is not None:
@@ -343,6 +362,43 @@ def recommend_command(model_file, target_batch, precisions, strategies, link, to
                                else smoke_mod.render_text(smoked)))
     if smoked is not None and not smoked.ok:
         sys.exit(EXIT_PROBLEM)
+    sys.exit(EXIT_OK if result.best is not None else EXIT_PROBLEM)
+
+
+def _recommend_script_of(ctx, words, debug):
+    """The ScriptSpec when recommend's MODEL is a command line (what a script decides itself,
+    and what is not planned for one yet, refused), else None."""
+    script = _planned_script(ctx, words, debug, None, None)
+    if script is not None:
+        for name, flag in (("run_smoke", "--smoke"), ("trainings", "--trainings"),
+                           ("plot_file", "--plot")):
+            if ctx.params.get(name):
+                raise click.UsageError(f"{flag} is not planned for a script yet: drop it, or "
+                                       "give the script's model as a model file")
+    return script
+
+
+def _recommend_script(ctx, script, budget, alloc, num_gpus, link, debug):
+    """`recommend -- python train.py`: plan the script, print it, exit with its verdict."""
+    from oomdoctor.cli.script import run_script
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.plans import recommend as rec
+    from oomdoctor.plans.parallel import parse_strategy
+    from oomdoctor.plans.recommend import script as rec_script
+    p = ctx.params
+    try:
+        hw = rec.hardware(budget.gpu, num_gpus, link, False, p["nodes"], p["inter_node"],
+                          p["inter_node_gbps"])
+        strategies = list(dict.fromkeys(parse_strategy(s) for s in p["strategies"])) or None
+        result = run_script(lambda: rec_script.recommend_script(
+            script, hw, p["target_batch"], budget, strategies, alloc, _progress))
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    result = dataclasses.replace(result, candidates=result.candidates[:p["top"]])
+    click.echo(json.dumps(result.to_json(), indent=2) if p["as_json"]
+               else rec_script.render_text(result))
     sys.exit(EXIT_OK if result.best is not None else EXIT_PROBLEM)
 
 

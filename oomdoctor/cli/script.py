@@ -43,15 +43,16 @@ def one_source(words: tuple[str, ...]) -> str:
 
 
 def model_source_only(ctx: click.Context, _param: click.Parameter, words: tuple[str, ...]) -> str:
-    """The MODEL argument of a command that plans a model, not a script (parallel, split,
-    recommend, smoke): one model source, or a usage error that says where scripts go."""
+    """The MODEL argument of a command that plans a model, not a script (smoke): one model
+    source, or a usage error that says where scripts go."""
     from oomdoctor.models.script import is_command
     if is_command(words):
         raise click.UsageError(f"`oomdoctor {ctx.command.name}` plans a model file, a Hugging "
                                "Face id or a timm:/torchvision: name; a training script runs "
                                "with `oomdoctor estimate|probe -- python train.py ARGS` (also "
                                "under torchrun, for DDP), is planned across GPUs by "
-                               "`oomdoctor parallel|split -- python train.py ARGS`, or runs as a "
+                               "`oomdoctor parallel|split|recommend -- python train.py ARGS`, "
+                               "or runs as a "
                                "`command =` case of check")
     return one_source(words)
 
