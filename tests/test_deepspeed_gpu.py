@@ -8,8 +8,8 @@ master copy) and accumulation +4.4%, and four reserved peaks 9-13% off, each the
 cause in the events). Each record is typed as a user
 would (`oomdoctor parallel MODEL --ds-config ds.json --deepspeed 0.19.8`) and both peaks are
 asserted: what DeepSpeed allocates besides the shards (flat 16-bit buffers, fp32 master
-sub-groups, reduce buckets, the gradient norm's float64 copies, start-up transients and the
-cache it empties) is what a world size of one measures."""
+sub-groups, reduce buckets and stage 3's reduce-scatter buffers on their stream, the gradient
+norm's float64 copies, start-up transients and the cache it empties) is what a world size of one measures."""
 import glob
 import json
 import os
@@ -26,8 +26,8 @@ FILES = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "results", "deepspeed"
 # the calibration's tolerances (tests/test_calibration.py) are 3% and 5%; these runs hold
 # tighter, and are asserted so (the widest: accumulation -1.2% allocated, where the trace adds
 # the second micro-batch's gradients into the first's and DeepSpeed, having dropped those,
-# gets new ones; stage 3's reduce-scatter stream, about 200 MB, -2.8% reserved)
-ALLOCATED_TOL, RESERVED_TOL = 0.015, 0.03
+# gets new ones; FP16_UnfusedOptimizer's per-parameter start-up copies, -1.7% reserved)
+ALLOCATED_TOL, RESERVED_TOL = 0.015, 0.02
 
 
 def _records() -> list[tuple[dict, dict]]:
