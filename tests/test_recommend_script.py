@@ -75,3 +75,26 @@ def test_what_a_script_decides_itself_is_refused():
     for extra in (("--precision", "bf16"), ("--smoke",)):
         r = _run("recommend", *CARD, *extra, "--", *SCRIPT)
         assert r.exit_code == 2, r.output
+
+
+def test_no_plan_asks_for_more_samples_than_the_data_has():
+    """A micro-batch above the dataset's size gets the same batch as a smaller one (its run
+    copies no more input): not a plan, so the plans stay within the 1000 samples."""
+    small = SCRIPT[:3] + ["1000"] + SCRIPT[4:]
+    r = _run("recommend", "--gpu", "rtx3090", "--num-gpus", "2", "--target-batch", "4096",
+             "--json", "--", *small)
+    assert r.exit_code == 0, r.output
+    assert all(c["micro_batch"] <= 1000 for c in json.loads(r.stdout)["candidates"])
+
+
+def test_a_script_whose_batch_cannot_be_set_is_refused_with_the_fix():
+    """loop.py makes its batches itself (no DataLoader): without {batch} every run would be at
+    its own batch, and the plan's micro-batch a fiction."""
+    loop = ["python", os.path.join(HERE, "scripts", "loop.py"), "--model",
+            os.path.join(HERE, "models", "deep_mlp.py")]
+    r = _run("recommend", "--gpu", "rtx3090", "--num-gpus", "2", "--target-batch", "16", "--",
+             *loop, "--batch-size", "4")
+    assert r.exit_code == 3 and "{batch}" in r.output
+    r = _run("recommend", "--gpu", "rtx3090", "--num-gpus", "2", "--target-batch", "16",
+             "--json", "--", *loop, "--batch-size", "{batch}")
+    assert r.exit_code == 0 and json.loads(r.stdout)["best"]["micro_batch"] == 16

@@ -7,6 +7,9 @@ and the accumulation that reaches the target batch are searched. Each micro-batc
 run of the script on the fake GPU (oomdoctor.plans.parallel.scripts), shared by every strategy;
 a strategy's largest fitting micro-batch among the divisors of its per-rank batch is found by
 bisection, assuming a larger batch never needs less memory (as probe's search of a script does).
+A micro-batch the script's data cannot fill (its run copied no more input than a smaller one's,
+or its DataLoader ran dry) is not a plan; a script that makes its batches without a DataLoader
+needs ``{batch}`` in its command line.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from oomdoctor.models.script import ScriptSpec
+from oomdoctor.plans.script_probe import ScriptError
 from oomdoctor.plans.estimate import Budget, allocator_conf_string
 from oomdoctor.plans.parallel import StrategyEstimate, estimate_strategy, parse_strategy
 from oomdoctor.plans.parallel.scripts import _script_cannot, _script_inputs
@@ -27,6 +31,8 @@ from oomdoctor.plans.recommend.search import (LAUNCH_ALLOCATOR, NUMERICS, NUMERI
                                               _divisors, _largest_fitting, _numerics,
                                               _strategies, _strategy_names, rank)
 from oomdoctor.sim.allocator import AllocatorConfig
+from oomdoctor.sim.recorder import Category
+from oomdoctor.sim.script import DataExhausted
 
 Progress = Callable[[str], None]
 
@@ -61,14 +67,31 @@ class _Runs:
     def __init__(self, script: ScriptSpec, budget: Budget, progress: Progress,
                  seq_len: int | None) -> None:
         self.script, self.budget, self.progress, self.seq_len = script, budget, progress, seq_len
-        self.done: dict[int, tuple] = {}
+        self.done: dict[int, tuple | None] = {}
+        self.inputs: dict[int, int] = {}     # bytes each run copied to the GPU as its batches
 
-    def at(self, b: int) -> tuple:
-        """(trace, layout, sizes) of a run at micro-batch ``b``."""
+    def at(self, b: int) -> tuple | None:
+        """(trace, layout, sizes) of a run at micro-batch ``b``; None where the script's data
+        gives no batch of ``b`` samples (the dataset is smaller)."""
         if b not in self.done:
-            trace, layout = _script_inputs(self.script, self.budget, self.progress, b,
-                                           self.seq_len)
-            self.done[b] = (trace, layout, Sizes.of(trace))
+            try:
+                trace, layout = _script_inputs(self.script, self.budget, self.progress, b,
+                                               self.seq_len)
+            except DataExhausted:
+                self.done[b] = None
+                return None
+            if trace.batch_from == "script":
+                raise ScriptError(f"{self.script.name} makes its batches without a DataLoader, "
+                                  "so oomdoctor cannot set their size; put {batch} where the "
+                                  f"script's batch size goes: `-- {self.script.command()} "
+                                  "--batch-size {batch}` (its own flag)")
+            # as probe's search of a script: a batch that copies no more input than a smaller
+            # one got all the data there is (the dataset is smaller than the batch)
+            inputs = sum(s.nbytes for s in trace.storages.values()
+                         if s.category is Category.INPUTS)
+            bound = any(n == inputs for b0, n in self.inputs.items() if b0 < b)
+            self.inputs[b] = inputs
+            self.done[b] = None if bound else (trace, layout, Sizes.of(trace))
         return self.done[b]
 
 
@@ -85,9 +108,12 @@ def recommend_script(script: ScriptSpec, hw: Hardware, target_batch: int, budget
     alloc = LAUNCH_ALLOCATOR if alloc is None else alloc
     runs = _Runs(script, budget, progress, seq_len)
     divisors = _divisors(target_batch)
-    # the run one GPU's bisection starts with: it says what the script trains in
-    first, layout, _ = runs.at(divisors[(len(divisors) - 1) // 2])
-    precision, checkpointing = first.config.precision, bool(first.checkpointed)
+    # the run one GPU's bisection starts with (else the smallest): what the script trains in
+    first = runs.at(divisors[(len(divisors) - 1) // 2]) or runs.at(1)
+    if first is None:
+        raise ScriptError(f"{script.name}'s data gives no batch to run at")
+    trace, layout, _ = first
+    precision, checkpointing = trace.config.precision, bool(trace.checkpointed)
     names = [parse_strategy(s) for s in _strategy_names(hw, strategies)]
     candidates, skipped, found = [], [], {}
     for st in _strategies(names, hw):
@@ -120,12 +146,22 @@ def _best_batch(runs: _Runs, st, target: int, budget: Budget, alloc: AllocatorCo
     if target % d:
         return None
 
-    def try_batch(b: int) -> StrategyEstimate:
-        trace, layout, sizes = runs.at(b)
+    def try_batch(b: int) -> StrategyEstimate | _NoBatch:
+        run = runs.at(b)
+        if run is None:
+            return _NoBatch()
+        trace, layout, sizes = run
         progress(f"{st.name} x{st.num_gpus}: micro-batch {b}")
         return estimate_strategy(trace, layout, st, budget, alloc, sizes,
                                  grad_accum=trace.config.grad_accum)
     return _largest_fitting(try_batch, _divisors(target // d))
+
+
+@dataclass(frozen=True)
+class _NoBatch:
+    """A micro-batch the script's data cannot fill: not a plan."""
+
+    fits: bool = False
 
 
 def _no_fit(st, target: int) -> str:
