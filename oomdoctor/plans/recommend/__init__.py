@@ -34,7 +34,9 @@ The package, in dependency order:
 - :mod:`~oomdoctor.plans.recommend.offload`: CPU offload plans (GPU, host RAM, rough slowdown);
 - :mod:`~oomdoctor.plans.recommend.sharing`: N trainings on the same GPUs, three ways compared;
 - :mod:`~oomdoctor.plans.recommend.render`: the text report;
-- :mod:`~oomdoctor.plans.recommend.search`: the search and ranking (:func:`recommend`).
+- :mod:`~oomdoctor.plans.recommend.search`: the search and ranking (:func:`recommend`);
+  :mod:`~oomdoctor.plans.recommend.config_search` one configuration's search;
+  :mod:`~oomdoctor.plans.recommend.script` a training script's plan.
 """
 from oomdoctor.plans.recommend.cost import (BACKWARD_SHARE, CHECKPOINT_RECOMPUTE, COMPUTE_EFFICIENCY,
                                       StepTime, step_time, throughput)
@@ -50,8 +52,8 @@ from oomdoctor.plans.recommend.offload import (local_host_ram, offload_plans, ze
 from oomdoctor.plans.recommend.records import (Candidate, Floor, Launch, OffloadPlan, Recommendation,
                                          TensorParallelPlan)
 from oomdoctor.plans.recommend.render import render_text
-from oomdoctor.plans.recommend.search import (LAUNCH_ALLOCATOR, NUMERICS, NUMERICS_PENALTY,
-                                              SIMPLICITY, Progress, recommend)
+from oomdoctor.plans.recommend.config_search import NUMERICS, NUMERICS_PENALTY
+from oomdoctor.plans.recommend.search import LAUNCH_ALLOCATOR, SIMPLICITY, Progress, recommend
 
 __all__ = [
     "LAUNCH_ALLOCATOR",

@@ -29,6 +29,7 @@ class Candidate:
     extrapolated: bool = True         # sizes from the batch-1/2 traces (False: traced directly)
     traffic_bytes: int = 0            # sent per GPU per step (StepTime.traffic_bytes)
     nodes: int = 1                    # machines; num_gpus counts the GPUs of all of them
+    verified: bool = False            # its figures from a direct trace of the plan (_verified)
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,10 @@ from oomdoctor.plans.recommend.cost import step_time
 from oomdoctor.plans.recommend.machine import Hardware
 from oomdoctor.plans.recommend.records import Candidate
 from oomdoctor.plans.recommend.render import _duration, _rate
-from oomdoctor.plans.recommend.search import (LAUNCH_ALLOCATOR, NUMERICS, NUMERICS_PENALTY,
-                                              _divisors, _largest_fitting, _numerics,
-                                              _strategies, _strategy_names, rank)
+from oomdoctor.plans.recommend.config_search import (NUMERICS, NUMERICS_PENALTY, _divisors,
+                                                     _largest_fitting, _numerics)
+from oomdoctor.plans.recommend.search import (LAUNCH_ALLOCATOR, _strategies, _strategy_names,
+                                              rank)
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.sim.recorder import Category
 from oomdoctor.sim.script import DataExhausted

@@ -1,7 +1,6 @@
 """The search: every precision x checkpointing x strategy x micro-batch that fits, ranked."""
 from __future__ import annotations
 
-import math
 import multiprocessing
 from dataclasses import replace
 from typing import Callable
@@ -11,21 +10,20 @@ from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.plans.estimate import Budget, allocator_conf_string, trace_for
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.models.spec import ModelSpec
-from oomdoctor.plans.parallel import (STRATEGIES, Layout, Sizes, StrategyEstimate, Strategy,
+from oomdoctor.plans.parallel import (STRATEGIES, Layout, StrategyEstimate, Strategy,
                                       default_policy, estimate_strategy, model_layout,
                                       trace_precision)
 from oomdoctor.plans.recommend.alternatives import what_would_fit, zero3_extra
-from oomdoctor.plans.recommend.cost import step_time, throughput
+from oomdoctor.plans.recommend.config_search import NUMERICS, _search_config
+from oomdoctor.plans.recommend.cost import throughput
 from oomdoctor.plans.recommend.facts import (_Facts, floor_bytes, model_facts,
                                        tensor_parallel_bytes)
 from oomdoctor.plans.recommend.finetune import adapter_alternative
-from oomdoctor.plans.recommend.internode import node_step_time
 from oomdoctor.plans.recommend.launch import _launch
 from oomdoctor.plans.recommend.machine import Hardware
 from oomdoctor.plans.recommend.offload import offload_plans
 from oomdoctor.plans.recommend.records import (Candidate, Floor, OffloadPlan, Recommendation,
                                          TensorParallelPlan)
-from oomdoctor.plans.recommend.render import _duration
 from oomdoctor.plans.recommend.sharing import other_process_note
 from oomdoctor.plans.workers import forked_pool
 from oomdoctor.sim.trace import Trace, TraceConfig
@@ -34,143 +32,15 @@ from oomdoctor.sim.trace import Trace, TraceConfig
 Progress = Callable[[str], None]
 
 
-# Numerics: 0 keeps fp32 weights and updates (fp32, or autocast AMP with fp32 master weights);
-# 1 stores weights and optimizer state in bf16 (small updates are lost to rounding);
-# 2 stores them in fp16 with no loss scaling: fp16's range (6e-8 to 65504) loses small
-# gradients to underflow and large activations to overflow, the riskiest of all.
-NUMERICS = {"fp32": 0, "fp16": 0, "bf16": 0, "bf16-pure": 1, "fp16-pure": 2}
 # The order a user would rather run them in, all else being equal.
 SIMPLICITY = ("single", "ddp", "zero1", "zero2", "zero3", "pipeline2", "dp", "hsdp")
 # Several nodes: one process per GPU on every node (DataParallel and the split stay inside one).
 NODE_SEARCH = ("single", "ddp", "zero1", "zero2", "zero3", "hsdp")
-NUMERICS_PENALTY = 1.25           # a pure precision's score (shown) carries this; it ranks last
 # The allocator a plan launches with when the user names none: expandable segments map more
 # physical memory into one segment instead of caching fixed ones, which ends most fragmentation
 # (c10/cuda/CUDACachingAllocator.cpp, ExpandableSegment). The plan's numbers are computed with
 # the setting its launch line sets (issue #24: they assumed the default while the line set this).
 LAUNCH_ALLOCATOR = AllocatorConfig(expandable_segments=True)
-
-
-def _divisors(n: int) -> list[int]:
-    return sorted({d for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0
-                   for d in (i, n // i)})
-
-
-def _largest_fitting(try_batch: Callable[[int], StrategyEstimate], batches: list[int]
-                     ) -> tuple[int, StrategyEstimate] | None:
-    """Largest b in ``batches`` (ascending) that fits, by bisection (fitting is monotone in b);
-    the smallest is tried only when every larger one fails."""
-    lo, hi = 0, len(batches) - 1
-    found = None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        e = try_batch(batches[mid])
-        if e.fits:
-            found = (batches[mid], e)
-            lo = mid + 1
-        else:
-            hi = mid - 1
-    return found
-
-
-def _numerics(precision: str) -> str:
-    return {"fp32": "fp32: unchanged",
-            "fp16": "fp16 AMP + GradScaler: practically neutral",
-            "bf16": "bf16 AMP: practically neutral",
-            "bf16-pure": "pure bf16 weights + optimizer state: small updates round away",
-            "fp16-pure": "pure fp16, no loss scaling: gradients underflow, activations overflow"
-            }[precision]
-
-
-def _search_config(spec: ModelSpec, precision: str, checkpointing: bool, hw: Hardware,
-                   budget: Budget, alloc: AllocatorConfig, target: int,
-                   strategies: list[Strategy], base: TraceConfig, progress: Progress
-                   ) -> tuple[list[Candidate], list[str]]:
-    """Trace one precision x checkpointing at batch 2 and 3 (batch 1 can differ in strides, so
-    it is traced only when needed; see probe.py), then find every strategy's largest fitting
-    micro-batch among the divisors of the per-rank batch."""
-    label = f"{precision}{' + checkpointing' if checkpointing else ''}"
-    cfg = replace(base, batch_size=2, precision=precision, checkpointing=checkpointing)
-    runs = {p: _Traces(spec, replace(cfg, precision=p), hw.gpu) for p in
-            {precision, *(trace_precision(default_policy(st, precision), precision)
-                          for st in strategies)}}
-    try:
-        progress(f"{label}: tracing batch 2 and 3")
-        for r in runs.values():
-            r.prepare()
-    except ValueError as e:
-        return [], [f"{label}: {e}"]
-    exact = runs[precision].exact
-    layout = runs[precision].layout
-    out: list[Candidate] = []
-    for st in strategies:
-        d = st.data_parallel
-        if target % d:
-            continue
-        batches = _divisors(target // d)
-        st = default_policy(st, precision)
-        run = runs[trace_precision(st, precision)]
-
-        def try_batch(b: int, st=st, run=run) -> StrategyEstimate:
-            return run.estimate(st, b, target // (d * b), budget, alloc)
-        try:
-            hit = _largest_fitting(try_batch, batches)
-        except ValueError as e:
-            progress(f"{label}: {st.name}: {e}")
-            continue
-        if hit is None:
-            progress(f"{label}: {st.name} x{st.num_gpus}: even micro-batch 1 does not fit")
-            continue
-        b, e = hit
-        k = target // (d * b)
-        if hw.nodes > 1:
-            t = node_step_time(layout, exact[2], st, hw, precision, checkpointing, b, k)
-        else:
-            t = step_time(layout, exact[2], st, hw, precision, checkpointing, b, k,
-                          e.partition.boundary_bytes if e.partition else 0)
-        progress(f"{label}: {st.name} x{st.num_gpus}: micro-batch {b} x {k} accumulation, "
-                 f"{e.peak_device_bytes / 2**30:.2f} GiB on the fullest GPU, "
-                 f"~{_duration(t.seconds)} per step")
-        out.append(Candidate(
-            st.name, st.num_gpus, precision, checkpointing, b, k, target,
-            e.peak_device_bytes, tuple(g.device_peak_bytes for g in e.gpus), t.seconds,
-            t.compute_seconds, t.communication_seconds, target / t.seconds if t.seconds else 0,
-            _numerics(precision),
-            t.seconds * (NUMERICS_PENALTY if NUMERICS[precision] else 1.0),
-            extrapolated=b not in run.exact, traffic_bytes=t.traffic_bytes, nodes=st.nodes))
-    return out, []
-
-
-class _Traces:
-    """One precision's traces at batch 2 and 3 (batch 1 can differ in strides, so it is traced
-    only when needed; see probe.py), their per-storage slope, and the layout."""
-
-    def __init__(self, spec: ModelSpec, cfg: TraceConfig, gpu: GpuProfile) -> None:
-        self.spec, self.cfg, self.gpu = spec, cfg, gpu
-        self.exact: dict[int, Trace] = {}
-        self.sizes: Sizes | None = None
-        self.layout: Layout | None = None
-
-    def traced(self, b: int) -> Trace:
-        if b not in self.exact:
-            self.exact[b] = trace_for(self.spec, replace(self.cfg, batch_size=b), self.gpu)
-        return self.exact[b]
-
-    def prepare(self) -> None:
-        self.sizes = Sizes.affine(self.traced(2), self.traced(3))
-        self.layout = model_layout(self.spec, self.cfg.precision)
-
-    def estimate(self, st: Strategy, b: int, k: int, budget: Budget, alloc: AllocatorConfig
-                 ) -> StrategyEstimate:
-        """``st`` at micro-batch ``b`` and ``k`` accumulation steps: from the trace at ``b``
-        when there is one (a candidate is marked extrapolated exactly when there is not)."""
-        if self.sizes is not None and b >= 2 and b not in self.exact:
-            return estimate_strategy(self.exact[2], self.layout, st, budget, alloc, self.sizes,
-                                     batch=b, grad_accum=k)
-        return estimate_strategy(self.traced(b), self.layout, st, budget, alloc, grad_accum=k)
-
-
-_WORKER: tuple | None = None     # (spec, ...) inherited by forked workers
 
 
 def _worker(precision: str, checkpointing: bool, strategies: list[Strategy]
@@ -364,11 +234,15 @@ def _search(spec: ModelSpec, hw: Hardware, budget: Budget, alloc: AllocatorConfi
             ) -> tuple[list[Candidate], list[str]]:
     """Every precision x checkpointing configuration's candidates and errors, in the order of
     ``configs``: in forked processes when ``jobs`` allows and the platform can fork."""
-    if jobs > 1 and len(configs) > 1 and "fork" in multiprocessing.get_all_start_methods():
+    fork = jobs > 1 and "fork" in multiprocessing.get_all_start_methods()
+    if fork and len(configs) > 1:
         progress(f"searching {len(configs)} precision x checkpointing configurations in "
                  f"{min(jobs, len(configs))} processes")
         results = _search_forked(spec, hw, budget, alloc, target, base, configs, feasible,
                                  min(jobs, len(configs)))
+    elif fork and len(configs) == 1 and len(_by_trace(*configs[0], feasible)) > 1:
+        results = [_search_split(spec, hw, budget, alloc, target, base, configs[0], feasible,
+                                 jobs, progress)]
     else:
         results = [_search_config(spec, p, ck, hw, budget, alloc, target, feasible[p], base,
                                   progress) for p, ck in configs]
@@ -398,6 +272,37 @@ def _search_forked(spec: ModelSpec, hw: Hardware, budget: Budget, alloc: Allocat
         _WORKER = None
 
 
+def _by_trace(precision: str, checkpointing: bool, feasible: dict[str, list[Strategy]]
+              ) -> list[list[Strategy]]:
+    """One configuration's strategies grouped by the precision they replay (the plain one, a
+    policy's pure bf16, DeepSpeed's 16-bit mode)."""
+    groups: dict[str, list[Strategy]] = {}
+    for st in feasible[precision]:
+        p = trace_precision(default_policy(st, precision), precision)
+        groups.setdefault(p, []).append(st)
+    return list(groups.values())
+
+
+def _search_split(spec: ModelSpec, hw: Hardware, budget: Budget, alloc: AllocatorConfig,
+                  target: int, base: TraceConfig, config: tuple[str, bool],
+                  feasible: dict[str, list[Strategy]], jobs: int, progress: Progress
+                  ) -> tuple[list[Candidate], list[str]]:
+    """One configuration searched in forked workers, one per precision its strategies replay
+    (each traces its own): `probe --num-gpus N`'s plan of the recommended configuration."""
+    global _WORKER
+    groups = _by_trace(*config, feasible)
+    progress(f"searching {len(groups)} traced precisions in {min(jobs, len(groups))} processes")
+    _WORKER = (spec, hw, budget, alloc, target, base)
+    try:
+        with forked_pool(min(jobs, len(groups))) as pool:
+            parts = [pool.submit(_worker_verified, *config, group, hw.link == "pcie-no-p2p")
+                     .result for group in groups]
+            done = [part() for part in parts]
+    finally:
+        _WORKER = None
+    return ([c for cands, _ in done for c in cands], [e for _, errs in done for e in errs])
+
+
 def _shared_traces(configs: list[tuple[str, bool]]) -> list[list[tuple[str, bool]]]:
     """The configurations in groups that one worker searches in turn: bf16 and bf16-pure at
     the same checkpointing share their pure-bf16 traces (FSDP's bf16 policy computes the pure
@@ -407,6 +312,16 @@ def _shared_traces(configs: list[tuple[str, bool]]) -> list[list[tuple[str, bool
         key = ("bf16", ck) if p in ("bf16", "bf16-pure") else (p, ck)
         groups.setdefault(key, []).append((p, ck))
     return sorted(groups.values(), key=len, reverse=True)
+
+
+def _worker_verified(precision: str, checkpointing: bool, strategies: list[Strategy],
+                     no_p2p: bool) -> tuple[list[Candidate], list[str]]:
+    """_worker, with its best candidate checked by a direct trace where its traces are (the
+    overall best is one group's best, so the check in the parent finds it done)."""
+    assert _WORKER is not None
+    spec, hw, budget, alloc, _, base = _WORKER
+    cands, errors = _worker(precision, checkpointing, strategies)
+    return _verified(spec, rank(cands, no_p2p), hw, budget, alloc, base, lambda _: None), errors
 
 
 def _worker_group(group: list[tuple[str, bool]], feasible: dict[str, list[Strategy]]
@@ -509,7 +424,7 @@ def _verified(spec: ModelSpec, candidates: list[Candidate], hw: Hardware, budget
     checks its maximum); candidates that fail the check are dropped."""
     out = list(candidates)
     for _ in range(3):
-        if not out or not (out[0].extrapolated or out[0].grad_accum > 1):
+        if not out or out[0].verified or not (out[0].extrapolated or out[0].grad_accum > 1):
             break
         c = out.pop(0)
         progress(f"checking {c.strategy} {c.precision} micro-batch {c.micro_batch} with a trace")
@@ -525,7 +440,7 @@ def _verified(spec: ModelSpec, candidates: list[Candidate], hw: Hardware, budget
         if e.fits:
             out.insert(0, replace(c, peak_device_bytes=e.peak_device_bytes,
                                   per_gpu_bytes=tuple(g.device_peak_bytes for g in e.gpus),
-                                  extrapolated=False))
+                                  extrapolated=False, verified=True))
             break
         progress(f"{c.strategy} {c.precision} micro-batch {c.micro_batch} does not fit when "
                  "traced directly; trying the next")
