@@ -94,7 +94,7 @@ class _Model:
         # ... and their optimizer steps flat fp32 partitions (stage 3 too)
         self.flat_optimizer = self.stage >= 1 or (self.stage == 0 and fused)
 
-    def trainable(self, ctx: _Context, h: int) -> bool:
+    def trainable(self, h: int) -> bool:
         return h in self._trainable
 
     @property
@@ -239,7 +239,7 @@ def _states(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
         if s.phase is Phase.SETUP and s.category is Category.PARAMETERS:
             whole = m.stage < 3 or h in m.persistent
             stored = size if whole else _shard(size, m.world)
-            moved = flatten_at is not None and m.trainable(ctx, h) and (m.flattens or not whole)
+            moved = flatten_at is not None and m.trainable(h) and (m.flattens or not whole)
             flat_bytes += stored if moved else 0
             g.add(key, stored, s.t_alloc, flatten_at - 0.002 * m.defragments if moved
                   else s.t_free, h)
@@ -468,20 +468,11 @@ def _reduce_scatters(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks, ph: int) 
     (zero/coalesced_collectives.py) flattens the bucket's gradients into one buffer on the
     reduce stream and drops it once reduced. The stream's blocks are its own: measured, two
     cached segments of 92-101 MB beside the default stream's (traces/zero3-*)."""
-    lo, hi, _ = ctx.timing.phases[ph]
-    grads = sorted((s.t_alloc, ctx.size[s.handle]) for s in ctx.storages
-                   if s.category is Category.GRADIENTS
-                   and ctx.timing.grad_owner.get(s.handle) is not None
-                   and ctx.timing.phase_index(s.t_alloc) == ph)
-    elements = 0
-    for t, nbytes in grads + [(None, 0)]:
-        n = nbytes // max(1, m.grad_itemsize)
-        if elements and (t is None or elements + n > m.ds.reduce_bucket_size):
-            at = hooks.ready(t) - 0.004 if t is not None else hi - 0.34
-            g.add("communication", elements * m.grad_itemsize, at, at + 0.002,
-                  stream=REDUCE_SCATTER_STREAM)
-            elements = 0
-        elements += n
+    hi = ctx.timing.phases[ph][1]
+    for t, elements in _bucket_fills(_phase_gradients(ctx, ph), m):
+        at = hooks.ready(t) - 0.004 if t is not None else hi - 0.34
+        g.add("communication", elements * m.grad_itemsize, at, at + 0.002,
+              stream=REDUCE_SCATTER_STREAM)
 
 
 def _bucket_times(ctx: _Context, m: _Model, hooks: _Hooks, ph: int
@@ -490,20 +481,34 @@ def _bucket_times(ctx: _Context, m: _Model, hooks: _Hooks, ph: int
     finds it full and reduces it: None if the backward's gradients fit it, reduced at the
     epilogue). ``reduce_independent_p_g_buckets_and_remove_grads`` (stage_1_and_2.py). Both
     None for a backward that makes no gradient of its own in the trace."""
-    tl = ctx.timing
-    grads = sorted((s.t_alloc, ctx.size[s.handle]) for s in ctx.storages
-                   if s.category is Category.GRADIENTS and tl.grad_owner.get(s.handle) is not None
-                   and tl.phase_index(s.t_alloc) == ph)
+    grads = _phase_gradients(ctx, ph)
     if not grads:                              # accumulating into existing gradients
         return None, None
     first = hooks.ready(grads[0][0]) - 0.01
-    elements = 0
+    reduce_at = next((hooks.ready(t) - 0.005 for t, _ in _bucket_fills(grads, m)
+                      if t is not None), None)
+    return first, reduce_at
+
+
+def _phase_gradients(ctx: _Context, ph: int) -> list[tuple[float, int]]:
+    """(allocation, bytes) of the parameter gradients backward phase ``ph`` makes, in order."""
+    tl = ctx.timing
+    return sorted((s.t_alloc, ctx.size[s.handle]) for s in ctx.storages
+                  if s.category is Category.GRADIENTS and tl.grad_owner.get(s.handle) is not None
+                  and tl.phase_index(s.t_alloc) == ph)
+
+
+def _bucket_fills(grads: list[tuple[float, int]], m: _Model) -> list[tuple[float | None, int]]:
+    """Each reduce of a backward's bucket: (the allocation of the gradient whose hook finds it
+    full, None for the reduce at the backward's end; the elements reduced)."""
+    out, elements = [], 0
     for t, nbytes in grads:
         n = nbytes // max(1, m.grad_itemsize)
         if elements and elements + n > m.ds.reduce_bucket_size:
-            return first, hooks.ready(t) - 0.005
+            out.append((t, elements))
+            elements = 0
         elements += n
-    return first, None
+    return out + [(None, elements)] if elements else out
 
 
 def _gathers(ctx: _Context, g: _Gpu, m: _Model) -> None:

@@ -11,7 +11,7 @@ from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.estimate import Budget, trace_for
 from oomdoctor.plans.parallel import (Layout, Sizes, StrategyEstimate, Strategy, default_policy,
                                       estimate_strategy, model_layout, trace_precision)
-from oomdoctor.plans.recommend.cost import step_time
+from oomdoctor.plans.recommend.cost import StepTime, step_time
 from oomdoctor.plans.recommend.internode import node_step_time
 from oomdoctor.plans.recommend.machine import Hardware
 from oomdoctor.plans.recommend.records import Candidate
@@ -111,14 +111,20 @@ def _search_config(spec: ModelSpec, precision: str, checkpointing: bool, hw: Har
         progress(f"{label}: {st.name} x{st.num_gpus}: micro-batch {b} x {k} accumulation, "
                  f"{e.peak_device_bytes / 2**30:.2f} GiB on the fullest GPU, "
                  f"~{_duration(t.seconds)} per step")
-        out.append(Candidate(
-            st.name, st.num_gpus, precision, checkpointing, b, k, target,
-            e.peak_device_bytes, tuple(g.device_peak_bytes for g in e.gpus), t.seconds,
-            t.compute_seconds, t.communication_seconds, target / t.seconds if t.seconds else 0,
-            _numerics(precision),
-            t.seconds * (NUMERICS_PENALTY if NUMERICS[precision] else 1.0),
-            extrapolated=b not in run.exact, traffic_bytes=t.traffic_bytes, nodes=st.nodes))
+        out.append(candidate(st, precision, checkpointing, b, k, target, e, t,
+                             extrapolated=b not in run.exact))
     return out, []
+
+
+def candidate(st: Strategy, precision: str, checkpointing: bool, b: int, k: int, target: int,
+              e: StrategyEstimate, t: StepTime, extrapolated: bool) -> Candidate:
+    """A plan: ``st`` at micro-batch ``b`` x ``k`` accumulation, its estimate and step time."""
+    return Candidate(
+        st.name, st.num_gpus, precision, checkpointing, b, k, target,
+        e.peak_device_bytes, tuple(g.device_peak_bytes for g in e.gpus), t.seconds,
+        t.compute_seconds, t.communication_seconds, target / t.seconds if t.seconds else 0,
+        _numerics(precision), t.seconds * (NUMERICS_PENALTY if NUMERICS[precision] else 1.0),
+        extrapolated=extrapolated, traffic_bytes=t.traffic_bytes, nodes=st.nodes)
 
 
 class _Traces:

@@ -14,7 +14,7 @@ needs ``{batch}`` in its command line.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 from oomdoctor.models.script import ScriptSpec
 from oomdoctor.plans.script_probe import ScriptError
@@ -27,15 +27,12 @@ from oomdoctor.plans.recommend.cost import step_time
 from oomdoctor.plans.recommend.machine import Hardware
 from oomdoctor.plans.recommend.records import Candidate
 from oomdoctor.plans.recommend.render import _duration, _rate
-from oomdoctor.plans.recommend.config_search import (NUMERICS, NUMERICS_PENALTY, _divisors,
-                                                     _largest_fitting, _numerics)
-from oomdoctor.plans.recommend.search import (LAUNCH_ALLOCATOR, _strategies, _strategy_names,
-                                              rank)
+from oomdoctor.plans.recommend.config_search import _divisors, _largest_fitting, candidate
+from oomdoctor.plans.recommend.search import (LAUNCH_ALLOCATOR, Progress, _strategies,
+                                              _strategy_names, rank)
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.sim.recorder import Category
 from oomdoctor.sim.script import DataExhausted
-
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -178,12 +175,7 @@ def _candidate(run: tuple, st, hw: Hardware, precision: str, checkpointing: bool
     k = target // (st.data_parallel * b)
     t = step_time(layout, trace, st, hw, precision, checkpointing, b, k,
                   e.partition.boundary_bytes if e.partition else 0)
-    return Candidate(st.name, st.num_gpus, precision, checkpointing, b, k, target,
-                     e.peak_device_bytes, tuple(g.device_peak_bytes for g in e.gpus), t.seconds,
-                     t.compute_seconds, t.communication_seconds,
-                     target / t.seconds if t.seconds else 0, _numerics(precision),
-                     t.seconds * (NUMERICS_PENALTY if NUMERICS[precision] else 1.0),
-                     extrapolated=False, traffic_bytes=t.traffic_bytes)
+    return candidate(st, precision, checkpointing, b, k, target, e, t, extrapolated=False)
 
 
 # What each strategy asks of a single-GPU script, in words: the script is the user's, so the
