@@ -160,15 +160,16 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     assert "ds3 x4" in r.output and "reduce_bucket_size 50,000,000" in r.output
 
 
-def test_the_deepspeed_release_is_stated_settable_and_moves_the_bucket():
-    """--deepspeed: before 0.18.3 ZeRO-2 makes its reduce bucket as the backward starts, while the
-    logits' gradients still live; since, at the first gradient's hook (measured on an H200,
-    tests/test_deepspeed_gpu.py). The note names the release and why it was assumed; a release
-    that is not one is a usage error."""
+@pytest.mark.parametrize("command,gpus", [("parallel", "--gpus"), ("estimate", "--num-gpus")])
+def test_the_deepspeed_release_is_stated_settable_and_moves_the_bucket(command, gpus):
+    """--deepspeed, in both commands that plan DeepSpeed: before 0.18.3 ZeRO-2 makes its reduce
+    bucket as the backward starts, while the logits' gradients still live; since, at the first
+    gradient's hook (measured on an H200, tests/test_deepspeed_gpu.py). The note names the
+    release and why it was assumed; a release that is not one is a usage error."""
     model = os.path.join(HERE, "models", "ds_simple_transformer.py")   # 102 MB of logits
 
     def run(*extra):
-        r = CliRunner().invoke(cli, ["parallel", model, "--strategy", "ds2", "--gpus", "2",
+        r = CliRunner().invoke(cli, [command, model, "--strategy", "ds2", gpus, "2",
                                      "-b", "2", "--precision", "bf16", "--json", *extra])
         return r
     old, new = run("--deepspeed", "0.9.2"), run("--deepspeed", "0.19.8")
