@@ -47,8 +47,8 @@ def _run_as_printed(launch: dict, tmp_path, card: list[str]) -> int:
     words = shlex.split(launch["command"])
     words[words.index("train.py")] = str(script)
     doc = _invoke(["estimate", *card, "--json", "--", *words], env=launch["env"])
-    if "strategies" in doc:                     # the script shards itself: a per-GPU report
-        return doc["strategies"][0]["gpus"][0]["device_peak_bytes"]
+    if "strategies" in doc:        # the script spreads itself: a per-GPU report, the fullest
+        return max(g["device_peak_bytes"] for g in doc["strategies"][0]["gpus"])
     return doc["peak_reserved_bytes"] + doc["breakdown"]["cuda_context"]
 
 
@@ -61,6 +61,10 @@ def _run_as_printed(launch: dict, tmp_path, card: list[str]) -> int:
     ("zero3", "fp32", ["--gpu", "rtx3090"]),
     ("zero3", "bf16", ["--gpu", "rtx3090"]),            # FSDP2's MixedPrecisionPolicy
     ("zero3", "bf16", ["--memory", "1.2GiB"]),          # a small card: accumulation
+    ("dp", "fp32", ["--gpu", "rtx3090"]),               # one process, DataParallel
+    ("dp", "bf16", ["--memory", "1.2GiB"]),
+    ("pipeline2", "fp32", ["--gpu", "rtx3090"]),        # one process, dispatch_model's split
+    ("pipeline2", "bf16-pure", ["--memory", "1GiB"]),
 ])
 def test_recommended_plan_runs_as_printed(strategy, precision, card, tmp_path):
     doc = _invoke(["recommend", MODEL, *card, "--num-gpus", "2", "--strategy", strategy,

@@ -138,12 +138,16 @@ def refuse_input_options(cpus: int | None, skip: bool) -> None:
 
 
 def sharded_report(script, trace, budget, alloc, views):
-    """The per-GPU report of a script that shards itself with FSDP (None: it does not)."""
-    if getattr(trace.model, "sharding", None) is None:
+    """The per-GPU report of a script that spreads its model over GPUs itself (FSDP,
+    DataParallel, a split; None: it does not)."""
+    from oomdoctor.plans.estimate import how_it_spreads, spreads_itself
+    if not spreads_itself(trace):
         return None
     if views:
-        raise click.UsageError("--snapshot and --plot show one GPU's step; the script shards "
-                               "itself with FSDP, which is estimated per GPU: run without them")
+        raise click.UsageError(f"--snapshot and --plot show one GPU's step; the script "
+                               f"{how_it_spreads(trace)}, which is estimated per GPU: run "
+                               "without them")
     from oomdoctor.plans import parallel as par
-    return par.estimate_sharded_script(script, trace, budget, alloc,
-                                       progress=lambda m: click.echo(m, err=True))
+    return par.estimate_spread_script(script, trace, budget, alloc,
+                                      progress=lambda m: click.echo(m, err=True),
+                                      seq_len=seq_len_option(click.get_current_context()))

@@ -10,6 +10,7 @@ peak to categories. The card's CUDA context lives outside the allocator and is a
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -305,10 +306,18 @@ def script_trace(script: ScriptSpec, cfg: TraceConfig, budget: Budget, *,
     from oomdoctor.sim.fakecuda import FakeGpu
     from oomdoctor.sim.script import trace_script
     gpu = budget.gpu
-    fake = FakeGpu(gpu.name, gpu.total_bytes, gpu.compute_capability, script.processes)
+    fake = FakeGpu(gpu.name, gpu.total_bytes, gpu.compute_capability,
+                   max(script.processes, visible_gpus()))
     cfg = replace(cfg, compute_capability=gpu.compute_capability, gpu_arch=gpu.arch)
     return trace_script(script, cfg, fake, batch_size=batch_size, seq_len=seq_len,
                         progress=progress)
+
+
+def visible_gpus() -> int:
+    """GPUs a one-process script sees: those CUDA_VISIBLE_DEVICES names (a DataParallel or a
+    split script spreads over them), else one."""
+    names = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return max(len(names), 1)
 
 
 def estimate_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
@@ -325,11 +334,27 @@ def estimate_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
 def refuse_sharded(trace: Trace, script: ScriptSpec, what: str) -> None:
     """A script that shards itself with FSDP ran whole on one fake GPU (sim.sharding): only
     its per-GPU replay (`oomdoctor estimate -- ...`) is its memory, never ``what`` of the run."""
-    if getattr(trace.model, "sharding", None) is not None:
-        raise ModelFileError(f"{script.name} shards its model with FSDP: its memory is per GPU, "
+    if spreads_itself(trace):
+        raise ModelFileError(f"{script.name} {how_it_spreads(trace)}: its memory is per GPU, "
                              "which `oomdoctor estimate -- <this command>` gives; "
                              f"{what} of it is not simulated yet (it would count the whole "
                              "model on one GPU)")
+
+
+def spreads_itself(trace: Trace) -> bool:
+    """Whether a script's run spread its model over GPUs itself (FSDP, DataParallel, a split):
+    it ran whole on one fake GPU, and only a per-GPU replay is its memory."""
+    return any(getattr(trace.model, k, None) is not None for k in ("sharding", "spread"))
+
+
+def how_it_spreads(trace: Trace) -> str:
+    """'shards its model with FSDP', as the script does it."""
+    spread = getattr(trace.model, "spread", None)
+    if spread is None:
+        return "shards its model with FSDP"
+    if spread.kind == "dp":
+        return f"runs DataParallel over {len(spread.devices)} GPUs"
+    return "splits its model over two GPUs (dispatch_model)"
 
 
 def budget_text(e: Estimate) -> str:

@@ -38,7 +38,8 @@ from oomdoctor.models import adapters
 from oomdoctor.models.blocks import execution_blocks
 from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError, first_line, user_frame
-from oomdoctor.sim import cudaoptim, ddp, eager, emulate, fakecuda, sharding, values, versions
+from oomdoctor.sim import (cudaoptim, ddp, eager, emulate, fakecuda, sharding, spreading, values,
+                          versions)
 from oomdoctor.sim.labels import allocator_events, label_activations, label_state
 from oomdoctor.sim.libraries import attention_note, traced_versions, weight_dtypes
 from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
@@ -90,6 +91,8 @@ class ScriptRun:
     # that batches by hand (no DataLoader)
     forward_batch: int = 0
     sharding: Any = None         # what the script's FSDP wrapped (sim.sharding.Sharding)
+    spread: Any = None           # DataParallel or dispatch_model in it (sim.spreading.Spread)
+    output_bytes: int = 0        # the first forward's output (its tensors), at the run's batch
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ class TrainedModel:
     module: torch.nn.Module
     calls: tuple = ()
     sharding: Any = None       # sim.sharding.Sharding: FSDP inside the script (None: none)
+    spread: Any = None         # sim.spreading.Spread: one process over several GPUs (None: one)
+    output_bytes: int = 0      # its first forward's output tensors, at the run's batch
 
 
 @dataclass(frozen=True)
@@ -234,6 +239,10 @@ class _Phases:
 
     def forward_post(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
         self.depth = max(self.depth - 1, 0)
+        if self.depth == 0 and self.forwards == 1 and not self.run.output_bytes:
+            # the model's output: what DataParallel gathers on its first GPU
+            self.run.output_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(_out)
+                                        if isinstance(t, torch.Tensor))
         if self.rec.module_stack:
             self.rec.module_stack.pop()
 
@@ -405,6 +414,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
     with eager.fake_trace([], rec.fused), cudaoptim.fused_optimizers_on_meta(), \
             fakecuda.fake_cuda(device), \
             ddp.rank_zero(script.world, script.environment()) as sharded, \
+            spreading.stand_ins() as spread, \
             _loaders(batch_size, run), \
             (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
                                  cfg.torch)
@@ -412,7 +422,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
             values.active(device.shadows), rec, \
             every_step(lambda opt: label_state(rec, True, opt)) as stepped, _hooks(phases):
         run.ended = _run_file(script, argv)
-        run.sharding = sharded.sharding
+        run.sharding, run.spread = sharded.sharding, spread.spread
         rec.closed = True
         held = list(dict.fromkeys([*run.optimizers, *stepped]))
         state = sum(state_bytes(o, lambda k, v, o=o: not host_state(True, o, k, v))
@@ -517,7 +527,7 @@ def _trained(run: ScriptRun) -> TrainedModel | None:
     root = max(run.roots.values(), key=lambda m: sum(p.numel() for p in m.parameters()),
                default=None)
     return None if root is None else TrainedModel(root, tuple(run.calls.get(id(root), ())),
-                                                  run.sharding)
+                                                  run.sharding, run.spread, run.output_bytes)
 
 
 def _batch_size(run: ScriptRun) -> int:

@@ -70,7 +70,8 @@ from oomdoctor.plans.parallel.render import render_report, render_split
 from oomdoctor.plans.parallel.report import (ParallelReport, Progress, SplitPlan,
                                              estimate_strategies, plan_split)
 from oomdoctor.plans.parallel.scripts import (estimate_script_strategies,
-                                              estimate_sharded_script, plan_script_split,
+                                              estimate_sharded_script, estimate_spread_script,
+                                              plan_script_split,
                                               sharded_strategy)
 from oomdoctor.plans.parallel.results import BREAKDOWN_KEYS, GpuMemory, Partition, StrategyEstimate
 from oomdoctor.plans.parallel.strategy import (ALIASES, DEEPSPEED_STRATEGIES, DESCRIPTIONS,
@@ -93,6 +94,7 @@ __all__ = [
     "strategy_events", "live_peak", "estimate_strategy",
     "Progress", "ParallelReport", "estimate_strategies", "estimate_script_strategies",
     "SplitPlan", "plan_split", "plan_script_split", "estimate_sharded_script",
+    "estimate_spread_script",
     "sharded_strategy",
     "render_report", "render_split",
     # used as par.X by the tests

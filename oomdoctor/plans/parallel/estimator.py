@@ -128,12 +128,14 @@ def live_peak(events: list[tuple[bool, int, int]]) -> int:
 
 def estimate_strategy(trace: Trace, layout: Layout, strategy: Strategy, budget: Budget,
                       alloc: AllocatorConfig = AllocatorConfig(), sizes: Sizes | None = None,
-                      batch: int | None = None, grad_accum: int = 1) -> StrategyEstimate:
+                      batch: int | None = None, grad_accum: int = 1,
+                      cut: int | None = None) -> StrategyEstimate:
     """Per-GPU peaks of ``strategy`` for the traced configuration at micro-batch ``batch``
-    (default: the trace's) per data-parallel rank."""
+    (default: the trace's) per data-parallel rank; the split at ``cut`` (the execution index
+    of the second stage's first block; default: the best)."""
     ctx, gpus, notes, partition = _build(
         trace, layout, strategy, budget.gpu, sizes, batch,
-        choose_cut=lambda pipe: _best_cut(pipe, budget, alloc))
+        choose_cut=lambda pipe: _best_cut(pipe, budget, alloc) if cut is None else cut)
     measured = tuple(_measure(ctx, g, budget, alloc) for g in gpus)
     b = ctx.trace.config.batch_size
     cfg = trace.config

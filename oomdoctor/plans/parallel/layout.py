@@ -192,7 +192,9 @@ def script_layout(trace: Trace, name: str) -> Layout:
         persistent=tuple(n in st.persistent_names for n in st.names),
         tied=tuple(tuple(sorted(to_exec[i] for i in g)) for g in st.tied_def),
         inputs=_script_inputs(trace, st, lookup, to_exec),
-        output_bytes_at_1=0, output_bytes_per_sample=0,
+        # the output, proportional to the batch (one run): a + s(b - 1) with a = s
+        output_bytes_at_1=trace.model.output_bytes // max(trace.config.batch_size, 1),
+        output_bytes_per_sample=trace.model.output_bytes // max(trace.config.batch_size, 1),
         block_flops=tuple(per_sample * st.block_numel[d] / total for d in exec_defs),
         flops_per_sample=per_sample,
         num_parameters=sum(t.numel() for t in st.tensors.values()),

@@ -118,17 +118,100 @@ def _refuse_distributed(script: ScriptSpec, trace) -> None:
     """A script that already spreads itself (DDP/FSDP inside, under torchrun) is estimated per
     GPU as it is, by `estimate -- torchrun ...`: planning other strategies from it would count
     its own collectives' buffers twice."""
+    from oomdoctor.plans.estimate import how_it_spreads, spreads_itself
     from oomdoctor.sim.ddp import ScriptDDP
     trained = trace.model.module if trace.model is not None else None
-    sharded = getattr(trace.model, "sharding", None) is not None
-    if isinstance(trained, ScriptDDP) or script.world > 1 or sharded:
-        how = ("shards its model with FSDP" if sharded else
+    spreads = spreads_itself(trace)
+    if isinstance(trained, ScriptDDP) or script.world > 1 or spreads:
+        how = (how_it_spreads(trace) if spreads else
                f"already runs data-parallel ({script.world} processes under {script.launcher}, "
                "or DDP inside)")
         raise ValueError(f"{script.name} {how}: its per-GPU memory is what `oomdoctor "
                          "estimate -- <the same command>` gives; `oomdoctor parallel` plans a "
                          "single-GPU script across strategies - give it the script without its "
-                         "own DDP/FSDP, as plain `python train.py ...`")
+                         "own DDP/FSDP/DataParallel/split, as plain `python train.py ...`")
+
+
+def estimate_spread_script(script: ScriptSpec, trace: Trace, budget: Budget,
+                           alloc: AllocatorConfig = AllocatorConfig(),
+                           progress: Progress = lambda _: None,
+                           seq_len: int | None = None) -> ParallelReport:
+    """Each GPU of a script that spreads its model itself: FSDP under torchrun
+    (:func:`estimate_sharded_script`), or one process over several GPUs - DataParallel, or
+    accelerate's ``dispatch_model`` split (:mod:`oomdoctor.sim.spreading`)."""
+    spread = getattr(trace.model, "spread", None)
+    if spread is None:
+        return estimate_sharded_script(script, trace, budget, alloc, progress)
+    if spread.kind == "dp":
+        trace, layout, st, sizes = _data_parallel_run(script, trace, budget, progress, seq_len)
+        cut = None
+    else:
+        layout, st, sizes = script_layout(trace, script.name), Strategy("pipeline2", 2), None
+        cut = map_cut(layout, spread.device_map)
+    progress(f"{st.name}: replaying {st.num_gpus} GPUs as the script spreads")
+    e = estimate_strategy(trace, layout, st, budget, alloc, sizes or Sizes.of(trace),
+                          grad_accum=trace.config.grad_accum, cut=cut)
+    e = replace(e, notes=(_spread_note(spread, st), *e.notes))
+    return ParallelReport(script.name, budget.gpu.name, st.num_gpus, budget.gpu.total_bytes,
+                          budget.limit_bytes, e.micro_batch, trace.config.precision,
+                          bool(trace.checkpointed), layout.num_parameters, (e,), (),
+                          allocator_conf_string(alloc))
+
+
+def _spread_note(spread, st: Strategy) -> str:
+    if spread.kind == "dp":
+        return (f"the script's DataParallel over GPUs {', '.join(map(str, spread.devices))}, "
+                "replayed from two runs (its batch, and one GPU's share of it)")
+    return (f"the script's dispatch_model over GPUs {' and '.join(map(str, spread.devices))}, "
+            "replayed at the split its device map makes")
+
+
+def _data_parallel_run(script: ScriptSpec, whole: Trace, budget: Budget, progress: Progress,
+                       seq_len: int | None) -> tuple:
+    """DataParallel scatters each batch over its GPUs: the run at the script's batch is GPU 0's
+    gathered outputs and loss; a second run at one GPU's share (the first chunk, the largest:
+    torch.chunk) is each replica's step. The replay's sizes come from the two."""
+    from oomdoctor.plans.estimate import script_trace
+    n = len(whole.model.spread.devices)
+    batch = whole.config.batch_size
+    if not (whole.loaders or "batch" in script.placeholders) or batch < n:
+        raise ModelFileError(f"{script.name} runs DataParallel over {n} GPUs on batches it makes "
+                         "without a DataLoader: oomdoctor needs one GPU's share of the batch in "
+                         "a second run. Put {batch} in the script's arguments where it takes its "
+                         "batch size, or use a DataLoader")
+    share = -(-batch // n)
+    progress(f"dp: running {script.name} again at one GPU's share of the batch ({share})")
+    cfg = TraceConfig(share, steps=whole.config.steps, torch=whole.config.torch,
+                      emulate_cuda=whole.config.emulate_cuda)
+    part = script_trace(script, cfg, budget, batch_size=share, seq_len=seq_len)
+    layout = script_layout(part, script.name)
+    return part, layout, Strategy("dp", n), Sizes.affine(part, whole)
+
+
+def map_cut(layout: Layout, device_map: dict[str, int]) -> int:
+    """The split a device map makes (module name -> stage): the execution index of the first
+    block on the other stage. A map of more than two contiguous runs of blocks is refused."""
+    stages = [_stage_of(block, device_map) for block in layout.blocks]
+    cuts = [i for i in range(1, len(stages)) if stages[i] != stages[i - 1]]
+    if len(cuts) != 1:
+        raise ModelFileError(f"the script's device map puts the blocks on the GPUs as {stages}: "
+                         "oomdoctor replays one cut between two runs of consecutive blocks "
+                         "(as `oomdoctor split --device-map` writes it)")
+    return cuts[0]
+
+
+def _stage_of(block: str, device_map: dict[str, int]) -> int:
+    """A block's stage: the map's entry for it or for the module that holds it, else the one
+    stage of all the entries inside it."""
+    holders = [k for k in device_map if k == "" or block == k or block.startswith(k + ".")]
+    if holders:
+        return device_map[max(holders, key=len)]
+    inside = {v for k, v in device_map.items() if k.startswith(block + ".")}
+    if len(inside) != 1:
+        raise ModelFileError(f"the script's device map "
+                         + ("names no device for" if not inside else "splits")
+                         + f" the block {block!r}: oomdoctor replays whole blocks per GPU")
+    return inside.pop()
 
 
 def estimate_sharded_script(script: ScriptSpec, trace: Trace, budget: Budget,

@@ -124,7 +124,9 @@ def candidate(st: Strategy, precision: str, checkpointing: bool, b: int, k: int,
         e.peak_device_bytes, tuple(g.device_peak_bytes for g in e.gpus), t.seconds,
         t.compute_seconds, t.communication_seconds, target / t.seconds if t.seconds else 0,
         _numerics(precision), t.seconds * (NUMERICS_PENALTY if NUMERICS[precision] else 1.0),
-        extrapolated=extrapolated, traffic_bytes=t.traffic_bytes, nodes=st.nodes)
+        extrapolated=extrapolated, traffic_bytes=t.traffic_bytes, nodes=st.nodes,
+        device_map=e.partition.device_map if e.partition else None,
+        main_device=e.partition.main_stage if e.partition else 0)
 
 
 class _Traces:

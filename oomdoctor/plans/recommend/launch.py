@@ -92,7 +92,7 @@ _DISTRIBUTED_SETUP = ["import torch.distributed as dist",
                       "torch.cuda.set_device(local_rank)",
                       "device = torch.device('cuda', local_rank)"]
 # One process: the device setup of each strategy (the rest use GPU 0).
-_LOCAL_SETUP = {"pipeline2": ["from accelerate import dispatch_model", "import json"]}
+_LOCAL_SETUP = {"pipeline2": ["from accelerate import dispatch_model"]}
 _CHECKPOINTED = ["from torch.utils.checkpoint import checkpoint",
                  "class Checkpointed(torch.nn.Module):           # recompute in backward",
                  "    def __init__(self, block):",
@@ -103,18 +103,13 @@ _CHECKPOINTED = ["from torch.utils.checkpoint import checkpoint",
 _DDP = ["model = torch.nn.parallel.DistributedDataParallel(",     # ZeRO-1 is DDP + sharded Adam
         "    model.to(device), device_ids=[local_rank], gradient_as_bucket_view=True)"]
 # Wrapping the model and building the optimizer, for the strategies that need no parameters
-# (zero2/zero3, hsdp and dp are built by _wrap_lines); any other strategy is one plain GPU.
+# (zero2/zero3, hsdp, dp and the split are built by _wrap_lines); any other strategy is one
+# plain GPU.
 _WRAP = {
     "ddp": [*_DDP, _ADAMW],
     "zero1": ["from torch.distributed.optim import ZeroRedundancyOptimizer", *_DDP,
               "opt = ZeroRedundancyOptimizer(model.parameters(),",
               "                              optimizer_class=torch.optim.AdamW, lr=lr)"],
-    "pipeline2": ["# map from: oomdoctor split model.py --gpus 2 --device-map map.json",
-                  "plan = json.load(open('map.json'))",
-                  "model = dispatch_model(model, device_map=plan['device_map'],",
-                  "                       main_device=plan['main_device'])",
-                  "device = torch.device('cuda', plan['main_device'])   # inputs go here",
-                  _ADAMW],
 }
 _PLAIN_WRAP = ["model.to(device)", _ADAMW]
 _AUTOCAST = {"fp16": "torch.float16", "bf16": "torch.bfloat16"}
@@ -239,7 +234,48 @@ def _wrap_lines(c: Candidate, where: str, no_p2p: bool) -> list[str]:
                 _ADAMW]
     if c.strategy == "dp":
         return _data_parallel_lines(no_p2p)
+    if c.strategy == "pipeline2":
+        return _split_lines(c)
     return list(_WRAP.get(c.strategy, _PLAIN_WRAP))
+
+
+def _split_lines(c: Candidate) -> list[str]:
+    """accelerate's dispatch_model at the plan's own cut: the map is printed, not read from a
+    file another command writes (with other defaults, `split` can cut elsewhere)."""
+    main = c.main_device
+    return ["# the plan's split (`oomdoctor split --device-map map.json` writes it as JSON)",
+            f"device_map = {device_map_literal(c.device_map or {})}",
+            f"model = dispatch_model(model, device_map=device_map, main_device={main})",
+            f"device = torch.device('cuda', {main})   # inputs and the loss go here",
+            _ADAMW]
+
+
+def device_map_literal(device_map: dict[str, int]) -> str:
+    """A device map as Python, runs of numbered blocks on one GPU as comprehensions:
+    {'embed': 0, **{f'layers.{i}': 0 for i in range(0, 40)}, 'head': 1}."""
+    import re
+    parts: list[str] = []
+    run: list = []              # [prefix, first, last, gpu] of the run being written
+
+    def flush() -> None:
+        if run:
+            prefix, first, last, gpu = run
+            parts.append(f"**{{f'{prefix}.{{i}}': {gpu} for i in range({first}, {last + 1})}}"
+                         if last - first >= 2 else
+                         ", ".join(f"'{prefix}.{i}': {gpu}" for i in range(first, last + 1)))
+            run.clear()
+    for name, gpu in device_map.items():
+        m = re.fullmatch(r"(.+)\.(\d+)", name)
+        if m and run and run[0] == m[1] and run[2] + 1 == int(m[2]) and run[3] == gpu:
+            run[2] = int(m[2])
+            continue
+        flush()
+        if m:
+            run.extend([m[1], int(m[2]), int(m[2]), gpu])
+        else:
+            parts.append(f"{name!r}: {gpu}")
+    flush()
+    return "{" + ", ".join(parts) + "}"
 
 
 # FSDP2's bf16: fp32 master weights sharded, blocks gathered and computed in bf16, gradients

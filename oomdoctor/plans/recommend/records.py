@@ -30,6 +30,9 @@ class Candidate:
     traffic_bytes: int = 0            # sent per GPU per step (StepTime.traffic_bytes)
     nodes: int = 1                    # machines; num_gpus counts the GPUs of all of them
     verified: bool = False            # its figures from a direct trace of the plan (_verified)
+    # the split (pipeline2): module name -> GPU, and the GPU that takes the inputs and loss
+    device_map: dict[str, int] | None = None
+    main_device: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,109 @@
+"""One process over two GPUs inside a script (`sim.spreading`): DataParallel and accelerate's
+dispatch_model, estimated per GPU by `oomdoctor estimate -- python train.py`.
+
+The script (tests/scripts/spread_loop.py) trains a model file's network; the same network as a
+model file, planned by `oomdoctor parallel` (the replay tests/test_parallel.py checks against
+real runs), must give the same per-GPU peaks: the script's route differs in everything before
+the replay - its run on the fake GPU, the stand-ins, the second run at one GPU's share of a
+DataParallel batch, the cut read from its device map. Printed plans run the same way in
+tests/test_plan_scripts.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from oomdoctor.cli import cli
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "scripts", "spread_loop.py")
+MODEL = os.path.join(HERE, "models", "plan_lm.py")
+TWO = {"CUDA_VISIBLE_DEVICES": "0,1"}
+CARD = ["--gpu", "rtx3090"]
+
+
+def _estimate(*script_args, env=TWO):
+    r = CliRunner().invoke(cli, ["estimate", *CARD, "--json", "--", sys.executable, SCRIPT,
+                                 "--model", MODEL, *script_args], env=env)
+    return r, (json.loads(r.stdout) if r.exit_code in (0, 1) else None)
+
+
+def _per_gpu(doc):
+    return [g["device_peak_bytes"] for g in doc["strategies"][0]["gpus"]]
+
+
+def _close(got, want, tol=0.005):
+    assert len(got) == len(want) and all(abs(g - w) <= tol * w for g, w in zip(got, want)), \
+        (got, want)
+
+
+def test_a_data_parallel_script_is_estimated_per_gpu():
+    """DataParallel over the two visible GPUs at a loader batch of 16: 8 per GPU, as
+    `parallel --strategy dp -b 8` plans the model file (GPU 0: the whole batch's outputs and
+    the loss, the optimizer; GPU 1: a replica's step)."""
+    r, doc = _estimate("--spread", "dp", "--batch-size", "16")
+    assert r.exit_code == 0, r.output[-2000:]
+    est = doc["strategies"][0]
+    assert (est["strategy"], est["num_gpus"], est["micro_batch"]) == ("dp", 2, 8)
+    plan = CliRunner().invoke(cli, ["parallel", MODEL, *CARD, "--gpus", "2", "-b", "8",
+                                    "--strategy", "dp", "--json"])
+    _close(_per_gpu(doc), _per_gpu(json.loads(plan.stdout)))
+    assert any("DataParallel over GPUs 0, 1" in n for n in est["notes"])
+
+
+def test_data_parallel_on_one_visible_gpu_is_the_plain_script():
+    """With one GPU visible DataParallel calls the module as it is: one GPU's estimate, the
+    same as the script without it."""
+    one = {"CUDA_VISIBLE_DEVICES": "0"}
+    r, dp = _estimate("--spread", "dp", "--batch-size", "8", env=one)
+    _, plain = _estimate("--spread", "none", "--batch-size", "8", env=one)
+    assert r.exit_code == 0 and "strategies" not in dp, r.output[-2000:]
+    assert abs(dp["peak_reserved_bytes"] - plain["peak_reserved_bytes"]) <= 4096
+
+
+@pytest.mark.parametrize("cut", [2, 3])
+def test_a_split_script_is_estimated_at_its_own_cut(cut):
+    """dispatch_model with the script's map: each GPU as the model file's split at that cut
+    (the Python API takes the cut; `parallel` would pick its own best)."""
+    from oomdoctor.models.loader import load_model_file
+    from oomdoctor.plans import parallel as par
+    from oomdoctor.plans.estimate import Budget, trace_for
+    from oomdoctor.sim.gpus import get_profile
+    from oomdoctor.sim.trace import TraceConfig
+    r, doc = _estimate("--spread", "split", "--cut", str(cut), "--batch-size", "8")
+    assert r.exit_code == 0, r.output[-2000:]
+    assert doc["strategies"][0]["strategy"] == "pipeline2"
+    spec = load_model_file(MODEL)
+    budget = Budget(get_profile("rtx3090"))
+    trace = trace_for(spec, TraceConfig(8), budget.gpu)
+    layout = par.model_layout(spec, "fp32")
+    want = par.estimate_strategy(trace, layout, par.Strategy("pipeline2", 2), budget,
+                                 cut=layout.blocks.index(f"layers.{cut}"))
+    _close(_per_gpu(doc), [g.device_peak_bytes for g in want.gpus])
+
+
+@pytest.mark.parametrize("device_map,words", [
+    ({"embed": 0, "layers": 1, "norm": "cpu", "head": "cpu"}, "offload"),
+    ({"embed": 0, "layers": 1, "norm": 2, "head": 2}, "3 GPUs"),
+    ({"embed": 0, "layers.0": 1, "layers.1": 0, "layers.2": 1, "layers.3": 1, "norm": 1,
+      "head": 1}, "one cut"),
+])
+def test_a_split_oomdoctor_cannot_replay_is_named(device_map, words):
+    """Offload, more than two GPUs, more than one cut: one line that names it, exit 3."""
+    r, _ = _estimate("--spread", "split", "--map", json.dumps(device_map), "--batch-size", "8",
+                     env={"CUDA_VISIBLE_DEVICES": "0,1,2"})
+    assert r.exit_code == 3, r.output[-2000:]
+    assert words in r.output and "Traceback" not in r.output
+
+
+def test_parallel_refuses_a_script_that_spreads_itself():
+    """`parallel` plans a single-GPU script; one that runs DataParallel already is sent to
+    `estimate`, which estimates it as it is."""
+    r = CliRunner().invoke(cli, ["parallel", *CARD, "--gpus", "2", "--", sys.executable, SCRIPT,
+                                 "--model", MODEL, "--spread", "dp"], env=TWO)
+    assert r.exit_code != 0
+    assert "runs DataParallel over 2 GPUs" in r.output and "oomdoctor estimate" in r.output
