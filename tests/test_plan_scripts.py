@@ -182,3 +182,20 @@ def test_the_fsdp_qlora_plan_is_refused_by_name(saved_llama, tmp_path):
     r = CliRunner().invoke(cli, ["estimate", *card, "--", *words], env=doc["launch"]["env"])
     assert r.exit_code == 3, r.output[-2000:]
     assert "FSDP-QLoRA" in r.output and "oomdoctor parallel" in r.output
+
+
+def test_the_split_plans_device_map_is_one_accelerate_takes():
+    """The split plan prints its device map; accelerate's own check (every parameter and
+    buffer of the real model placed exactly once) accepts it for the model built on the CPU."""
+    import torch
+    from accelerate.utils.modeling import check_device_map
+
+    from oomdoctor.models.loader import load_model_file
+    doc = _invoke(["recommend", MODEL, "--memory", "1GiB", "--num-gpus", "2", "--strategy",
+                   "pipeline2", "--precision", "bf16-pure", "--target-batch", "64", "--json"])
+    line = next(x for x in doc["launch"]["snippet"].splitlines() if x.startswith("device_map ="))
+    device_map = eval(line.split("=", 1)[1])                    # noqa: S307 - our own literal
+    assert sorted(set(device_map.values())) == [0, 1]
+    with torch.device("cpu"):
+        model = load_model_file(MODEL).build_model()
+    check_device_map(model, device_map)
