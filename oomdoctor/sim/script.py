@@ -553,5 +553,9 @@ def _label_model(rec: Recorder, run: ScriptRun) -> None:
             rec.relabel(p, Category.PARAMETERS, name=name)
         for name, b in root.named_buffers():
             rec.relabel(b, Category.BUFFERS, name=name)
+        # bitsandbytes' quantization statistics: buffers in effect, as the layout counts them
+        for name, t in adapters.named_quant_states(root):
+            if rec.handle_of(t) is not None:
+                rec.relabel(t, Category.BUFFERS, name=name)
 
 

@@ -167,7 +167,10 @@ def script_layout(trace: Trace, name: str) -> Layout:
         raise ValueError(f"{name}: the run trained no module oomdoctor saw")
     model = trace.model.module
     defined = execution_blocks(model)
-    st = _storages(model, defined)
+    # the quantization statistics the run saw made on the GPU (a codebook built from a Python
+    # list, torch.tensor(..., device=...), is made outside the dispatcher: 64 bytes unseen)
+    seen = {s.name for s in trace.storages.values() if s.phase is Phase.SETUP and s.name}
+    st = _storages(model, defined, seen)
     first: dict[int, int] = {}
     lookup = {n: i for i, n in enumerate(defined)}
     for s in sorted(trace.storages.values(), key=lambda s: s.t_alloc):
@@ -272,9 +275,11 @@ class _Storages:
     four_bit: int = 0                        # parameters of 4-bit weights (two per byte)
 
 
-def _storages(model: torch.nn.Module, defined: list[str]) -> _Storages:
+def _storages(model: torch.nn.Module, defined: list[str],
+              quant_seen: set[str] | None = None) -> _Storages:
     """Parameter and buffer storages in the order trace.py registers them, their owners, and
-    the parameter counts per block."""
+    the parameter counts per block; ``quant_seen``: the quantization statistics to count, by
+    name (None: all)."""
     def_index = {n: i for i, n in enumerate(defined)}
 
     def owner_of(names: list[str]) -> int:
@@ -299,7 +304,8 @@ def _storages(model: torch.nn.Module, defined: list[str]) -> _Storages:
     buffer_names: dict[int, str] = {}
     # bitsandbytes' quantization statistics, registered by the trace as buffers (same order)
     from oomdoctor.models.adapters import named_quant_states
-    quant_states = named_quant_states(model)
+    quant_states = [(n, t) for n, t in named_quant_states(model)
+                    if quant_seen is None or n in quant_seen]
     persistent_names = _saved_names(model) | {n for n, _ in quant_states}
     for n, b in (*model.named_buffers(), *quant_states):
         k = b.untyped_storage()._cdata

@@ -222,12 +222,6 @@ def estimate_sharded_script(script: ScriptSpec, trace: Trace, budget: Budget,
     sharding = trace.model.sharding
     st = sharded_strategy(sharding, script.world)
     layout = script_layout(trace, script.name)
-    if layout.dequantized_params:
-        raise ModelFileError(
-            f"{script.name}: FSDP over bitsandbytes' 4-bit weights (FSDP-QLoRA) inside a script "
-            "is not simulated yet (its quantization statistics do not line up with the sharded "
-            "parameters); plan it from the model: `oomdoctor parallel MODEL --lora R --quantize "
-            "nf4 --strategy zero3`")
     progress(f"{st.name}: replaying {st.num_gpus} GPU(s) as the script shards")
     e = estimate_strategy(trace, layout, st, budget, alloc, Sizes.of(trace),
                           grad_accum=trace.config.grad_accum)

@@ -37,7 +37,20 @@ def _launch(c: Candidate, hw: Hardware, spec: ModelSpec, facts: _Facts,
     return Launch(command, env, snippet(c, facts.blocks_parent, facts.has_batchnorm,
                                         no_p2p=hw.link == "pcie-no-p2p",
                                         adapters=spec.adapters, targets=facts.lora_targets),
-                  quality_notes(c, facts), env_note)
+                  quality_notes(c, facts) + _sharded_4bit_note(c, spec.adapters), env_note)
+
+
+def _sharded_4bit_note(c: Candidate, adapters: Any) -> tuple[str, ...]:
+    """fully_shard over bitsandbytes' 4-bit weights works only where Params4bit survives FSDP2's
+    chunking of each parameter (bitsandbytes PR #1719, merged August 2025; before it the
+    chunks were plain tensors and the quantization state was lost, bitsandbytes issue #1424)."""
+    if c.strategy not in ("zero3", "hsdp") or adapters is None or not adapters.quantize:
+        return ()
+    return ("FSDP2 over 4-bit weights (FSDP-QLoRA) needs a bitsandbytes release from after "
+            "August 2025 (its PR #1719: Params4bit keeps its quantization state through "
+            "fully_shard); with an older one, upgrade it, or shard with FSDP1 - accelerate's FSDP "
+            "plugin, as bitsandbytes' FSDP-QLoRA guide does (plan it with `--fsdp-version 1` in "
+            "`oomdoctor parallel`)",)
 
 
 def _allocator_env(allocator: str) -> dict[str, str]:
@@ -178,8 +191,11 @@ def _adapter_lines(c: Candidate, adapters: Any, targets: tuple[str, ...], distri
     8-bit frozen weights, the QLoRA recipe's preparation, LoRA on the traced targets."""
     dtype = {"fp32": "torch.float32", "fp16": "torch.float16",
              "fp16-pure": "torch.float16"}.get(c.precision, "torch.bfloat16")
+    # QLoRA's recipe upcasts what is not quantized to fp32; a pure 16-bit plan keeps it 16-bit
+    # (oomdoctor.models.adapters builds the model the plan's figures are for the same way)
+    upcast = adapters.quantize and c.precision not in _PURE_DTYPE
     lines = ["from peft import LoraConfig, get_peft_model"
-             + (", prepare_model_for_kbit_training" if adapters.quantize else "")]
+             + (", prepare_model_for_kbit_training" if upcast else "")]
     load = "model = AutoModelForCausalLM.from_pretrained(MODEL_ID, torch_dtype=" + dtype
     if adapters.quantize:
         lines += ["from transformers import AutoModelForCausalLM, BitsAndBytesConfig"]
@@ -198,9 +214,12 @@ def _adapter_lines(c: Candidate, adapters: Any, targets: tuple[str, ...], distri
         load += (",\n    quantization_config=bnb"
                  + (", device_map={'': local_rank})   # each rank loads its own copy"
                     if distributed and c.strategy not in ("zero3", "hsdp") else ")"))
-        lines += [load,
-                  "model = prepare_model_for_kbit_training(model, use_gradient_checkpointing="
-                  f"{c.checkpointing})   # frozen base, norms in fp32"]
+        lines.append(load)
+        if upcast:
+            lines.append("model = prepare_model_for_kbit_training(model, use_gradient_"
+                         f"checkpointing={c.checkpointing})   # frozen base, norms in fp32")
+        elif c.checkpointing:
+            lines.append("model.gradient_checkpointing_enable()   # pure 16-bit: nothing upcast")
     else:
         lines += ["from transformers import AutoModelForCausalLM   # or your build_model()",
                   load + ")   # frozen base in 16-bit"]
