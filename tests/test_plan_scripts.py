@@ -76,6 +76,20 @@ def test_recommended_plan_runs_as_printed(strategy, precision, card, tmp_path):
         (got, best)
 
 
+def test_the_hybrid_sharding_plan_runs_as_printed_on_node_0(tmp_path):
+    """Two nodes of two GPUs, hybrid sharding (FSDP2 over a 2-D mesh, the bf16 policy): node
+    0's torchrun line with the printed code needs the plan's per-GPU figure."""
+    card = ["--gpu", "rtx3090"]
+    doc = _invoke(["recommend", MODEL, *card, "--nodes", "2", "--num-gpus", "2", "--strategy",
+                   "hsdp", "--precision", "bf16", "--target-batch", "64", "--json"])
+    best = doc["best"]
+    assert (best["strategy"], best["nodes"]) == ("hsdp", 2)
+    assert doc["launch"]["command"] == doc["launch"]["node_commands"][0]
+    got = _run_as_printed(doc["launch"], tmp_path, card)
+    assert abs(got - best["peak_device_bytes"]) <= TOLERANCE * best["peak_device_bytes"], \
+        (got, best)
+
+
 @pytest.mark.parametrize("strategy,precision", [("zero3", "bf16"), ("ddp", "fp16")])
 def test_checkpointed_plan_runs_as_printed(strategy, precision, tmp_path):
     """A checkpointed plan with accumulation (recommend prefers accumulation alone on this
