@@ -107,3 +107,33 @@ def test_parallel_refuses_a_script_that_spreads_itself():
                                  "--model", MODEL, "--spread", "dp"], env=TWO)
     assert r.exit_code != 0
     assert "runs DataParallel over 2 GPUs" in r.output and "oomdoctor estimate" in r.output
+
+
+DEEPSPEED_SCRIPT = """import torch, deepspeed
+model = torch.nn.Linear(8, 8)
+engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                         config={"train_batch_size": 8})
+"""
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_deepspeed_inside_a_script_is_named_with_where_to_plan_it(installed, tmp_path,
+                                                                  monkeypatch):
+    """DeepSpeed's engine is not followed inside a script: with DeepSpeed missing (its import
+    fails) or installed (a stand-in package here, whose real initialize would raise something
+    else), one line says so and sends the user to `parallel --ds-config`, exit 3."""
+    script = tmp_path / "train_ds.py"
+    script.write_text(DEEPSPEED_SCRIPT)
+    if installed:
+        package = tmp_path / "site" / "deepspeed"
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text(
+            "def initialize(*args, **kwargs):\n    raise RuntimeError('the real engine')\n")
+        monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        r = CliRunner().invoke(cli, ["estimate", *CARD, "--", sys.executable, str(script)])
+    finally:
+        sys.modules.pop("deepspeed", None)      # the stand-in package stays out of other tests
+    assert r.exit_code == 3, r.output[-2000:]
+    assert "DeepSpeed inside a script is not simulated" in r.output
+    assert "--ds-config" in r.output and "the real engine" not in r.output

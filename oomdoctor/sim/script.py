@@ -390,6 +390,8 @@ def _run_file(script: ScriptSpec, argv: list[str]) -> str:
 def _failure(script: ScriptSpec, e: BaseException) -> str:
     """One line: where the script failed, what, and the fallback."""
     where = user_frame(e) or script.name
+    if isinstance(e, ImportError) and "deepspeed" in str(e).lower():
+        return f"{where}: {type(e).__name__}: {first_line(e)}; {spreading.DEEPSPEED}"
     return (f"{where}: {type(e).__name__}: {first_line(e)}; the fake GPU could not follow the "
             "script here. If it runs on a GPU, write a model file for it (see `oomdoctor probe "
             "--help`) or stop earlier with --steps 1; --debug shows the traceback")
