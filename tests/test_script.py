@@ -414,12 +414,14 @@ def test_hf_trainer_classifiers_give_the_hf_sources_peak(tmp_path, kind, precisi
     assert _close(run.peak_reserved_bytes, ref.peak_reserved_bytes, slack=2 * MiB)
 
 
-def test_smoke_says_where_a_script_goes():
-    """smoke plans a model source only (recommend takes a script since issue #32:
-    tests/test_recommend_script.py); its refusal names the commands that do."""
-    r = _cli("smoke", "--", "python", "tests/scripts/mlp_loop.py")
-    assert r.returncode == 2 and "estimate|probe -- python train.py" in r.stderr
-    assert "parallel|split|recommend -- python train.py" in r.stderr
+def test_smoke_runs_a_plain_python_script_and_says_where_a_launched_one_goes():
+    """smoke runs a script as one process (tests/test_smoke_script.py); a torchrun command is
+    refused in one line that names the plain way and the command that plans the launch."""
+    r = _cli("smoke", "--", "torchrun", "--nproc_per_node", "2", "tests/scripts/mlp_loop.py")
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "torchrun launches several" in line and "plain python" in line
+    assert "`oomdoctor estimate -- torchrun ...`" in line
 
 
 def test_the_hf_trainers_default_optimizer_is_fused_adamw(tmp_path):

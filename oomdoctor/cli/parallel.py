@@ -9,7 +9,7 @@ import click
 
 from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
                                  cli)
-from oomdoctor.cli.script import model_or_script, model_source_only
+from oomdoctor.cli.script import model_or_script
 from oomdoctor.cli.deepspeed_options import (_deepspeed_defaults, _deepspeed_run,
                                              _ds_config_option)
 from oomdoctor.cli.options import (_bucket_view_option, _fsdp_version, _fsdp_version_option,
@@ -19,7 +19,7 @@ from oomdoctor.cli.options import (_bucket_view_option, _fsdp_version, _fsdp_ver
                                    _checkpoint_config,
                                    _link_option, LINKS,
                                    _write_bar_plot)
-from oomdoctor.cli.runs import _smoke_best, _smoke_prediction
+from oomdoctor.cli.runs import _smoke_best, _smoke_prediction, _smoke_script
 from oomdoctor.configs import (DEEPSPEED_CHOICES, MODEL_PROTOCOL, NODE_STRATEGY_CHOICES,
                                PRECISIONS, STRATEGY_CHOICES)
 
@@ -430,8 +430,8 @@ def _host_ram(text, local):
 
 
 @cli.command("smoke", epilog=MODEL_PROTOCOL)
-@click.argument("model_file", nargs=-1, required=True, metavar="MODEL",
-                callback=model_source_only)
+@click.argument("model_file", nargs=-1, required=True, metavar="MODEL | -- COMMAND...",
+                callback=model_or_script)
 @click.option("--strategy", type=click.Choice(NODE_STRATEGY_CHOICES), default="single",
               show_default=True, help="hsdp (hybrid sharding) with --nodes.")
 @click.option("-b", "--batch-size", type=click.IntRange(1), default=1, show_default=True,
@@ -439,7 +439,8 @@ def _host_ram(text, local):
 @click.option("--grad-accum", default=1, show_default=True, type=click.IntRange(1))
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @click.option("--checkpointing", is_flag=True, help="Checkpoint the repeated blocks.")
-@click.option("--steps", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--steps", type=click.IntRange(1), default=3, show_default=True,
+              help="Optimizer steps (a script: stopped after its N-th).")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto",
               show_default=True, help="auto: the GPUs when enough are visible, else the CPU.")
 @click.option("--cpu-batch", type=click.IntRange(1), default=2, show_default=True,
@@ -449,8 +450,9 @@ def _host_ram(text, local):
                    "computed now).")
 @_NODES
 @_card_options
-def smoke_command(model_file, strategy, batch_size, grad_accum, precision, checkpointing, steps,
-                  device, cpu_batch, device_map_path, nodes, gpu_name, memory, num_gpus,
+@click.pass_context
+def smoke_command(ctx, model_file, strategy, batch_size, grad_accum, precision, checkpointing,
+                  steps, device, cpu_batch, device_map_path, nodes, gpu_name, memory, num_gpus,
                   overhead, other_mem, margin, alloc_conf, checkpoint_class, optimizer, as_json,
                   debug):
     """Run a few real training steps; loss per step, step time, measured vs predicted peaks.
@@ -459,14 +461,37 @@ def smoke_command(model_file, strategy, batch_size, grad_accum, precision, check
     oomdoctor smoke sample_models/tiny_mlp.py --strategy ddp --gpus 2 -b 16 --grad-accum 2
     oomdoctor smoke model.py --strategy pipeline2 --device-map map.json --precision bf16
     oomdoctor smoke sample_models/tiny_mlp.py --strategy hsdp --nodes 2 --num-gpus 2
+    oomdoctor smoke --steps 3 -- python tests/scripts/mlp_loop.py --samples 256
 
-    Without CUDA it runs on the CPU (gloo processes, bf16 autocast, the split via accelerate)
-    and says that GPU memory was not measured.
+    Without CUDA a model file runs on the CPU (gloo processes, bf16 autocast, the split via
+    accelerate) and the output says that GPU memory was not measured.
+
+    After `--`, MODEL is your training script's command line: it runs for real, unmodified,
+    in a fresh process, stopped after its --steps-th optimizer step; each step's loss (the
+    scalar its backward() starts from) and time are reported. With CUDA its peaks are compared
+    with `oomdoctor estimate --steps N` of the same command, which stops at the same point.
+    Without CUDA its CUDA calls (.cuda(), device="cuda", autocast, GradScaler) run on the CPU
+    and GPU memory is not measured. One process, as given: torchrun and other launchers,
+    and the options of a model file's loop (-b, --precision, --strategy, ...), are refused.
+
     Exit codes: 0 passed, 1 failed (OOM, peak >10% off the prediction, loss not finite or
-    not moving, or the run could not start), 2 usage error, 3 model file error.
+    not moving, no optimizer step, or the run could not start), 2 usage error, 3 model file or
+    script error (the script raised).
     """
-    from oomdoctor.runs import smoke as smoke_mod
+    from oomdoctor.cli.script import script_of
     from oomdoctor.models.spec import ModelFileError
+    try:
+        script = script_of(model_file)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    if script is not None:
+        def budget():
+            return _make_budget(gpu_name, memory, overhead, other_mem, margin)
+        if gpu_name or memory:
+            budget()            # a misspelt card is a usage error before the run
+        _smoke_script(ctx, script, steps, device, budget, alloc_conf, as_json, debug)
+    model_file = model_file[0]
+    from oomdoctor.runs import smoke as smoke_mod
     from oomdoctor.plans.parallel import parse_strategy
     strategy = parse_strategy(strategy)
     if strategy == "hsdp" and nodes < 2:

@@ -63,3 +63,55 @@ def _smoke_prediction(spec, cfg, budget, alloc):
     layout = par.model_layout(spec, cfg.precision)
     return cfg, par.estimate_strategy(trace, layout, par.Strategy(cfg.strategy, cfg.num_gpus),
                                       budget, alloc, sizes, grad_accum=cfg.grad_accum)
+
+
+# smoke's options that describe the loop it builds around a model file, and what says them in a
+# script (refused for `smoke -- python train.py`, with the loop options every command refuses)
+_SCRIPT_SMOKE_REFUSED = {
+    "batch_size": "(its DataLoader's batch_size: smoke runs the command as given)",
+    "cpu_batch": "(its DataLoader's batch_size: smoke runs the command as given)",
+    "device_map_path": "(its own .to(device) calls)",
+    "nodes": "(smoke runs a script as one process)",
+    "num_gpus": "(smoke runs a script as one process)",
+}
+
+
+def _smoke_script(ctx, script, steps, device, budget, alloc_conf, as_json, debug):
+    """`smoke -- python train.py`: the script's real steps judged (with CUDA, against its
+    estimate for as many steps); prints the result and exits with the verdict."""
+    import json
+    import sys
+
+    import click
+
+    from oomdoctor.cli.group import EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_USAGE
+    from oomdoctor.cli.options import _alloc_config, _modelled_torch
+    from oomdoctor.cli.script import refuse_loop_options, run_script
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.runs import smoke as smoke_mod
+    from oomdoctor.runs import smoke_script
+    refuse_loop_options(ctx, extra=_SCRIPT_SMOKE_REFUSED)
+    alloc = _alloc_config(alloc_conf)
+
+    def predict():
+        from oomdoctor.plans.estimate import estimate_script
+        from oomdoctor.sim.trace import TraceConfig
+        # the same stop as the real run's: after optimizer step `steps` (runs.script_steps)
+        cfg = TraceConfig(1, steps=steps, torch=_modelled_torch())
+        return run_script(lambda: estimate_script(script, cfg, budget(), alloc,
+                                                  progress=_progress))
+    try:
+        cfg = smoke_script.ScriptSmokeConfig(steps, device, alloc_conf=alloc_conf)
+        result = smoke_script.run_script_smoke(script, cfg, predict, progress=_progress,
+                                               output=_progress)
+    except ModelFileError as e:
+        _die(e, debug, EXIT_MODEL)
+    except smoke_mod.NoDeviceError as e:
+        _die(e, debug, EXIT_NO_GPU)
+    except smoke_mod.SmokeError as e:
+        _die(e, debug, EXIT_PROBLEM)
+    except ValueError as e:
+        _die(e, debug, EXIT_USAGE)
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json
+               else smoke_script.render_text(result))
+    sys.exit(EXIT_OK if result.ok else EXIT_PROBLEM)

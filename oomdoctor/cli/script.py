@@ -1,4 +1,4 @@
-"""A training script as MODEL: ``oomdoctor estimate|probe -- python train.py ARGS``.
+"""A training script as MODEL: ``oomdoctor estimate|probe|smoke -- python train.py ARGS``.
 
 What the commands share when MODEL is a command line: telling it from a model source, refusing
 the options that describe a model file's loop (a script's loop says them itself), and running
@@ -42,21 +42,6 @@ def one_source(words: tuple[str, ...]) -> str:
     return words[0]
 
 
-def model_source_only(ctx: click.Context, _param: click.Parameter, words: tuple[str, ...]) -> str:
-    """The MODEL argument of a command that plans a model, not a script (smoke): one model
-    source, or a usage error that says where scripts go."""
-    from oomdoctor.models.script import is_command
-    if is_command(words):
-        raise click.UsageError(f"`oomdoctor {ctx.command.name}` plans a model file, a Hugging "
-                               "Face id or a timm:/torchvision: name; a training script runs "
-                               "with `oomdoctor estimate|probe -- python train.py ARGS` (also "
-                               "under torchrun, for DDP), is planned across GPUs by "
-                               "`oomdoctor parallel|split|recommend -- python train.py ARGS`, "
-                               "or runs as a "
-                               "`command =` case of check")
-    return one_source(words)
-
-
 def model_or_script(_ctx: click.Context, _param: click.Parameter, words: tuple[str, ...]
                     ) -> tuple[str, ...]:
     """The MODEL argument of a planner that also takes a script: the words as given (a command
@@ -67,17 +52,21 @@ def model_or_script(_ctx: click.Context, _param: click.Parameter, words: tuple[s
     return words
 
 
-def refuse_loop_options(ctx: click.Context, allowed: tuple[str, ...] = ()) -> None:
+def refuse_loop_options(ctx: click.Context, allowed: tuple[str, ...] = (),
+                        extra: dict[str, str] | None = None) -> None:
     """A usage error for an option given on the command line that a script decides itself
     (``allowed``: options the command means otherwise for a script, as parallel's
-    --strategy picks the strategies to plan)."""
-    for name, own in _LOOP_OPTIONS.items():
+    --strategy picks the strategies to plan; ``extra``: the command's own such options, by
+    parameter name, with what decides them in a script)."""
+    for name, own in {**_LOOP_OPTIONS, **(extra or {})}.items():
         if name in allowed:
             continue
         # (--checkpoint-every/-policy are remembered in ctx.meta, not parameters)
         given = name in ctx.params or name in ctx.meta.get("oomdoctor.checkpoint", {})
         if given and ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
             flag = "--" + name.replace("_", "-").removesuffix("s" if name == "precisions" else "")
+            flag = next((max(p.opts, key=len) for p in ctx.command.params
+                         if p.name == name and extra and name in extra), flag)
             raise click.UsageError(f"{flag} describes a model file's training loop; a script "
                                    f"decides it in its own code {own}. Change the script's "
                                    "arguments instead")

@@ -77,7 +77,7 @@ def judge(outs: list[dict[str, Any]], cuda: bool, strategy: str,
     that fail the smoke and the notes, each in the order the report lists them."""
     problems = [f"rank {o['rank']}: {o['oom']}" for o in outs if o.get("oom")]
     notes: list[str] = []
-    _judge_losses(tuple(outs[0]["losses"]), problems, notes)
+    judge_losses(tuple(outs[0]["losses"]), problems, notes)
     if precision == "fp16-pure" and any(p.startswith("loss is not finite") for p in problems):
         notes.append(FP16_PURE_NAN)
     memory: list[MemoryCheck] = []
@@ -88,15 +88,17 @@ def judge(outs: list[dict[str, Any]], cuda: bool, strategy: str,
     return memory, problems, notes
 
 
-def _judge_losses(losses: tuple[float, ...], problems: list[str], notes: list[str]) -> None:
-    """Rank 0's per-step losses on a repeated batch: finite, and changing (falling, or a note)."""
+def judge_losses(losses: tuple[float, ...], problems: list[str], notes: list[str],
+                 repeated: bool = True) -> None:
+    """Per-step losses: finite, and changing; on a ``repeated`` batch (a model file's smoke)
+    falling, or a note (a script's fresh batches may not fall in a few steps)."""
     if losses and not all(math.isfinite(x) for x in losses):
         problems.append(f"loss is not finite: {', '.join(f'{x:.4g}' for x in losses)}")
     elif len(losses) >= 2 and all(abs(x - losses[0]) <= 1e-7 * max(1.0, abs(losses[0]))
                                   for x in losses[1:]):
         problems.append(f"loss did not change over {len(losses)} steps ({losses[0]:.6g}): is the "
                         "optimizer stepping the parameters that the loss depends on?")
-    elif len(losses) >= 2 and losses[-1] >= losses[0]:
+    elif repeated and len(losses) >= 2 and losses[-1] >= losses[0]:
         notes.append(f"loss did not fall on a repeated batch ({losses[0]:.4g} -> "
                      f"{losses[-1]:.4g}) in {len(losses)} steps; a learning-rate warm-up or a "
                      "tiny learning rate can explain it")
@@ -116,13 +118,17 @@ def _check_memory(outs: list[dict[str, Any]], strategy: str,
                                 pred.peak_reserved_bytes if pred else None)
             memory.append(check)
             if not check.ok:
-                problems.append(
-                    f"{dev}: measured peak {alloc / 2**30:.2f} GiB allocated / "
-                    f"{reserved / 2**30:.2f} GiB reserved is more than {TOLERANCE:.0%} off "
-                    f"the prediction ({check.predicted_allocated_bytes / 2**30:.2f} / "
-                    f"{check.predicted_reserved_bytes / 2**30:.2f} GiB)")
+                problems.append(memory_problem(check))
             index += 1
     return memory
+
+
+def memory_problem(check: MemoryCheck) -> str:
+    """What a GPU whose measured peak is off the prediction says in the report."""
+    return (f"{check.device}: measured peak {check.peak_allocated_bytes / 2**30:.2f} GiB "
+            f"allocated / {check.peak_reserved_bytes / 2**30:.2f} GiB reserved is more than "
+            f"{TOLERANCE:.0%} off the prediction ({check.predicted_allocated_bytes / 2**30:.2f}"
+            f" / {check.predicted_reserved_bytes / 2**30:.2f} GiB)")
 
 
 def _predicted(prediction: StrategyEstimate | None, strategy: str, index: int):
@@ -146,16 +152,19 @@ def render_text(r: SmokeResult) -> str:
             for i, (loss, t) in enumerate(zip(r.losses, r.step_seconds))]
     lines.append(tabulate(rows, headers=("step", "loss", "ms"), colalign=("right",) * 3))
     if r.memory:
-        rows = []
-        for m in r.memory:
-            rows.append((m.device, f"{m.peak_allocated_bytes / 2**30:.2f}",
-                         "-" if m.predicted_allocated_bytes is None
-                         else f"{m.predicted_allocated_bytes / 2**30:.2f}",
-                         f"{m.peak_reserved_bytes / 2**30:.2f}",
-                         "-" if m.predicted_reserved_bytes is None
-                         else f"{m.predicted_reserved_bytes / 2**30:.2f}",
-                         "ok" if m.ok else "OFF"))
-        lines += ["", tabulate(rows, headers=("GPU", "allocated", "predicted", "reserved",
-                                              "predicted", f"within {TOLERANCE:.0%}"))]
+        lines += ["", memory_table(r.memory)]
     lines += [""] + [f"PROBLEM: {p}" for p in r.problems] + [f"note: {n}" for n in r.notes]
     return "\n".join(lines).rstrip()
+
+
+def memory_table(memory: tuple[MemoryCheck, ...]) -> str:
+    """Each GPU's measured peaks next to the predicted ones, GiB."""
+    from tabulate import tabulate
+
+    def gib(b: int | None) -> str:
+        return "-" if b is None else f"{b / 2**30:.2f}"
+    rows = [(m.device, gib(m.peak_allocated_bytes), gib(m.predicted_allocated_bytes),
+             gib(m.peak_reserved_bytes), gib(m.predicted_reserved_bytes),
+             "ok" if m.ok else "OFF") for m in memory]
+    return tabulate(rows, headers=("GPU", "allocated", "predicted", "reserved", "predicted",
+                                   f"within {TOLERANCE:.0%}"))
