@@ -137,3 +137,19 @@ def test_deepspeed_inside_a_script_is_named_with_where_to_plan_it(installed, tmp
     assert r.exit_code == 3, r.output[-2000:]
     assert "DeepSpeed inside a script is not simulated" in r.output
     assert "--ds-config" in r.output and "the real engine" not in r.output
+
+
+def test_readme_example_runs(monkeypatch):
+    """README's DataParallel example, as printed (its environment prefix set as the shell
+    would): the per-GPU dp report."""
+    import re
+    import shlex
+    root = os.path.dirname(HERE)
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        [line] = [b.strip() for b in re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+                  if b.startswith("CUDA_VISIBLE_DEVICES=0,1 oomdoctor estimate")]
+    env, words = shlex.split(line)[0], shlex.split(line)[2:]
+    monkeypatch.chdir(root)
+    r = CliRunner().invoke(cli, words, env=dict([env.split("=", 1)]))
+    assert r.exit_code == 0, r.output[-2000:]
+    assert "dp x2" in r.output and "the script's DataParallel over GPUs 0, 1" in r.output
