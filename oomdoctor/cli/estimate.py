@@ -100,7 +100,7 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
                 budget, alloc, batch_size, bool(snapshot_file), bool(plot_file)))
             checked = script_cli.check_input(trace, budget, script, cpus, skip_input, _progress)
             report = script_cli.sharded_report(script, trace, budget, alloc,
-                                               snapshot_file or plot_file)
+                                               snapshot_file or plot_file, ds_release)
             strategy = report.estimates[0].strategy if report else strategy
         elif snapshot_file or plot_file:
             from oomdoctor.plans import snapshot as snapshot_mod
@@ -149,7 +149,7 @@ def _estimate_deepspeed(ctx, ds_config, script, precision, strategy):
         return precision, strategy, _deepspeed_defaults(ctx)
     if script is not None:
         raise click.UsageError("--ds-config plans a model source; a script's own "
-                               "deepspeed.initialize is not followed yet")
+                               "deepspeed.initialize is read from its run (its config)")
     precision, (strategy,), ds = _deepspeed_run(
         ctx, ds_config, precision, () if strategy == "single" else (strategy,))
     return precision, strategy, ds

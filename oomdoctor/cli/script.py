@@ -126,9 +126,9 @@ def refuse_input_options(cpus: int | None, skip: bool) -> None:
                                "DataLoader: pass the script after `--`")
 
 
-def sharded_report(script, trace, budget, alloc, views):
-    """The per-GPU report of a script that spreads its model over GPUs itself (FSDP,
-    DataParallel, a split; None: it does not)."""
+def sharded_report(script, trace, budget, alloc, views, deepspeed_release: str = ""):
+    """The per-GPU report of a script that spreads its model over GPUs itself (FSDP, DeepSpeed
+    at ``deepspeed_release``, DataParallel, a split; None: it does not)."""
     from oomdoctor.plans.estimate import how_it_spreads, spreads_itself
     if not spreads_itself(trace):
         return None
@@ -139,4 +139,5 @@ def sharded_report(script, trace, budget, alloc, views):
     from oomdoctor.plans import parallel as par
     return par.estimate_spread_script(script, trace, budget, alloc,
                                       progress=lambda m: click.echo(m, err=True),
-                                      seq_len=seq_len_option(click.get_current_context()))
+                                      seq_len=seq_len_option(click.get_current_context()),
+                                      deepspeed_release=deepspeed_release or "")

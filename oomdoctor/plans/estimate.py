@@ -342,14 +342,17 @@ def refuse_sharded(trace: Trace, script: ScriptSpec, what: str) -> None:
 
 
 def spreads_itself(trace: Trace) -> bool:
-    """Whether a script's run spread its model over GPUs itself (FSDP, DataParallel, a split):
-    it ran whole on one fake GPU, and only a per-GPU replay is its memory."""
-    return any(getattr(trace.model, k, None) is not None for k in ("sharding", "spread"))
+    """Whether a script's run spread its model over GPUs itself (FSDP, DeepSpeed, DataParallel,
+    a split): it ran whole on one fake GPU, and only a per-GPU replay is its memory."""
+    return any(getattr(trace.model, k, None) is not None
+               for k in ("sharding", "spread", "deepspeed"))
 
 
 def how_it_spreads(trace: Trace) -> str:
     """'shards its model with FSDP', as the script does it."""
     spread = getattr(trace.model, "spread", None)
+    if getattr(trace.model, "deepspeed", None) is not None:
+        return "runs DeepSpeed's engine (deepspeed.initialize)"
     if spread is None:
         return "shards its model with FSDP"
     if spread.kind == "dp":

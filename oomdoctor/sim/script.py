@@ -38,8 +38,8 @@ from oomdoctor.models import adapters
 from oomdoctor.models.blocks import execution_blocks
 from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError, first_line, user_frame
-from oomdoctor.sim import (cudaoptim, ddp, eager, emulate, fakecuda, sharding, spreading, values,
-                          versions)
+from oomdoctor.sim import (cudaoptim, ddp, deepspeed_engine, eager, emulate, fakecuda, sharding,
+                          spreading, values, versions)
 from oomdoctor.sim.labels import allocator_events, label_activations, label_state
 from oomdoctor.sim.libraries import attention_note, traced_versions, weight_dtypes
 from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
@@ -92,6 +92,7 @@ class ScriptRun:
     forward_batch: int = 0
     sharding: Any = None         # what the script's FSDP wrapped (sim.sharding.Sharding)
     spread: Any = None           # DataParallel or dispatch_model in it (sim.spreading.Spread)
+    deepspeed: dict | None = None  # the config deepspeed.initialize was given
     output_bytes: int = 0        # the first forward's output (its tensors), at the run's batch
 
 
@@ -105,6 +106,7 @@ class TrainedModel:
     sharding: Any = None       # sim.sharding.Sharding: FSDP inside the script (None: none)
     spread: Any = None         # sim.spreading.Spread: one process over several GPUs (None: one)
     output_bytes: int = 0      # its first forward's output tensors, at the run's batch
+    deepspeed: dict | None = None  # deepspeed.initialize's config (None: no DeepSpeed)
 
 
 @dataclass(frozen=True)
@@ -185,8 +187,12 @@ class _Phases:
     def mark(self, phase: Phase) -> None:
         rec = self.rec
         it = min(self.run.steps_done, self.steps - 1)
-        if self.marks and self.marks[-1].start == len(rec.raw):
-            self.marks.pop()                   # an empty phase
+        if self.marks and self.marks[-1].start == len(rec.raw) \
+                and self.marks[-1].phase is not Phase.OPTIMIZER:
+            # an empty phase; an optimizer step that allocates nothing (its state made, a fused
+            # kernel) is still the step the replays time frees and state by, as a model
+            # file's trace keeps it
+            self.marks.pop()
         if self.progress is not None and phase in (Phase.FORWARD, Phase.BACKWARD,
                                                    Phase.OPTIMIZER):
             self.progress(f"step {it + 1}/{self.steps}: {phase.value}")
@@ -387,11 +393,21 @@ def _run_file(script: ScriptSpec, argv: list[str]) -> str:
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
+def _source(script: ScriptSpec) -> str:
+    """The script's text ("" when it cannot be read: the run will say why)."""
+    try:
+        with open(script.path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def _failure(script: ScriptSpec, e: BaseException) -> str:
     """One line: where the script failed, what, and the fallback."""
     where = user_frame(e) or script.name
     if isinstance(e, ImportError) and "deepspeed" in str(e).lower():
-        return f"{where}: {type(e).__name__}: {first_line(e)}; {spreading.DEEPSPEED}"
+        return (f"{where}: {type(e).__name__}: {first_line(e)}; install DeepSpeed here to "
+                f"estimate the script, or {deepspeed_engine.NOT_FOLLOWED}")
     return (f"{where}: {type(e).__name__}: {first_line(e)}; the fake GPU could not follow the "
             "script here. If it runs on a GPU, write a model file for it (see `oomdoctor probe "
             "--help`) or stop earlier with --steps 1; --debug shows the traceback")
@@ -417,6 +433,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
             fakecuda.fake_cuda(device), \
             ddp.rank_zero(script.world, script.environment()) as sharded, \
             spreading.stand_ins() as spread, \
+            deepspeed_engine.stand_ins(_source(script), script.args) as engine, \
             _loaders(batch_size, run), \
             (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
                                  cfg.torch)
@@ -424,7 +441,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
             values.active(device.shadows), rec, \
             every_step(lambda opt: label_state(rec, True, opt)) as stepped, _hooks(phases):
         run.ended = _run_file(script, argv)
-        run.sharding, run.spread = sharded.sharding, spread.spread
+        run.sharding, run.spread, run.deepspeed = sharded.sharding, spread.spread, engine.config
         rec.closed = True
         held = list(dict.fromkeys([*run.optimizers, *stepped]))
         state = sum(state_bytes(o, lambda k, v, o=o: not host_state(True, o, k, v))
@@ -529,7 +546,8 @@ def _trained(run: ScriptRun) -> TrainedModel | None:
     root = max(run.roots.values(), key=lambda m: sum(p.numel() for p in m.parameters()),
                default=None)
     return None if root is None else TrainedModel(root, tuple(run.calls.get(id(root), ())),
-                                                  run.sharding, run.spread, run.output_bytes)
+                                                  run.sharding, run.spread, run.output_bytes,
+                                                  run.deepspeed)
 
 
 def _batch_size(run: ScriptRun) -> int:

@@ -21,7 +21,6 @@ What the real ones do, from their sources:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -116,22 +115,10 @@ class Recorder:
         return model
 
 
-# DeepSpeed's engine owns the model, its precision and the optimizer (the fp32 master weights
-# inside it); a script's run does not follow it, and says where DeepSpeed is planned instead.
-DEEPSPEED = ("DeepSpeed inside a script is not simulated yet: plan its model with `oomdoctor "
-             "parallel MODEL --ds-config ds.json` (DeepSpeed's ZeRO stages as DeepSpeed runs "
-             "them), or estimate the script without DeepSpeed")
-
-
-def _refuse_deepspeed(*_args: Any, **_kwargs: Any) -> None:
-    raise UnsupportedParallel(f"deepspeed.initialize: {DEEPSPEED}")
-
-
 @contextlib.contextmanager
 def stand_ins() -> Iterator[Recorder]:
     """``DataParallel`` and accelerate's ``dispatch_model`` replaced by :class:`Recorder`'s
-    for the block, wherever a script imports them from; ``deepspeed.initialize`` refused by
-    name where DeepSpeed is installed."""
+    for the block, wherever a script imports them from."""
     rec = Recorder()
     dp = rec.data_parallel()
     with contextlib.ExitStack() as stack:
@@ -148,7 +135,4 @@ def stand_ins() -> Iterator[Recorder]:
         else:
             stack.enter_context(patched(accelerate, {"dispatch_model": rec.dispatch_model}))
             stack.enter_context(patched(big_modeling, {"dispatch_model": rec.dispatch_model}))
-        if importlib.util.find_spec("deepspeed") is not None:
-            import deepspeed
-            stack.enter_context(patched(deepspeed, {"initialize": _refuse_deepspeed}))
         yield rec

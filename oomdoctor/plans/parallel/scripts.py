@@ -22,7 +22,8 @@ from oomdoctor.plans.parallel.fsdp import AUTOCAST_NOTE, stack_units
 from oomdoctor.plans.parallel.layout import Layout, script_layout
 from oomdoctor.plans.parallel.report import ParallelReport, Progress, SplitPlan, _strategy
 from oomdoctor.plans.parallel.strategy import (STRATEGIES, DeepSpeedConfig, Strategy,
-                                              parse_strategy)
+                                              default_policy, parse_strategy,
+                                              read_deepspeed_config)
 from oomdoctor.plans.parallel.timeline import Sizes
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.sim.trace import Trace, TraceConfig
@@ -135,10 +136,15 @@ def _refuse_distributed(script: ScriptSpec, trace) -> None:
 def estimate_spread_script(script: ScriptSpec, trace: Trace, budget: Budget,
                            alloc: AllocatorConfig = AllocatorConfig(),
                            progress: Progress = lambda _: None,
-                           seq_len: int | None = None) -> ParallelReport:
+                           seq_len: int | None = None, deepspeed_release: str = ""
+                           ) -> ParallelReport:
     """Each GPU of a script that spreads its model itself: FSDP under torchrun
-    (:func:`estimate_sharded_script`), or one process over several GPUs - DataParallel, or
+    (:func:`estimate_sharded_script`), DeepSpeed's engine (:func:`_estimate_deepspeed_script`,
+    as ``deepspeed_release`` runs it), or one process over several GPUs - DataParallel, or
     accelerate's ``dispatch_model`` split (:mod:`oomdoctor.sim.spreading`)."""
+    if getattr(trace.model, "deepspeed", None) is not None:
+        return _estimate_deepspeed_script(script, trace, budget, alloc, progress,
+                                          deepspeed_release)
     spread = getattr(trace.model, "spread", None)
     if spread is None:
         return estimate_sharded_script(script, trace, budget, alloc, progress)
@@ -154,6 +160,32 @@ def estimate_spread_script(script: ScriptSpec, trace: Trace, budget: Budget,
     e = replace(e, notes=(_spread_note(spread, st), *e.notes))
     return ParallelReport(script.name, budget.gpu.name, st.num_gpus, budget.gpu.total_bytes,
                           budget.limit_bytes, e.micro_batch, trace.config.precision,
+                          bool(trace.checkpointed), layout.num_parameters, (e,), (),
+                          allocator_conf_string(alloc))
+
+
+def _estimate_deepspeed_script(script: ScriptSpec, trace: Trace, budget: Budget,
+                               alloc: AllocatorConfig, progress: Progress,
+                               release: str) -> ParallelReport:
+    """Each GPU of a script that trains through ``deepspeed.initialize``: its run (the module in
+    DeepSpeed's 16-bit mode, sim.deepspeed_engine) replayed as the ZeRO stage its config says,
+    on the launcher's processes."""
+    try:
+        run = read_deepspeed_config(trace.model.deepspeed, f"{script.name}'s DeepSpeed config")
+    except ValueError as e:
+        raise ModelFileError(str(e)) from None
+    st = default_policy(Strategy(run.strategy, script.world,
+                                 deepspeed=replace(run.config, release=release)),
+                        run.precision or "fp32")
+    progress(f"{st.name}: replaying {st.num_gpus} GPU(s) as the script's DeepSpeed runs")
+    layout = script_layout(trace, script.name)
+    e = estimate_strategy(trace, layout, st, budget, alloc, Sizes.of(trace),
+                          grad_accum=trace.config.grad_accum)
+    note = (f"the script's deepspeed.initialize: ZeRO stage {run.stage}, "
+            f"{run.precision or 'fp32'} on {st.num_gpus} GPU(s), replayed from its run")
+    e = replace(e, notes=(note, *e.notes), precision=run.precision or "fp32")
+    return ParallelReport(script.name, budget.gpu.name, st.num_gpus, budget.gpu.total_bytes,
+                          budget.limit_bytes, trace.config.batch_size, run.precision or "fp32",
                           bool(trace.checkpointed), layout.num_parameters, (e,), (),
                           allocator_conf_string(alloc))
 

@@ -1,0 +1,185 @@
+"""DeepSpeed's engine inside a training script: ``deepspeed.initialize`` recorded for the
+planners, as FSDP's wrappers are (:mod:`oomdoctor.sim.sharding`).
+
+    oomdoctor estimate --gpu rtx3090 -- deepspeed --num_gpus 2 train.py --deepspeed_config ds.json
+
+In a script's run ``deepspeed.initialize`` is a stand-in. It records the config (the ZeRO stage,
+the fp16/bf16 mode, the buckets) and does what the engine does to the model before the first
+step: its 16-bit mode casts every parameter (``engine.py``, ``_configure_distributed_model``:
+``module.half()``/``module.bfloat16()``) and the module goes to the GPU. The engine it returns
+runs the module's own forward, ``backward(loss)`` and ``step()`` (the optimizer only at the
+accumulation boundary, ``gradient_accumulation_steps``), so the run is one GPU's step of the
+model as DeepSpeed computes it: :mod:`oomdoctor.plans.parallel.deepspeed` replays it as the ZeRO
+stage it recorded (fp32 master weights, flat buffers, buckets), the replay checked against real
+DeepSpeed runs (tests/test_deepspeed_gpu.py).
+
+Not followed: the HF Trainer's and accelerate's DeepSpeed integration (they need DeepSpeed's own
+``zero.Init`` and config classes), offload, and pipeline parallelism (``PipelineModule``).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+from typing import Any, Iterator
+
+import torch
+
+from oomdoctor.sim.fakecuda import patched
+from oomdoctor.sim.sharding import UnsupportedParallel
+
+# What a script's run does not follow, and where DeepSpeed is planned instead.
+NOT_FOLLOWED = ("plan its model with `oomdoctor parallel MODEL --ds-config ds.json` "
+                "(DeepSpeed's ZeRO stages as DeepSpeed runs them)")
+DEEPSPEED = f"this use of DeepSpeed inside a script is not simulated: {NOT_FOLLOWED}"
+
+
+def _config(config: Any, args: Any) -> dict:
+    """The config as ``deepspeed.initialize`` takes it: a dict, a JSON file's path, or
+    ``args.deepspeed_config``."""
+    config = config if config is not None else getattr(args, "deepspeed_config", None)
+    if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
+        with open(config, encoding="utf-8") as f:
+            return json.load(f)
+    if not isinstance(config, dict):
+        raise UnsupportedParallel(f"deepspeed.initialize without a config dict or file "
+                                  f"({type(config).__name__}): {NOT_FOLLOWED}")
+    return config
+
+
+class ScriptEngine(torch.nn.Module):
+    """The engine ``deepspeed.initialize`` returns, on the fake GPU: the module's forward,
+    ``backward`` and ``step`` as the script calls them."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: Any, config: dict) -> None:
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self._accumulation = int(config.get("gradient_accumulation_steps", 1) or 1)
+        self._micro = int(config.get("train_micro_batch_size_per_gpu", 1) or 1)
+        self._micro_steps = 0       # engine.step() calls so far, as DeepSpeed counts them
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
+        loss.backward()
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """engine.py: the step about to be taken ends an accumulation round."""
+        return (self._micro_steps + 1) % self._accumulation == 0
+
+    def step(self, *_args: Any, **_kwargs: Any) -> None:
+        """Every micro-batch calls it; the optimizer runs at the accumulation boundary, then
+        the gradients are dropped (DeepSpeed frees them after the step)."""
+        if self.optimizer is not None and self.is_gradient_accumulation_boundary():
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self._micro_steps += 1
+
+    def zero_grad(self, *_args: Any, **_kwargs: Any) -> None:
+        self.module.zero_grad(set_to_none=True)
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._accumulation
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._micro
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def local_rank(self) -> int:
+        return 0
+
+    def save_checkpoint(self, *_args: Any, **_kwargs: Any) -> bool:
+        return True                     # a checkpoint of the fake GPU has no data to write
+
+
+class Recorder:
+    """The stand-in of one run and what it recorded (``config``; None: no DeepSpeed)."""
+
+    def __init__(self) -> None:
+        self.config: dict | None = None
+
+    def initialize(self, args: Any = None, model: torch.nn.Module | None = None,
+                   optimizer: Any = None, model_parameters: Any = None,
+                   training_data: Any = None, lr_scheduler: Any = None, config: Any = None,
+                   config_params: Any = None, collate_fn: Any = None, **_kwargs: Any) -> tuple:
+        """``deepspeed.initialize``: (engine, optimizer, training dataloader, lr scheduler)."""
+        if model is None:
+            raise UnsupportedParallel(f"deepspeed.initialize without a model: {NOT_FOLLOWED}")
+        cfg = _config(config if config is not None else config_params, args)
+        if self.config is not None:
+            raise UnsupportedParallel(f"deepspeed.initialize called twice: {NOT_FOLLOWED}")
+        self.config = cfg
+        zero = cfg.get("zero_optimization") or {}
+        offload = [k for k in ("offload_optimizer", "offload_param")
+                   if (zero.get(k) or {}).get("device", "none") not in ("none", None)]
+        if offload:
+            raise UnsupportedParallel(f"deepspeed.initialize with zero_optimization."
+                                      f"{offload[0]} (state on the CPU) is not simulated; "
+                                      "estimate the config without offload (the GPU's share is "
+                                      "then an upper bound)")
+        dtype = (torch.bfloat16 if (cfg.get("bf16") or {}).get("enabled") in (True, "auto")
+                 else torch.float16 if (cfg.get("fp16") or {}).get("enabled") in (True, "auto")
+                 else None)
+        if dtype is not None:               # the engine's 16-bit mode casts the module
+            model.to(dtype)
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+        if optimizer is None and cfg.get("optimizer"):
+            optimizer = _basic_optimizer(cfg["optimizer"], model_parameters or
+                                         model.parameters())
+        loader = None
+        if training_data is not None:
+            loader = torch.utils.data.DataLoader(
+                training_data, batch_size=int(cfg.get("train_micro_batch_size_per_gpu", 1)),
+                collate_fn=collate_fn)
+        return ScriptEngine(model, optimizer, cfg), optimizer, loader, lr_scheduler
+
+
+def _basic_optimizer(section: dict, parameters: Any) -> torch.optim.Optimizer:
+    """The config's optimizer as DeepSpeed builds it (engine.py, _configure_basic_optimizer):
+    Adam/AdamW is its FusedAdam - two states, no temporaries, as torch's fused AdamW allocates -
+    or, with ``torch_adam``, torch's own with the config's ``fused``/``foreach``. Other types
+    (Lamb, the 1-bit Adams) hold the same two states and are traced as fused AdamW."""
+    params = dict(section.get("params") or {})
+    kind = str(section.get("type", "adamw")).lower()
+    torch_adam = params.pop("torch_adam", False)
+    kwargs = {"lr": float(params.get("lr", 1e-3)),
+              "weight_decay": float(params.get("weight_decay", 0.01 if kind == "adamw" else 0))}
+    if torch_adam and kind in ("adam", "adamw"):
+        kwargs.update({k: params[k] for k in ("fused", "foreach") if k in params})
+    else:
+        kwargs["fused"] = True
+    return torch.optim.AdamW([p for p in parameters if p.requires_grad], **kwargs)
+
+
+def _init_distributed(*_args: Any, **_kwargs: Any) -> None:
+    """``deepspeed.init_distributed``: the process group (oomdoctor.sim.ddp's stand-in)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+
+
+def _uses_deepspeed(source: str, words: tuple[str, ...]) -> bool:
+    """Whether a script may reach DeepSpeed: it names it, or its command line does (the
+    deepspeed launcher, a --deepspeed option). DeepSpeed is imported only then: its import
+    takes seconds, and a script's run is repeated by the planners."""
+    return "deepspeed" in source or any("deepspeed" in w for w in words)
+
+
+@contextlib.contextmanager
+def stand_ins(source: str, words: tuple[str, ...]) -> Iterator[Recorder]:
+    """``deepspeed.initialize`` and ``init_distributed`` replaced by :class:`Recorder`'s for the
+    block, where DeepSpeed is installed and the script may use it."""
+    rec = Recorder()
+    with contextlib.ExitStack() as stack:
+        if _uses_deepspeed(source, words) and importlib.util.find_spec("deepspeed") is not None:
+            import deepspeed
+            stack.enter_context(patched(deepspeed, {"initialize": rec.initialize,
+                                                    "init_distributed": _init_distributed}))
+        yield rec

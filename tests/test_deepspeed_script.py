@@ -1,0 +1,125 @@
+"""DeepSpeed inside a training script (`sim.deepspeed_engine`): `oomdoctor estimate --
+deepspeed --num_gpus 1 tests/scripts/ds_train.py --deepspeed_config ds.json`, against the real
+H200 runs of the same model, configs and loop (benchmarks/results/deepspeed/, DeepSpeed 0.19.8,
+torch 2.11, one GPU; written by benchmarks/measure_deepspeed.py), with the tolerances the model
+file's route holds on them (tests/test_deepspeed_gpu.py). The script's route differs from the
+model file's in everything before the replay: its own loop run on the fake GPU, the engine's
+stand-in casting the module to the config's 16-bit mode, the ZeRO stage, precision and buckets
+read from the config it passed to deepspeed.initialize.
+
+Where DeepSpeed is not installed (the test environment does not build it), tests/stand_ins/
+provides the import; the stand-in replaces initialize in the run either way.
+"""
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from oomdoctor.cli import cli
+from test_deepspeed_gpu import ALLOCATED_TOL, RECORDS, RESERVED_TOL, _name, _skips_steps
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "scripts", "ds_train.py")
+
+
+@pytest.fixture
+def deepspeed_importable(monkeypatch):
+    if importlib.util.find_spec("deepspeed") is None:
+        monkeypatch.syspath_prepend(os.path.join(HERE, "stand_ins"))
+        yield
+        sys.modules.pop("deepspeed", None)
+    else:
+        yield
+
+
+def _script_estimate(rec: dict, env: dict, tmp_path, monkeypatch) -> dict:
+    monkeypatch.setenv("DS_HIDDEN", str(rec["hidden"]))
+    monkeypatch.setenv("DS_LAYERS", str(rec["layers"]))
+    monkeypatch.setenv("DS_HEADS", str(rec["heads"]))
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps(rec["ds_config"]))
+    zero = rec["ds_config"]["zero_optimization"]["stage"]
+    args = ["estimate", "--gpu", "h200", "--deepspeed", env["deepspeed"], "--json", "--",
+            "deepspeed", "--num_gpus", "1", SCRIPT, "--deepspeed_config", str(config),
+            "--batch-size", str(rec["batch_size"])]
+    args += ["--engine-backward"] if "fp16" in rec["ds_config"] or zero == 0 else []
+    args += ["--activation_checkpointing"] if rec["checkpointing"] else []
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output[-3000:]
+    [strategy] = json.loads(r.stdout)["strategies"]
+    assert strategy["strategy"] == f"ds{zero}"
+    [gpu] = strategy["gpus"]
+    return gpu
+
+
+@pytest.mark.parametrize("env,rec", [(e, r) for e, r in RECORDS if not _skips_steps(r)],
+                         ids=lambda x: _name(x) if "setup" in x else "")
+def test_a_deepspeed_script_matches_the_gpu(env, rec, tmp_path, monkeypatch,
+                                            deepspeed_importable):
+    gpu = _script_estimate(rec, env, tmp_path, monkeypatch)
+    assert gpu["peak_allocated_bytes"] == pytest.approx(rec["max_memory_allocated"],
+                                                        rel=ALLOCATED_TOL)
+    assert gpu["peak_reserved_bytes"] == pytest.approx(rec["max_memory_reserved"],
+                                                       rel=RESERVED_TOL)
+
+
+INLINE = """import torch, deepspeed
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                         config={CONFIG})
+for _ in range(3):
+    x = torch.randn(8, 256, device=engine.device, dtype=next(model.parameters()).dtype)
+    loss = engine(x).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+"""
+
+
+def _inline(tmp_path, config: dict):
+    script = tmp_path / "train_inline.py"
+    script.write_text(INLINE.replace("{CONFIG}", repr(config)))
+    return CliRunner().invoke(cli, ["estimate", "--gpu", "rtx3090", "--json", "--", "deepspeed",
+                                    "--num_gpus", "2", str(script)])
+
+
+def test_a_config_dict_and_the_launchers_processes(tmp_path, deepspeed_importable):
+    """A config given as a dict, under `deepspeed --num_gpus 2`: ZeRO-2 bf16 on two GPUs, its
+    gradient partitions and optimizer state halved against one GPU's."""
+    config = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e5}}
+    r = _inline(tmp_path, config)
+    assert r.exit_code == 0, r.output[-3000:]
+    [est] = json.loads(r.stdout)["strategies"]
+    assert (est["strategy"], est["num_gpus"], est["precision"]) == ("ds2", 2, "bf16")
+    assert any("deepspeed.initialize: ZeRO stage 2, bf16 on 2 GPU(s)" in n for n in est["notes"])
+
+
+def test_offload_in_a_scripts_config_is_named(tmp_path, deepspeed_importable):
+    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    r = _inline(tmp_path, config)
+    assert r.exit_code == 3, r.output[-3000:]
+    assert "offload_optimizer" in r.output and "Traceback" not in r.output
+
+
+def test_readme_example_runs(tmp_path, monkeypatch, deepspeed_importable):
+    """README's DeepSpeed script example, its two lines as printed (the config written by the
+    first, in a scratch folder; the script's path from the repository)."""
+    import re
+    import shlex
+    root = os.path.dirname(HERE)
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        [block] = [b for b in re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+                   if "tests/scripts/ds_train.py" in b]
+    write, run = block.strip().splitlines()
+    config, path = re.fullmatch(r"echo '(.*)' > (\S+)", write).groups()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / path).write_text(config)
+    words = [os.path.join(root, w) if w.startswith("tests/") else w for w in shlex.split(run)]
+    r = CliRunner().invoke(cli, words[1:])
+    assert r.exit_code == 0, r.output[-3000:]
+    assert "ds2 x1" in r.output and "deepspeed.initialize: ZeRO stage 2, bf16" in r.output
