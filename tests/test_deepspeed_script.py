@@ -123,3 +123,41 @@ def test_readme_example_runs(tmp_path, monkeypatch, deepspeed_importable):
     r = CliRunner().invoke(cli, words[1:])
     assert r.exit_code == 0, r.output[-3000:]
     assert "ds2 x1" in r.output and "deepspeed.initialize: ZeRO stage 2, bf16" in r.output
+
+
+def test_the_hf_trainers_deepspeed_gives_the_hf_sources_plan(tmp_path):
+    """The HF Trainer with `--deepspeed ds.json` ("auto" values the Trainer fills in), under
+    `deepspeed --num_gpus 2`: its engine through accelerate's DeepSpeed integration reaches the
+    stand-in, and each GPU equals `parallel` of the same GPT-2 config as a Hugging Face source
+    with the config's values written out. Needs DeepSpeed itself (the Trainer checks its
+    release and imports deepspeed.comm): run here with DeepSpeed 0.19.8 installed."""
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("the HF Trainer's DeepSpeed integration needs DeepSpeed installed")
+    from transformers import GPT2Config
+    folder = tmp_path / "gpt2-tiny"
+    GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=128,
+               use_cache=False, architectures=["GPT2LMHeadModel"]).save_pretrained(folder)
+    auto = tmp_path / "auto.json"
+    auto.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                "gradient_accumulation_steps": "auto",
+                                "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}))
+    explicit = tmp_path / "explicit.json"
+    explicit.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "bf16": {
+        "enabled": True}, "zero_optimization": {"stage": 2}}))
+    r = CliRunner().invoke(cli, [
+        "estimate", "--gpu", "rtx3090", "--json", "--", "deepspeed", "--num_gpus", "2",
+        os.path.join(HERE, "scripts", "hf_trainer_clm.py"), "--per_device_train_batch_size", "4",
+        "--fixed_length", "64", "--bf16", "--deepspeed", str(auto)])
+    assert r.exit_code == 0, r.output[-3000:]
+    [got] = json.loads(r.stdout)["strategies"]
+    r = CliRunner().invoke(cli, ["parallel", str(folder), "--seq-len", "64", "--gpu", "rtx3090",
+                                 "--gpus", "2", "-b", "4", "--ds-config", str(explicit),
+                                 "--json"])
+    assert r.exit_code == 0, r.output[-3000:]
+    [want] = json.loads(r.stdout)["strategies"]
+    assert (got["strategy"], got["num_gpus"]) == (want["strategy"], want["num_gpus"]) == ("ds2", 2)
+    g, w = got["gpus"][0], want["gpus"][0]
+    assert g["peak_allocated_bytes"] == pytest.approx(w["peak_allocated_bytes"], rel=0.005)
+    assert abs(g["peak_reserved_bytes"] - w["peak_reserved_bytes"]) <= max(
+        0.005 * w["peak_reserved_bytes"], 2 * 2**20)

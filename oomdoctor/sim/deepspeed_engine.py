@@ -58,6 +58,8 @@ class ScriptEngine(torch.nn.Module):
         self._accumulation = int(config.get("gradient_accumulation_steps", 1) or 1)
         self._micro = int(config.get("train_micro_batch_size_per_gpu", 1) or 1)
         self._micro_steps = 0       # engine.step() calls so far, as DeepSpeed counts them
+        self._boundary: bool | None = None      # set_gradient_accumulation_boundary's
+        self.global_steps = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -67,8 +69,20 @@ class ScriptEngine(torch.nn.Module):
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """engine.py: the step about to be taken ends an accumulation round."""
+        """engine.py: the step about to be taken ends an accumulation round (or what the caller
+        set: accelerate sets it from its own accumulation, as the HF Trainer runs it)."""
+        if self._boundary is not None:
+            return self._boundary
         return (self._micro_steps + 1) % self._accumulation == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary = bool(is_boundary)
+
+    def get_global_grad_norm(self) -> None:
+        return None                   # a value the weights decide: none on the fake GPU
+
+    def was_step_applied(self) -> bool:
+        return True
 
     def step(self, *_args: Any, **_kwargs: Any) -> None:
         """Every micro-batch calls it; the optimizer runs at the accumulation boundary, then
@@ -76,6 +90,7 @@ class ScriptEngine(torch.nn.Module):
         if self.optimizer is not None and self.is_gradient_accumulation_boundary():
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self.global_steps += 1
         self._micro_steps += 1
 
     def zero_grad(self, *_args: Any, **_kwargs: Any) -> None:

@@ -48,6 +48,8 @@ def main():
     parser.add_argument("--n_layer", type=int, default=4)
     parser.add_argument("--fixed_length", type=int, help="every sequence this long (no padding)")
     parser.add_argument("--optim", default="adamw_torch")
+    parser.add_argument("--deepspeed", help="a DeepSpeed config (the Trainer's integration)")
+    parser.add_argument("--local_rank", type=int, default=-1)     # the deepspeed launcher's
     args = parser.parse_args()
 
     config = GPT2Config(n_layer=args.n_layer, n_embd=256, n_head=4, vocab_size=8192,
@@ -58,7 +60,7 @@ def main():
         gradient_accumulation_steps=args.gradient_accumulation_steps, bf16=args.bf16,
         gradient_checkpointing=args.gradient_checkpointing, max_steps=20, learning_rate=3e-4,
         logging_steps=5, save_strategy="no", report_to=[], dataloader_num_workers=0,
-        optim=args.optim)
+        optim=args.optim, deepspeed=args.deepspeed)
     data = Sequences(256, 8192, length=args.fixed_length)
     trainer = Trainer(model=model, args=training_args, train_dataset=data,
                       data_collator=pad_collate)
