@@ -125,12 +125,16 @@ def test_readme_example_runs(tmp_path, monkeypatch, deepspeed_importable):
     assert "ds2 x1" in r.output and "deepspeed.initialize: ZeRO stage 2, bf16" in r.output
 
 
-def test_the_hf_trainers_deepspeed_gives_the_hf_sources_plan(tmp_path):
-    """The HF Trainer with `--deepspeed ds.json` ("auto" values the Trainer fills in), under
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_hf_trainers_deepspeed_gives_the_hf_sources_plan(stage, tmp_path):
+    """The HF Trainer with `--deepspeed ds.json` ("auto" values the Trainer fills in; ZeRO-2 and
+    3, the model built from its config, outside zero.Init), under
     `deepspeed --num_gpus 2`: its engine through accelerate's DeepSpeed integration reaches the
     stand-in, and each GPU equals `parallel` of the same GPT-2 config as a Hugging Face source
     with the config's values written out. Needs DeepSpeed itself (the Trainer checks its
-    release and imports deepspeed.comm): run here with DeepSpeed 0.19.8 installed."""
+    release and imports deepspeed.comm): run here with DeepSpeed 0.19.8 installed. Running it
+    found that the Trainer's DeepSpeed config stayed set for the process after the script's
+    run, so the next model transformers built went through deepspeed.zero.Init."""
     pytest.importorskip("transformers")
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("the HF Trainer's DeepSpeed integration needs DeepSpeed installed")
@@ -141,10 +145,10 @@ def test_the_hf_trainers_deepspeed_gives_the_hf_sources_plan(tmp_path):
     auto = tmp_path / "auto.json"
     auto.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto",
                                 "gradient_accumulation_steps": "auto",
-                                "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}))
+                                "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": stage}}))
     explicit = tmp_path / "explicit.json"
     explicit.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "bf16": {
-        "enabled": True}, "zero_optimization": {"stage": 2}}))
+        "enabled": True}, "zero_optimization": {"stage": stage}}))
     r = CliRunner().invoke(cli, [
         "estimate", "--gpu", "rtx3090", "--json", "--", "deepspeed", "--num_gpus", "2",
         os.path.join(HERE, "scripts", "hf_trainer_clm.py"), "--per_device_train_batch_size", "4",
@@ -156,8 +160,10 @@ def test_the_hf_trainers_deepspeed_gives_the_hf_sources_plan(tmp_path):
                                  "--json"])
     assert r.exit_code == 0, r.output[-3000:]
     [want] = json.loads(r.stdout)["strategies"]
-    assert (got["strategy"], got["num_gpus"]) == (want["strategy"], want["num_gpus"]) == ("ds2", 2)
+    assert (got["strategy"], got["num_gpus"]) == (want["strategy"], want["num_gpus"]) \
+        == (f"ds{stage}", 2)
     g, w = got["gpus"][0], want["gpus"][0]
     assert g["peak_allocated_bytes"] == pytest.approx(w["peak_allocated_bytes"], rel=0.005)
-    assert abs(g["peak_reserved_bytes"] - w["peak_reserved_bytes"]) <= max(
-        0.005 * w["peak_reserved_bytes"], 2 * 2**20)
+    # reserved: measured equal at ZeRO-2, -0.72% at ZeRO-3 (four 2 MiB segments of a 1.1 GiB
+    # peak: the Trainer's step allocates in another order than the HF source's loop)
+    assert g["peak_reserved_bytes"] == pytest.approx(w["peak_reserved_bytes"], rel=0.01)

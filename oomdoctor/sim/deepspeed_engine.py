@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -197,4 +198,18 @@ def stand_ins(source: str, words: tuple[str, ...]) -> Iterator[Recorder]:
             import deepspeed
             stack.enter_context(patched(deepspeed, {"initialize": rec.initialize,
                                                     "init_distributed": _init_distributed}))
+            stack.callback(_forget_process_state)
         yield rec
+
+
+def _forget_process_state() -> None:
+    """What the HF Trainer's DeepSpeed integration leaves set for the whole process, dropped
+    after the run: transformers' DeepSpeed config (while set, every model transformers builds
+    next - a planner's trace - goes through ``deepspeed.zero.Init``) and accelerate's shared
+    state with its DeepSpeed plugin."""
+    hf = sys.modules.get("transformers.integrations.deepspeed")
+    if hf is not None and hasattr(hf, "unset_hf_deepspeed_config"):
+        hf.unset_hf_deepspeed_config()
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
