@@ -13,8 +13,10 @@ model as DeepSpeed computes it: :mod:`oomdoctor.plans.parallel.deepspeed` replay
 stage it recorded (fp32 master weights, flat buffers, buckets), the replay checked against real
 DeepSpeed runs (tests/test_deepspeed_gpu.py).
 
-Not followed: the HF Trainer's and accelerate's DeepSpeed integration (they need DeepSpeed's own
-``zero.Init`` and config classes), offload, and pipeline parallelism (``PipelineModule``).
+The HF Trainer's ``--deepspeed`` reaches the same stand-in through accelerate (which needs
+DeepSpeed installed: it checks the release and imports ``deepspeed.comm``); ``zero.Init``, in
+which transformers builds models under ZeRO-3, builds them whole, as the replay shards them.
+Not followed: offload, and pipeline parallelism (``PipelineModule``).
 """
 from __future__ import annotations
 
@@ -198,8 +200,22 @@ def stand_ins(source: str, words: tuple[str, ...]) -> Iterator[Recorder]:
             import deepspeed
             stack.enter_context(patched(deepspeed, {"initialize": rec.initialize,
                                                     "init_distributed": _init_distributed}))
+            if hasattr(deepspeed, "zero"):
+                # ZeRO-3's construction-time partitioning (transformers builds models inside
+                # it under ZeRO-3): the stage-3 replay shards the parameters; the module is
+                # built whole on the host, as without it
+                stack.enter_context(patched(deepspeed.zero, {
+                    "Init": _Unpartitioned, "GatheredParameters": _Unpartitioned}))
             stack.callback(_forget_process_state)
         yield rec
+
+
+class _Unpartitioned(contextlib.nullcontext):
+    """``deepspeed.zero.Init(...)`` / ``GatheredParameters(...)`` as a context that does
+    nothing (any arguments)."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        super().__init__()
 
 
 def _forget_process_state() -> None:
