@@ -18,7 +18,7 @@ from oomdoctor.plans.estimate import (Budget, Estimate, estimate_trace, refuse_s
                                       script_trace)
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.sim.recorder import Category
-from oomdoctor.sim.script import DataExhausted
+from oomdoctor.sim.script import DataExhausted, NoStep
 from oomdoctor.sim.trace import TraceConfig
 
 
@@ -41,6 +41,9 @@ class ScriptProbe:
     # The dataset's size when a larger batch got no batch at all from the script's DataLoader
     # (drop_last): the data, not the GPU, ends the search there. 0: not seen.
     data_samples: int = 0
+    # The smallest batch at which the script ended without an optimizer step, after smaller
+    # ones trained (its own data, cut in fewer pieces than a step needs). 0: not seen.
+    data_ends: int = 0
     # The run at the answer, kept for what is checked there (the input pipeline); not JSON.
     at_max_trace: Any = field(default=None, repr=False, compare=False)
 
@@ -52,6 +55,7 @@ class ScriptProbe:
         return {"model": self.script, "max_batch_size": self.max_batch_size,
                 "capped": self.capped, "data_bound": self.data_bound or None,
                 "data_samples": self.data_samples or None,
+                "data_ends": self.data_ends or None,
                 "budget_bytes": self.budget_bytes,
                 "trials": [{"batch_size": b, "fits": e.fits,
                             "peak_allocated_bytes": e.peak_allocated_bytes,
@@ -93,6 +97,11 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
                 raise
             result.data_samples = e.samples or result.data_samples or 1
             return False
+        except NoStep:
+            if batch == 1:
+                raise
+            result.data_ends = min(batch, result.data_ends or batch)
+            return False
 
     inputs: dict[int, int] = {}      # bytes the script copied to the GPU as its batches
     fitted: dict[int, Any] = {}      # the runs that fit (the answer's is kept)
@@ -101,8 +110,12 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
         if not trains(batch):
             hi = batch
             break
-        if lo and inputs[lo] == inputs[batch]:
-            result.data_bound = lo          # the data gives no more samples per batch
+        if lo and inputs[lo] == inputs[batch] and (result.trials[lo].peak_allocated_bytes
+                                                   == result.trials[batch].peak_allocated_bytes):
+            # the data gives no more samples per batch: the same upload made the same step
+            # (the uploads alone are no proof: a script that moves its whole dataset to the
+            # GPU once, word_language_model's batchify, uploads the same bytes at every batch)
+            result.data_bound = lo
             break
         lo, batch = batch, batch * 2
     if result.data_bound:
@@ -154,6 +167,9 @@ def render_text(p: ScriptProbe) -> str:
                    + (f" (the script's dataset, {p.data_samples:,} samples, not the GPU, "
                       "limits the batch: a larger one gets no batch from its DataLoader)"
                       if p.data_samples else "")
+                   + (f" (the script's data, not the GPU, limits the batch: at batch "
+                      f"{p.data_ends} it ended before an optimizer step)"
+                      if p.data_ends and p.data_ends == p.max_batch_size + 1 else "")
                    + f", peak {format_size(e.peak_reserved_bytes)} reserved of the "
                    f"{format_size(p.budget_bytes)} budget, {e.precision}")
     notes = p.at_max.notes if p.at_max else next(iter(p.trials.values())).notes

@@ -164,6 +164,8 @@ class DeviceMode(TorchFunctionMode):
             return out.numpy() if func is torch.Tensor.numpy else out
         if func is torch.Tensor.pin_memory:          # pinned host memory: nothing on the GPU
             return args[0]
+        if func is torch.Tensor.__format__ and _on_gpu(args[0], dev) and args[0].dim() == 0:
+            return args[0].item().__format__(*args[1:])   # f"{loss:.4f}": a stand-in, as .item()
         if func is torch.device and len(args) == 1 and _is_index(args[0]) and not kwargs:
             return _cuda_index(args[0])
         if "device" in kwargs and is_gpu(kwargs["device"]):
@@ -405,6 +407,19 @@ def _save(real: Callable, reads: Reads) -> Callable:
     return save
 
 
+def _data_parallel_forward(real: Callable) -> Callable:
+    """``nn.DataParallel`` over one GPU (the fake card, or ``device_ids=[0]``) runs its module
+    on the batch moved to that GPU, as torch's own forward does for one device; its check that
+    the weights sit on ``cuda:0`` would see the fake GPU's meta tensors and refuse."""
+    def forward(self, *inputs, **kwargs):
+        if len(self.device_ids) > 1:
+            return real(self, *inputs, **kwargs)
+        from torch.utils._pytree import tree_map
+        move = lambda t: t.to("cuda") if isinstance(t, torch.Tensor) else t
+        return self.module(*tree_map(move, inputs), **tree_map(move, kwargs))
+    return forward
+
+
 @contextlib.contextmanager
 def fake_cuda(device: Device) -> Iterator[None]:
     """Everything the script sees of the fake GPU (see the module docstring)."""
@@ -421,6 +436,8 @@ def fake_cuda(device: Device) -> Iterator[None]:
         stack.enter_context(patched(torch.cuda.amp, dict(cuda_autocast,
                                                           GradScaler=ScriptGradScaler)))
         stack.enter_context(patched(torch.amp, {"GradScaler": ScriptGradScaler}))
+        dp = torch.nn.parallel.DataParallel
+        stack.enter_context(patched(dp, {"forward": _data_parallel_forward(dp.forward)}))
         stack.enter_context(modules_on_meta(device))
         stack.enter_context(emulate.autocast_queries())
         stack.enter_context(DeviceMode(device))

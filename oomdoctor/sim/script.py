@@ -7,12 +7,13 @@ The script runs in this process with ``sys.argv`` set to its arguments, under th
 of :mod:`oomdoctor.sim.fakecuda` and the same recorder, CUDA kernels and values mirror as a model
 file's trace (:mod:`oomdoctor.sim.trace`). Its data pipeline (files, tokenizers, collators) runs
 for real on the CPU, so batch shapes and padding are its own. Where a model file's loop marks its
-phases itself, a script's phases are read from what it calls: a forward of a module that is not
-inside another (global module hooks), ``backward()``, ``optimizer.step()`` (global optimizer
-hooks). The run stops when, after the N-th optimizer step, the script starts its next forward or
+phases itself, a script's phases are read from what it calls (:mod:`oomdoctor.sim.script_phases`:
+a forward of a module that is not inside another, ``backward()``, ``optimizer.step()``). The run
+stops when, after the N-th optimizer step, the script starts its next forward or
 backward (so the step's ``zero_grad`` is seen), or when it ends.
 
-Known limits: one process (a ``torchrun`` script's rank 0); tensors made inside C++/CUDA
+Known limits: one process (a ``torchrun`` script's rank 0; its FSDP, DeepSpeed, DataParallel or
+split is recorded and replayed per GPU by the planners); tensors made inside C++/CUDA
 extensions that bypass the dispatcher are not seen; a value the weights decide
 (``loss.item()``) is read as a stand-in (1, or False for a question), so a script that branches
 on it (skips a step on a NaN loss) takes the branch a healthy run takes.
@@ -25,75 +26,25 @@ import os
 import runpy
 import shlex
 import sys
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                   register_optimizer_step_pre_hook)
 from torch.utils._pytree import tree_leaves
 
 from oomdoctor.models import adapters
-from oomdoctor.models.blocks import execution_blocks
 from oomdoctor.models.script import ScriptSpec
-from oomdoctor.models.spec import ModelFileError, first_line, user_frame
+from oomdoctor.models.spec import first_line, user_frame
 from oomdoctor.sim import (cudaoptim, ddp, deepspeed_engine, eager, emulate, fakecuda, sharding,
-                          spreading, values, versions)
+                          spreading, values)
 from oomdoctor.sim.labels import allocator_events, label_activations, label_state
 from oomdoctor.sim.libraries import attention_note, traced_versions, weight_dtypes
-from oomdoctor.sim.recorder import Category, Phase, PhaseMark, Recorder
-from oomdoctor.sim.stepping import every_step, host_state, in_step, state_bytes, unique_storages
+from oomdoctor.sim.recorder import Category, PhaseMark, Recorder
+from oomdoctor.sim.script_phases import (DataExhausted, LoaderSeen, NoStep, Phases,  # noqa: F401
+                                         ScriptError, ScriptLimits, ScriptRun, Stop, hooks,
+                                         parameters)
+from oomdoctor.sim.stepping import every_step, host_state, state_bytes, unique_storages
 from oomdoctor.sim.trace import Trace, TraceConfig
-
-
-class ScriptError(ModelFileError):
-    """The script failed, or did something the fake GPU cannot follow."""
-
-
-class DataExhausted(ScriptError):
-    """The script's DataLoader yields no batch at this batch size: its dataset holds fewer
-    samples than one batch, and ``drop_last`` drops the partial one."""
-
-    def __init__(self, message: str, samples: int | None) -> None:
-        super().__init__(message)
-        self.samples = samples
-
-
-class _Stop(BaseException):
-    """The run has its steps (BaseException: a script's ``except Exception`` lets it through)."""
-
-
-@dataclass
-class ScriptLimits:
-    """When a script that does not reach its steps is stopped."""
-
-    seconds: float = 600.0
-    forwards: int = 200          # forward passes without an optimizer step
-
-
-@dataclass
-class ScriptRun:
-    """What the run saw besides the events: for the trace's figures and notes."""
-
-    roots: dict[int, torch.nn.Module] = field(default_factory=dict)
-    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
-    loader_batches: list[int] = field(default_factory=list)   # DataLoader batch sizes
-    loaders: list["LoaderSeen"] = field(default_factory=list)  # the DataLoaders it made
-    steps_done: int = 0
-    micro_batches: list[int] = field(default_factory=list)   # backward passes per step
-    ended: str = ""              # how the run ended: "steps", "script end"
-    gradient_bytes: int = 0
-    # the first forward's calls of each root's blocks: root id -> [(block, [(storage handle,
-    # bytes, requires_grad) of each tensor argument])], for the split (plans.parallel.layout)
-    calls: dict[int, list] = field(default_factory=dict)
-    # the first dimension of the first forward's first tensor argument: the batch of a script
-    # that batches by hand (no DataLoader)
-    forward_batch: int = 0
-    sharding: Any = None         # what the script's FSDP wrapped (sim.sharding.Sharding)
-    spread: Any = None           # DataParallel or dispatch_model in it (sim.spreading.Spread)
-    deepspeed: dict | None = None  # the config deepspeed.initialize was given
-    output_bytes: int = 0        # the first forward's output (its tensors), at the run's batch
 
 
 @dataclass(frozen=True)
@@ -107,16 +58,8 @@ class TrainedModel:
     spread: Any = None         # sim.spreading.Spread: one process over several GPUs (None: one)
     output_bytes: int = 0      # its first forward's output tensors, at the run's batch
     deepspeed: dict | None = None  # deepspeed.initialize's config (None: no DeepSpeed)
-
-
-@dataclass(frozen=True)
-class LoaderSeen:
-    """A DataLoader the script made, with the settings it asked for (the trace's copy runs in
-    this process: num_workers=0)."""
-
-    loader: Any
-    num_workers: int
-    pin_memory: bool
+    # the other modules the script trained (a GAN's discriminator): "Name (N parameters)"
+    others: tuple = ()
 
 
 class ScriptRecorder(Recorder):
@@ -166,179 +109,6 @@ class ScriptRecorder(Recorder):
         return live, peak
 
 
-class _Phases:
-    """Reads the script's phases from what it calls, and stops it after its steps."""
-
-    def __init__(self, rec: ScriptRecorder, run: ScriptRun, cfg: TraceConfig,
-                 limits: ScriptLimits, progress: Callable[[str], None] | None) -> None:
-        self.rec, self.run, self.limits = rec, run, limits
-        self.steps = cfg.steps
-        self.torch = cfg.torch              # whose CUDA facts (sim.versions)
-        self.emulate_cuda = cfg.emulate_cuda
-        self.progress = progress
-        self.marks: list[PhaseMark] = []
-        self.micro = self.depth = self.forwards = 0
-        self.backwarded = False
-        self.names: dict[int, str] = {}
-        self.blocks: dict[int, tuple[int, int]] = {}     # module id -> (root id, block)
-        self.started = time.monotonic()
-        self.mark(Phase.SETUP)
-
-    def mark(self, phase: Phase) -> None:
-        rec = self.rec
-        it = min(self.run.steps_done, self.steps - 1)
-        if self.marks and self.marks[-1].start == len(rec.raw) \
-                and self.marks[-1].phase is not Phase.OPTIMIZER:
-            # an empty phase; an optimizer step that allocates nothing (its state made, a fused
-            # kernel) is still the step the replays time frees and state by, as a model
-            # file's trace keeps it
-            self.marks.pop()
-        if self.progress is not None and phase in (Phase.FORWARD, Phase.BACKWARD,
-                                                   Phase.OPTIMIZER):
-            self.progress(f"step {it + 1}/{self.steps}: {phase.value}")
-        rec.phase, rec.iteration = phase, it
-        self.marks.append(PhaseMark(len(rec.raw), phase, it, self.micro))
-
-    def _stop_if_done(self) -> None:
-        if self.run.steps_done >= self.steps:
-            self.rec.closed = True             # what unwinding the script frees is not the step
-            self.run.ended = "steps"
-            raise _Stop
-        if time.monotonic() - self.started > self.limits.seconds:
-            raise ScriptError(f"no optimizer step within {self.limits.seconds:.0f} s "
-                              f"(the script was at {script_frame()}); pass --steps 1, or write a "
-                              "model file")
-
-    def forward_pre(self, module: torch.nn.Module, _args: Any) -> None:
-        # A forward inside backward is a checkpointed block recomputing: part of the backward.
-        if self.depth == 0 and self.rec.phase is not Phase.BACKWARD:
-            self._stop_if_done()
-            self._root(module)
-            if not self.run.forward_batch:
-                first = next((t for t in tree_leaves(_args) if isinstance(t, torch.Tensor)
-                              and t.dim() >= 1), None)
-                self.run.forward_batch = int(first.shape[0]) if first is not None else 0
-            if self.rec.phase is not Phase.FORWARD:
-                self.mark(Phase.FORWARD)
-            self.forwards += 1
-            if self.forwards > self.limits.forwards:
-                raise ScriptError(f"{self.forwards - 1} forward passes without an optimizer "
-                                  f"step (the script was at {script_frame()}); oomdoctor stops "
-                                  "after its steps, so the script must reach optimizer.step()")
-        self._record_call(module, _args)
-        self.depth += 1
-        self.rec.module_stack.append(self.names.get(id(module), type(module).__name__))
-
-    def _record_call(self, module: torch.nn.Module, args: Any) -> None:
-        """A block's tensor arguments in the first forward of its root."""
-        where = self.blocks.get(id(module))
-        if where is None or self.forwards != 1 or self.rec.phase is not Phase.FORWARD:
-            return
-        root, block = where
-        seen = self.run.calls.setdefault(root, [])
-        if any(b == block for b, _ in seen):        # a block called again (a shared one)
-            return
-        args = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
-        seen.append(
-            (block, [(self.rec.handle_of(t), t.numel() * t.element_size(), t.requires_grad)
-                     for t in args]))
-
-    def forward_post(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
-        self.depth = max(self.depth - 1, 0)
-        if self.depth == 0 and self.forwards == 1 and not self.run.output_bytes:
-            # the model's output: what DataParallel gathers on its first GPU
-            self.run.output_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(_out)
-                                        if isinstance(t, torch.Tensor))
-        if self.rec.module_stack:
-            self.rec.module_stack.pop()
-
-    def _root(self, module: torch.nn.Module) -> None:
-        if id(module) in self.run.roots:
-            return
-        self.run.roots[id(module)] = module
-        root = type(module).__name__
-        for name, m in module.named_modules():
-            self.names.setdefault(id(m), name or root)
-        for i, name in enumerate(execution_blocks(module)):
-            if name:
-                self.blocks.setdefault(id(module.get_submodule(name)), (id(module), i))
-
-    def backward(self, real: Callable) -> Callable:
-        def backward(*args, **kwargs):
-            self._stop_if_done()
-            self.mark(Phase.BACKWARD)
-            out = real(*args, **kwargs)
-            self.run.gradient_bytes = _label_gradients(self.rec, self.run)
-            self.micro += 1
-            self.backwarded = True
-            # inside optimizer.step(closure) (Lightning's loop) the update follows at once
-            self.mark(Phase.OPTIMIZER if in_step() else Phase.DATA)
-            return out
-        return backward
-
-    def step_pre(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if not any(o is optimizer for o in self.run.optimizers):
-            self.run.optimizers.append(optimizer)
-            if self.emulate_cuda and versions.has(self.torch, versions.FOREACH_DEFAULT):
-                cudaoptim.cuda_optimizer_defaults(optimizer)   # foreach, as on CUDA
-        self.mark(Phase.OPTIMIZER)
-
-    def step_post(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if self.backwarded:
-            self.run.steps_done += 1
-            self.run.micro_batches.append(self.micro)
-            self.backwarded, self.micro, self.forwards = False, 0, 0
-        self.mark(Phase.ZERO_GRAD)
-
-
-def _label_gradients(rec: Recorder, run: ScriptRun) -> int:
-    """Label the gradients the backward left (as labels.label_gradients does for one model)
-    and return their bytes."""
-    grads = unique_storages(p.grad for p in _parameters(run).values() if p.grad is not None)
-    for g in grads.values():
-        rec.relabel(g, Category.GRADIENTS)
-    return sum(g.untyped_storage().nbytes() for g in grads.values())
-
-
-def _parameters(run: ScriptRun) -> dict[int, torch.nn.Parameter]:
-    """Every parameter of the modules the script ran and of its optimizers, once."""
-    params = {id(p): p for m in run.roots.values() for p in m.parameters()}
-    for o in run.optimizers:
-        params.update((id(p), p) for g in o.param_groups for p in g["params"])
-    return params
-
-
-def script_frame() -> str:
-    """``file:line`` of the innermost frame of the running script's own code (outside torch,
-    installed libraries and oomdoctor)."""
-    skip = (os.sep + "site-packages" + os.sep, os.sep + "oomdoctor" + os.sep, "<frozen ",
-            os.path.dirname(torch.__file__))
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not any(s in name for s in skip) and not name.startswith("<"):
-            return f"{os.path.basename(name)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "its top level"
-
-
-@contextlib.contextmanager
-def _hooks(phases: _Phases) -> Iterator[None]:
-    from torch.nn.modules import module as nn_module
-    handles = [nn_module.register_module_forward_pre_hook(phases.forward_pre),
-               nn_module.register_module_forward_hook(phases.forward_post, always_call=True),
-               register_optimizer_step_pre_hook(phases.step_pre),
-               register_optimizer_step_post_hook(phases.step_post)]
-    real = torch.autograd.backward
-    torch.autograd.backward = phases.backward(real)
-    try:
-        yield
-    finally:
-        torch.autograd.backward = real
-        for h in handles:
-            h.remove()
-
-
 @contextlib.contextmanager
 def _loaders(batch_size: int | None, run: ScriptRun) -> Iterator[None]:
     """Every DataLoader the script makes: in this process (num_workers=0: the workers' memory
@@ -376,7 +146,7 @@ def _run_file(script: ScriptSpec, argv: list[str]) -> str:
     try:
         runpy.run_path(script.path, run_name="__main__")
         return "script end"
-    except _Stop:
+    except Stop:
         return "steps"
     except SystemExit as e:
         if e.code not in (None, 0):
@@ -410,7 +180,7 @@ def _failure(script: ScriptSpec, e: BaseException) -> str:
                 f"estimate the script, or {deepspeed_engine.NOT_FOLLOWED}")
     return (f"{where}: {type(e).__name__}: {first_line(e)}; the fake GPU could not follow the "
             "script here. If it runs on a GPU, write a model file for it (see `oomdoctor probe "
-            "--help`) or stop earlier with --steps 1; --debug shows the traceback")
+            "--help`) or stop earlier with --steps 1")
 
 
 def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
@@ -427,7 +197,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
     rec = ScriptRecorder(device)
     gpu.usage = rec.usage
     run = ScriptRun()
-    phases = _Phases(rec, run, cfg, limits, progress)
+    phases = Phases(rec, run, cfg, limits, progress)
     notes: list[str] = []
     with eager.fake_trace([], rec.fused), cudaoptim.fused_optimizers_on_meta(), \
             fakecuda.fake_cuda(device), \
@@ -439,7 +209,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
                                  cfg.torch)
              if cfg.emulate_cuda else contextlib.nullcontext()), \
             values.active(device.shadows), rec, \
-            every_step(lambda opt: label_state(rec, True, opt)) as stepped, _hooks(phases):
+            every_step(lambda opt: label_state(rec, True, opt)) as stepped, hooks(phases):
         run.ended = _run_file(script, argv)
         run.sharding, run.spread, run.deepspeed = sharded.sharding, spread.spread, engine.config
         rec.closed = True
@@ -448,8 +218,8 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
                     for o in held)
     if run.steps_done == 0:
         _raise_if_exhausted(script, run)
-        raise ScriptError(f"{script.name} ended without an optimizer step; oomdoctor measures "
-                          "training steps: check the script trains with these arguments")
+        raise NoStep(f"{script.name} ended without an optimizer step; oomdoctor measures "
+                     "training steps: check the script trains with these arguments")
     attention = [n for n in map(attention_note, run.roots.values()) if n][:1]
     return _result(script, batch_size, cfg, run, rec, device, phases.marks, state,
                    attention + notes + _run_notes(script, argv, cfg, run, device, batch_size))
@@ -508,7 +278,7 @@ def _result(script: ScriptSpec, batch_size: int | None, cfg: TraceConfig, run: S
             rec: ScriptRecorder, device: fakecuda.Device,
             marks: list[PhaseMark], state: int, notes: list[str]) -> Trace:
     """The finished trace, labelled as a model file's is."""
-    params = _parameters(run)
+    params = parameters(run)
     buffers = [b for m in run.roots.values() for b in m.buffers()]
     _label_model(rec, run)
     label_activations(rec, marks)
@@ -518,7 +288,10 @@ def _result(script: ScriptSpec, batch_size: int | None, cfg: TraceConfig, run: S
     buf = unique_storages(b for b in buffers if rec.handle_of(b) is not None
                           and b.untyped_storage()._cdata not in weights)
     return Trace(
-        config=replace(cfg, batch_size=_batch_size(run), precision=_precision(device, on_gpu),
+        config=replace(cfg, batch_size=(batch_size if batch_size is not None
+                                        and "batch" in script.placeholders
+                                        else _batch_size(run)),
+                       precision=_precision(device, on_gpu),
                        grad_accum=run.micro_batches[0] if run.micro_batches else 1),
         events=allocator_events(rec), storages=rec.storages, marks=tuple(marks),
         parameter_bytes=sum(t.untyped_storage().nbytes() for t in weights.values()),
@@ -545,9 +318,14 @@ def _trained(run: ScriptRun) -> TrainedModel | None:
     too)."""
     root = max(run.roots.values(), key=lambda m: sum(p.numel() for p in m.parameters()),
                default=None)
-    return None if root is None else TrainedModel(root, tuple(run.calls.get(id(root), ())),
-                                                  run.sharding, run.spread, run.output_bytes,
-                                                  run.deepspeed)
+    if root is None:
+        return None
+    inside = {id(m) for m in root.modules()}       # a part of it called on its own is not another
+    others = tuple(f"{type(m).__name__} ({sum(p.numel() for p in m.parameters()):,} parameters)"
+                   for m in run.roots.values()
+                   if id(m) not in inside and any(p.requires_grad for p in m.parameters()))
+    return TrainedModel(root, tuple(run.calls.get(id(root), ())), run.sharding, run.spread,
+                        run.output_bytes, run.deepspeed, others)
 
 
 def _batch_size(run: ScriptRun) -> int:

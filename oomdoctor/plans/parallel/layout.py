@@ -165,6 +165,13 @@ def script_layout(trace: Trace, name: str) -> Layout:
     FLOPs per block are the step's shared by the blocks' parameters."""
     if trace.model is None:
         raise ValueError(f"{name}: the run trained no module oomdoctor saw")
+    if trace.model.others:
+        from oomdoctor.sim.script import ScriptError
+        raise ScriptError(
+            f"{name} trains more than one model: {type(trace.model.module).__name__} and "
+            f"{', '.join(trace.model.others)}; splitting or sharding a script's model is "
+            "planned for one model only - `oomdoctor estimate` and `probe` measure the whole "
+            "run on one GPU")
     model = trace.model.module
     defined = execution_blocks(model)
     # the quantization statistics the run saw made on the GPU (a codebook built from a Python
@@ -178,7 +185,11 @@ def script_layout(trace: Trace, name: str) -> Layout:
             d = _defining_block(s.module, lookup)
             if d is not None:
                 first.setdefault(d, s.t_alloc)
-    order = sorted(first, key=first.get)
+    # the first forward's block calls, in the order they ran (sim.script records each block's
+    # first call); a block that allocates nothing of its own (an in-place ReLU, an identity
+    # dropout) is placed by them, not sent last
+    called = list(dict.fromkeys(b for b, _ in trace.model.calls))
+    order = called + [d for d in sorted(first, key=first.get) if d not in called]
     exec_defs = _execution_order(len(defined), order, st.owner_by_key, {})
     to_exec = {d: e for e, d in enumerate(exec_defs)}
     batch = max(trace.config.batch_size * trace.config.grad_accum, 1)
