@@ -98,3 +98,23 @@ def test_a_script_whose_batch_cannot_be_set_is_refused_with_the_fix():
     r = _run("recommend", "--gpu", "rtx3090", "--num-gpus", "2", "--target-batch", "16",
              "--json", "--", *loop, "--batch-size", "{batch}")
     assert r.exit_code == 0 and json.loads(r.stdout)["best"]["micro_batch"] == 16
+
+
+@pytest.mark.parametrize("text,kind,words", [
+    ("from accelerate import Accelerator\naccelerator = Accelerator()\n", "accelerate",
+     "accelerate launch --multi_gpu --num_processes 2"),
+    ("from transformers import Trainer\ntrainer = Trainer(model=model)\n", "hf_trainer",
+     "torchrun --nproc_per_node 2"),
+    ("import lightning as L\ntrainer = L.Trainer(max_epochs=1)\n", "lightning",
+     "strategy='ddp'"),
+    ("from torch.nn.parallel import DistributedDataParallel as DDP\nmodel = DDP(model)\n",
+     "own_ddp", "wraps DistributedDataParallel itself"),
+    ("model = Net().cuda()\n", "plain", "wrap the model in DistributedDataParallel"),
+])
+def test_the_ddp_advice_fits_the_scripts_framework(text, kind, words):
+    """`recommend -- script` told every public example to wrap its model in DDP by hand,
+    including accelerate's (launched by `accelerate launch`) and nanoGPT (which wraps DDP itself
+    under torchrun). The advice follows what the script is written with."""
+    from oomdoctor.plans.recommend import script_advice
+    assert script_advice.framework(text) == kind
+    assert words in script_advice.change("ddp", kind, 2, "train.py")

@@ -25,6 +25,7 @@ from oomdoctor.plans.parallel.report import _strategy
 from oomdoctor.plans.parallel.timeline import Sizes
 from oomdoctor.plans.recommend.cost import step_time
 from oomdoctor.plans.recommend.machine import Hardware
+from oomdoctor.plans.recommend import script_advice
 from oomdoctor.plans.recommend.records import Candidate
 from oomdoctor.plans.recommend.render import _duration, _rate
 from oomdoctor.plans.recommend.config_search import _divisors, _largest_fitting, candidate
@@ -133,7 +134,7 @@ def recommend_script(script: ScriptSpec, hw: Hardware, target_batch: int, budget
     return ScriptRecommendation(
         script.name, hw.gpu.name, hw.num_gpus, hw.link, target_batch, budget.limit_bytes,
         precision, checkpointing, layout.num_parameters, tuple(ranked), best,
-        _how(best, found.get(best.strategy) if best else None), tuple(skipped),
+        _how(best, found.get(best.strategy) if best else None, script), tuple(skipped),
         allocator_conf_string(alloc), tuple(sorted(runs.done)))
 
 
@@ -178,32 +179,19 @@ def _candidate(run: tuple, st, hw: Hardware, precision: str, checkpointing: bool
     return candidate(st, precision, checkpointing, b, k, target, e, t, extrapolated=False)
 
 
-# What each strategy asks of a single-GPU script, in words: the script is the user's, so the
-# plan says what to change rather than printing code it cannot run for them.
-CHANGES = {
-    "single": "nothing but the batch: run it as it is",
-    "ddp": "launch with torchrun and wrap the model in DistributedDataParallel after moving it "
-           "to its GPU (torch.distributed.init_process_group('nccl'), a DistributedSampler)",
-    "zero1": "DDP as above, with torch.distributed.optim.ZeroRedundancyOptimizer around the "
-             "optimizer",
-    "zero2": "launch with torchrun and shard gradients and optimizer state (DeepSpeed ZeRO-2, "
-             "or FSDP's SHARD_GRAD_OP)",
-    "zero3": "launch with torchrun and shard with FSDP2: fully_shard(block) for every "
-             "repeated block, then fully_shard(model), before building the optimizer",
-    "pipeline2": "split the model over the two GPUs (the cut is in `oomdoctor split -- "
-                 "<this command>`), moving activations between them in forward",
-}
-
-
-def _how(best: Candidate | None, e: StrategyEstimate | None) -> tuple[str, ...]:
-    """What to change in the script for the best plan: batch, accumulation, strategy."""
+def _how(best: Candidate | None, e: StrategyEstimate | None, script: ScriptSpec
+         ) -> tuple[str, ...]:
+    """What to change in the script for the best plan: batch, accumulation, strategy (in the
+    terms of the framework the script is written in)."""
     if best is None:
         return ()
+    kind = script_advice.framework(script_advice.read_source(script.path))
     k = best.grad_accum
     out = [f"micro-batch {best.micro_batch}: every DataLoader's batch_size (or {{batch}})",
            f"step the optimizer every {k} micro-batches, the loss scaled by 1/{k}" if k > 1
            else "step the optimizer every micro-batch (no accumulation)",
-           f"{best.strategy}: {CHANGES.get(best.strategy, best.strategy)}"]
+           f"{best.strategy}: " + script_advice.change(best.strategy, kind, best.num_gpus,
+                                                        script.name)]
     return tuple(out) + (e.notes if e is not None else ())
 
 
