@@ -102,3 +102,20 @@ def test_a_script_that_wraps_ddp_itself_is_refused():
     with pytest.raises(ValueError, match="already runs data-parallel"):
         _refuse_distributed(script, wrapped)
     _refuse_distributed(script, SimpleNamespace(model=TrainedModel(torch.nn.Linear(4, 4))))
+
+
+def test_a_scripts_split_shares_the_compute_as_the_model_files():
+    """Each block's share of the step's FLOPs, from the forward the run counted by module: a
+    ResNet's early convolutions are a few percent of its parameters and far more of its
+    compute (shared by parameters, the split said GPU 0 0% / GPU 1 100%). The model file's
+    route counts the same with torch's FlopCounterMode per module."""
+    resnet = os.path.join(ROOT, "sample_models", "resnet_cnn.py")
+    by_script = CliRunner().invoke(cli, ["split", "--gpus", "2", "--gpu", "rtx3090", "--json",
+                                         "--", sys.executable, LOOP, "--model", resnet,
+                                         "--batch-size", "32"])
+    by_file = CliRunner().invoke(cli, ["split", resnet, "--gpus", "2", "--gpu", "rtx3090", "-b",
+                                       "32", "--json"])
+    assert by_script.exit_code == by_file.exit_code == 0, by_script.output
+    a, b = json.loads(by_script.stdout), json.loads(by_file.stdout)
+    assert a["device_map"] == b["device_map"]
+    assert a["stages"][0]["utilisation"] == pytest.approx(b["stages"][0]["utilisation"], abs=0.05)

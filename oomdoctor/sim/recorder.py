@@ -103,6 +103,7 @@ class Recorder(TorchDispatchMode):
         # FLOPs of the forward and backward ops, when asked for (a script's run: its step time)
         self.count_flops = False
         self.flops = 0
+        self.module_flops: dict[str, int] = {}  # forward FLOPs by the innermost module's label
 
     def fused(self):
         return self.fusion.region(lambda: len(self.raw))
@@ -177,7 +178,11 @@ class Recorder(TorchDispatchMode):
         if self.shadows is not None:
             self.shadows.mirror(func, args, kwargs or {}, out)
         if self.count_flops and self.phase in (Phase.FORWARD, Phase.BACKWARD):
-            self.flops += op_flops(func, args, kwargs or {}, out)
+            flops = op_flops(func, args, kwargs or {}, out)
+            self.flops += flops
+            if self.phase is Phase.FORWARD and flops:   # where the forward spends them
+                where = self.module_stack[-1] if self.module_stack else ""
+                self.module_flops[where] = self.module_flops.get(where, 0) + flops
         if self.fusion.depth:
             self.fusion.note(func, args, kwargs or {}, len(self.raw), self.handle_of)
         fresh = self._fresh_outputs(func)

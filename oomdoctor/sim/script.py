@@ -306,7 +306,8 @@ def _result(script: ScriptSpec, batch_size: int | None, cfg: TraceConfig, run: S
         libraries=traced_versions(next(iter(run.roots.values()), None),
                                   run.optimizers[0] if run.optimizers else None),
         processes=script.world, weight_dtypes=weight_dtypes(on_gpu),
-        flops=rec.flops // max(run.steps_done, 1), loaders=tuple(run.loaders),
+        flops=rec.flops // max(run.steps_done, 1), module_flops=tuple(rec.module_flops.items()),
+        loaders=tuple(run.loaders),
         model=_trained(run),
         syncs_per_step=(device.reads.scalars + device.reads.copies) / max(run.steps_done, 1),
         autocast=("bfloat16" if torch.bfloat16 in device.autocast else "float16"

@@ -113,6 +113,7 @@ class Trace:
     checkpointed: tuple[str, ...]
     notes: tuple[str, ...]
     flops: int = 0                     # a script's: forward + backward FLOPs per optimizer step
+    module_flops: tuple[tuple[str, int], ...] = ()   # a script's forward FLOPs by module label
     raw_events: tuple[tuple[bool, int, int], ...] = ()  # events incl. host-side storages
     libraries: tuple[tuple[str, str], ...] = ()   # (name, version) traced (sim.libraries)
     # A training script's run (sim.script): where its batch size came from - "dataloader"

@@ -209,12 +209,29 @@ def script_layout(trace: Trace, name: str) -> Layout:
         # the output, proportional to the batch (one run): a + s(b - 1) with a = s
         output_bytes_at_1=trace.model.output_bytes // max(trace.config.batch_size, 1),
         output_bytes_per_sample=trace.model.output_bytes // max(trace.config.batch_size, 1),
-        block_flops=tuple(per_sample * st.block_numel[d] / total for d in exec_defs),
+        block_flops=_script_block_flops(trace, [defined[d] for d in exec_defs],
+                                        [st.block_numel[d] / total for d in exec_defs],
+                                        per_sample),
         flops_per_sample=per_sample,
         num_parameters=sum(t.numel() for t in st.tensors.values()),
         num_trainable=sum(t.numel() for t in st.tensors.values() if t.requires_grad),
         largest_leaf_params=st.largest_leaf, has_batchnorm=st.has_bn,
         dequantized_params=st.four_bit)
+
+
+def _script_block_flops(trace: Trace, blocks: list[str], by_params: list[float],
+                        per_sample: float) -> tuple[float, ...]:
+    """Each block's share of the step's FLOPs per sample: its modules' share of the forward's
+    (the backward follows the forward op by op), else - no FLOPs counted - its share of the
+    parameters (a convolution's compute is not its parameter count: a ResNet's first stage
+    is a few percent of the parameters and a fifth of the FLOPs)."""
+    counted = dict(trace.module_flops)
+    total = sum(counted.values())
+    if not total:
+        return tuple(per_sample * share for share in by_params)
+    return tuple(per_sample * sum(f for name, f in counted.items()
+                                  if name == b or name.startswith(b + ".")) / total
+                 for b in blocks)
 
 
 def _script_inputs(trace: Trace, st: "_Storages", lookup: dict[str, int],
