@@ -116,9 +116,7 @@ class Trace:
     module_flops: tuple[tuple[str, int], ...] = ()   # a script's forward FLOPs by module label
     raw_events: tuple[tuple[bool, int, int], ...] = ()  # events incl. host-side storages
     libraries: tuple[tuple[str, str], ...] = ()   # (name, version) traced (sim.libraries)
-    # A training script's run (sim.script): where its batch size came from - "dataloader"
-    # (oomdoctor set every DataLoader's), "placeholder" ({batch}), "script" (its own)
-    batch_from: str = ""
+    batch_from: str = ""   # a script's batch: "dataloader" (set), "placeholder", "script" (its own)
     foreach_notes: tuple[str, ...] = ()  # the notes foreach_measured measures (sim.repeat)
     # What the step ran, as the report states it: processes it is one of (a launched script's
     # rank 0), autocast's dtype ("" without autocast), the weights' dtypes (trainable, frozen)
