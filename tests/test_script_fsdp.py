@@ -67,3 +67,25 @@ def test_what_is_not_simulated_is_named():
     r = CliRunner().invoke(cli, ["estimate", "--gpu", "rtx3090", "--snapshot", "s.json", "--",
                                  *TORCHRUN])
     assert r.exit_code == 2 and "per GPU" in r.output
+
+
+def test_probe_finds_the_largest_batch_per_gpu_of_a_sharded_script():
+    """`probe -- torchrun ... fully_shard script`: every trial is the per-GPU replay, and the
+    answer is where the model file's route (`parallel --strategy zero3` with the policy) stops
+    fitting too."""
+    import json as _json
+    from click.testing import CliRunner
+    from oomdoctor.cli import cli
+    r = CliRunner().invoke(cli, ["probe", "--memory", "3GiB", "--json", "--no-input-check", "--",
+                                 "torchrun", "--nproc_per_node", "2", LOOP, "--model",
+                                 MODEL, "--policy", "--batch-size", "{batch}"])
+    assert r.exit_code == 0, r.output[-3000:]
+    best = _json.loads(r.stdout)["max_batch_size"]
+    assert best > 8
+
+    def fits(batch):
+        r = CliRunner().invoke(cli, ["parallel", MODEL, "--memory", "3GiB", "--gpus", "2",
+                                     "--strategy", "zero3", "--precision", "bf16", "-b",
+                                     str(batch), "--json"])
+        return _json.loads(r.stdout)["strategies"][0]["fits"]
+    assert fits(best) and not fits(best + 1)
