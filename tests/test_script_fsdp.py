@@ -89,3 +89,22 @@ def test_probe_finds_the_largest_batch_per_gpu_of_a_sharded_script():
                                      str(batch), "--json"])
         return _json.loads(r.stdout)["strategies"][0]["fits"]
     assert fits(best) and not fits(best + 1)
+
+
+def test_a_check_case_of_a_sharded_script_gates_its_fullest_gpu(tmp_path):
+    """`command = torchrun ... fully_shard script` in check: the recorded peak is the per-GPU
+    replay's (what `estimate -- <command>` prints), not the whole model on one GPU."""
+    import json as _json
+    from click.testing import CliRunner
+    from oomdoctor.cli import cli
+    command = f"torchrun --nproc_per_node 2 {LOOP} --model {MODEL} --policy --batch-size 8"
+    cfg = tmp_path / "setup.cfg"
+    cfg.write_text(f"[oomdoctor]\ntolerance = 1%%\n\n[oomdoctor:fsdp]\ncommand = {command}\n"
+                   "gpu = rtx3090\n")
+    r = CliRunner().invoke(cli, ["check", "--config", str(cfg), "--update"])
+    assert r.exit_code == 0, r.output[-3000:]
+    case = _json.loads((tmp_path / "oomdoctor-baseline.json").read_text())["cases"]["fsdp"]
+    est = CliRunner().invoke(cli, ["estimate", "--gpu", "rtx3090", "--json", "--no-input-check",
+                                   "--", *command.split()])
+    [gpu] = _json.loads(est.stdout)["strategies"][0]["gpus"]
+    assert case["peak_reserved_bytes"] == gpu["peak_reserved_bytes"]

@@ -359,15 +359,20 @@ def _script_estimate(case: Case, root: str, budget: Budget):
     import shlex
 
     from oomdoctor.models.script import parse_command
-    from oomdoctor.plans.estimate import estimate_script
+    from oomdoctor.plans.estimate import estimate_trace, script_trace, spreads_itself
+    from oomdoctor.plans.script_probe import fullest_gpu
+    from oomdoctor.sim.allocator import AllocatorConfig
     words = shlex.split(case.command)
     for i, w in enumerate(words):               # the script's path, relative to the config
         if w.endswith(".py") and os.path.exists(os.path.join(root, w)):
             words[i] = os.path.join(root, w)
             break
-    return estimate_script(parse_command(words), _trace_config(case, case.batch_size or 1),
-                           budget,
-                           batch_size=case.batch_size or None, seq_len=case.seq_len)
+    script = parse_command(words)
+    trace = script_trace(script, _trace_config(case, case.batch_size or 1), budget,
+                         batch_size=case.batch_size or None, seq_len=case.seq_len)
+    if spreads_itself(trace):       # FSDP, DeepSpeed, DataParallel, a split: the fullest GPU
+        return fullest_gpu(script, trace, budget, AllocatorConfig(), case.seq_len)
+    return estimate_trace(trace, budget, AllocatorConfig(), script.name)
 
 
 # -- measuring ------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
                               "oomdoctor cannot set their size; put {batch} where the "
                               f"script's batch size goes: `-- {script.command()} --batch-size "
                               "{batch}` (its own flag)")
-        e = (_fullest_gpu(script, trace, budget, alloc, seq_len) if spreads_itself(trace)
+        e = (fullest_gpu(script, trace, budget, alloc, seq_len) if spreads_itself(trace)
              else estimate_trace(trace, budget, alloc, script.name))
         result.trials[batch] = e
         fitted[batch] = trace if e.fits else None
@@ -145,7 +145,7 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
     return result
 
 
-def _fullest_gpu(script: ScriptSpec, trace, budget: Budget, alloc: AllocatorConfig,
+def fullest_gpu(script: ScriptSpec, trace, budget: Budget, alloc: AllocatorConfig,
                  seq_len: int | None) -> Estimate:
     """A script that spreads its model itself (FSDP, DeepSpeed, DataParallel, a split): its
     per-GPU replay (the one `estimate -- <command>` gives), as an estimate of the fullest GPU;
