@@ -167,3 +167,38 @@ def test_the_hf_trainers_deepspeed_gives_the_hf_sources_plan(stage, tmp_path):
     # reserved: measured equal at ZeRO-2, -0.72% at ZeRO-3 (four 2 MiB segments of a 1.1 GiB
     # peak: the Trainer's step allocates in another order than the HF source's loop)
     assert g["peak_reserved_bytes"] == pytest.approx(w["peak_reserved_bytes"], rel=0.01)
+
+
+DATA_SCRIPT = """import torch, deepspeed
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256),
+                            torch.nn.Linear(256, 4))
+groups = [{"params": list(model[0].parameters()), "weight_decay": 0.0},
+          {"params": list(model[2].parameters())}]
+data = torch.utils.data.TensorDataset(torch.randn(64, 256), torch.randint(0, 4, (64,)))
+engine, opt, loader, sched = deepspeed.initialize(model=model, model_parameters=groups,
+                                                  training_data=data, config={CONFIG})
+dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+for x, y in loader:
+    loss = torch.nn.functional.cross_entropy(engine(x.to(engine.device, dtype)).float(),
+                                             y.to(engine.device))
+    engine.backward(loss)
+    engine.step()
+    sched.step()
+"""
+
+
+def test_deepspeeds_batch_rules_groups_and_engine_queries(tmp_path, deepspeed_importable):
+    """What DeepSpeedExamples' scripts lean on: only train_batch_size given (DeepSpeed derives
+    the micro-batch, 16 over 2 GPUs: 8, and the loader it builds from training_data uses it),
+    parameter groups as model_parameters, engine.bfloat16_enabled(), a scheduler from the
+    config, and the old "bfloat16" key of the bf16 mode."""
+    config = {"train_batch_size": 16, "bfloat16": {"enabled": True},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+              "scheduler": {"type": "WarmupLR"}, "zero_optimization": {"stage": 1}}
+    script = tmp_path / "train_data.py"
+    script.write_text(DATA_SCRIPT.replace("{CONFIG}", repr(config)))
+    r = CliRunner().invoke(cli, ["estimate", "--gpu", "rtx3090", "--json", "--no-input-check",
+                                 "--", "deepspeed", "--num_gpus", "2", str(script)])
+    assert r.exit_code == 0, r.output[-3000:]
+    [est] = json.loads(r.stdout)["strategies"]
+    assert (est["strategy"], est["precision"], est["micro_batch"]) == ("ds1", "bf16", 8)

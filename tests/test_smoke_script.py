@@ -386,3 +386,29 @@ def test_the_documented_example_runs(monkeypatch):
     res = CliRunner().invoke(cli, shlex.split(command)[1:])
     assert res.exit_code == EXIT_OK, res.stderr
     assert res.stdout.splitlines()[0] == shown
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_datasets_transform_modules_are_not_the_models_forwards(workers, tmp_path):
+    """A per-sample nn.Module transform (torchvision's v1 transforms are modules), in the
+    smoke's process or in DataLoader workers that inherit its hooks: 256 samples a batch were
+    256 'forwards' without a step, over the limit (or a worker killed by the stop)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch\n"
+        "class Norm(torch.nn.Module):\n"
+        "    def forward(self, x): return (x - 0.5) / 0.25\n"
+        "class Data(torch.utils.data.Dataset):\n"
+        "    def __init__(self): self.t = Norm()\n"
+        "    def __len__(self): return 1024\n"
+        "    def __getitem__(self, i): return self.t(torch.rand(16)), torch.rand(1)\n"
+        "loader = torch.utils.data.DataLoader(Data(), batch_size=256,\n"
+        "                                     num_workers=int(sys.argv[1]))\n"
+        "model = torch.nn.Linear(16, 1).cuda()\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for x, y in loader:\n"
+        "    loss = torch.nn.functional.mse_loss(model(x.cuda()), y.cuda())\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n")
+    r = smoke("--steps", "2", "--json", "--", "python", str(script), workers)
+    assert r.exit_code == EXIT_OK, r.output[-2000:]
+    assert json.loads(r.stdout)["steps_done"] == 2

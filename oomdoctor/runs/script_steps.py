@@ -64,6 +64,7 @@ class StepWatch:
         self.forward_limit, self.clock = forwards, clock
         self.done = self.skipped = 0
         self.depth = self.in_backward = self.forwards = 0
+        self.loading = 0          # > 0: inside a DataLoader's __next__ (its transform modules)
         self.backwarded = False
         self.pending: list[float | None] = []       # this step's backward losses
         self.last: float | None = None              # when the previous step ended
@@ -78,18 +79,37 @@ class StepWatch:
         if self.last is None:
             self.last = self.clock()
 
+    def _data(self) -> bool:
+        """A DataLoader making a batch (in this process, or in one of its workers, which
+        inherit the hooks): its dataset's transform modules are not the model's forwards."""
+        return bool(self.loading) or torch.utils.data.get_worker_info() is not None
+
     def forward_pre(self, _module: torch.nn.Module, _args: Any) -> None:
+        if self._data():
+            return
         # a forward inside backward is a checkpointed block recomputing: part of the backward
         if self.depth == 0 and not self.in_backward:
             self._stop_if_done()
             self._start()
-            self.forwards += 1
+            if torch.is_grad_enabled():       # an evaluation under no_grad trains nothing
+                self.forwards += 1
             if self.forwards > self.forward_limit:
                 raise NoStep(f"{self.forwards - 1} forward passes without an optimizer step")
         self.depth += 1
 
     def forward_post(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if self._data():
+            return
         self.depth = max(self.depth - 1, 0)
+
+    def loader_next(self, real: Callable) -> Callable:
+        def __next__(it):
+            self.loading += 1
+            try:
+                return real(it)
+            finally:
+                self.loading -= 1
+        return __next__
 
     def backward(self, real: Callable) -> Callable:
         """``torch.autograd.backward`` that stops the script after its steps and records the
@@ -167,9 +187,13 @@ def watching(watch: StepWatch) -> Iterator[StepWatch]:
              register_optimizer_step_post_hook(watch.step_post)]
     torch.autograd.backward = watch.backward(real_backward)
     scaler.scale, scaler.step = watch.scale(real_scale), watch.scaler_step(real_step)
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+    fetch = _BaseDataLoaderIter.__next__
+    _BaseDataLoaderIter.__next__ = watch.loader_next(fetch)
     try:
         yield watch
     finally:
+        _BaseDataLoaderIter.__next__ = fetch
         torch.autograd.backward = real_backward
         scaler.scale, scaler.step = real_scale, real_step
         for h in hooks:

@@ -5,8 +5,8 @@ planners, as FSDP's wrappers are (:mod:`oomdoctor.sim.sharding`).
 
 In a script's run ``deepspeed.initialize`` is a stand-in. It records the config (the ZeRO stage,
 the fp16/bf16 mode, the buckets) and does what the engine does to the model before the first
-step: its 16-bit mode casts every parameter (``engine.py``, ``_configure_distributed_model``:
-``module.half()``/``module.bfloat16()``) and the module goes to the GPU. The engine it returns
+step: its 16-bit mode casts every parameter, keeping fp32 buffers (``engine.py``,
+``_configure_distributed_model``, 0.19), and the module goes to the GPU. The engine it returns
 runs the module's own forward, ``backward(loss)`` and ``step()`` (the optimizer only at the
 accumulation boundary, ``gradient_accumulation_steps``), so the run is one GPU's step of the
 model as DeepSpeed computes it: :mod:`oomdoctor.plans.parallel.deepspeed` replays it as the ZeRO
@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import sys
 from typing import Any, Iterator
 
@@ -54,18 +55,44 @@ class ScriptEngine(torch.nn.Module):
     """The engine ``deepspeed.initialize`` returns, on the fake GPU: the module's forward,
     ``backward`` and ``step`` as the script calls them."""
 
-    def __init__(self, module: torch.nn.Module, optimizer: Any, config: dict) -> None:
+    def __init__(self, module: torch.nn.Module, optimizer: Any, config: dict,
+                 dtype: torch.dtype | None) -> None:
         super().__init__()
         self.module = module
         self.optimizer = optimizer
-        self._accumulation = int(config.get("gradient_accumulation_steps", 1) or 1)
-        self._micro = int(config.get("train_micro_batch_size_per_gpu", 1) or 1)
+        self._config, self._dtype = config, dtype
+        self._accumulation = config["gradient_accumulation_steps"]
+        self._micro = config["train_micro_batch_size_per_gpu"]
         self._micro_steps = 0       # engine.step() calls so far, as DeepSpeed counts them
         self._boundary: bool | None = None      # set_gradient_accumulation_boundary's
         self.global_steps = 0
 
+    def __getattr__(self, name: str) -> Any:
+        """As DeepSpeed's engine: what it does not have, its module's (engine.py __getattr__)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
+
+    def fp16_enabled(self) -> bool:
+        return self._dtype is torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self._dtype is torch.bfloat16
+
+    def zero_optimization_stage(self) -> int:
+        return int((self._config.get("zero_optimization") or {}).get("stage", 0))
+
+    def train_batch_size(self) -> int:
+        return self._micro * self._accumulation * _world_size()
+
+    def load_checkpoint(self, *_args: Any, **_kwargs: Any) -> tuple:
+        return None, {}                 # nothing to load on the fake GPU
 
     def backward(self, loss: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
         loss.backward()
@@ -133,7 +160,6 @@ class Recorder:
         cfg = _config(config if config is not None else config_params, args)
         if self.config is not None:
             raise UnsupportedParallel(f"deepspeed.initialize called twice: {NOT_FOLLOWED}")
-        self.config = cfg
         zero = cfg.get("zero_optimization") or {}
         offload = [k for k in ("offload_optimizer", "offload_param")
                    if (zero.get(k) or {}).get("device", "none") not in ("none", None)]
@@ -142,38 +168,90 @@ class Recorder:
                                       f"{offload[0]} (state on the CPU) is not simulated; "
                                       "estimate the config without offload (the GPU's share is "
                                       "then an upper bound)")
-        dtype = (torch.bfloat16 if (cfg.get("bf16") or {}).get("enabled") in (True, "auto")
-                 else torch.float16 if (cfg.get("fp16") or {}).get("enabled") in (True, "auto")
-                 else None)
-        if dtype is not None:               # the engine's 16-bit mode casts the module
-            model.to(dtype)
+        cfg = self.config = dict(cfg, **_batch_settings(cfg, _world_size()))
+        dtype = _precision(cfg)
+        if dtype is not None:
+            # 0.19's engine casts the parameters only, keeping fp32 buffers (engine.py,
+            # _configure_distributed_model: "Cast params only; preserve fp32 buffers")
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
         model.to(torch.device("cuda", torch.cuda.current_device()))
-        if optimizer is None and cfg.get("optimizer"):
-            optimizer = _basic_optimizer(cfg["optimizer"], model_parameters or
-                                         model.parameters())
-        loader = None
-        if training_data is not None:
-            loader = torch.utils.data.DataLoader(
-                training_data, batch_size=int(cfg.get("train_micro_batch_size_per_gpu", 1)),
-                collate_fn=collate_fn)
-        return ScriptEngine(model, optimizer, cfg), optimizer, loader, lr_scheduler
+        params = list(model_parameters) if model_parameters is not None else \
+            list(model.parameters())
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(params)              # DeepSpeedOptimizerCallable
+        elif optimizer is None and cfg.get("optimizer"):
+            optimizer = _basic_optimizer(cfg["optimizer"], params)
+        if lr_scheduler is None and cfg.get("scheduler") and optimizer is not None:
+            # the config's schedule changes the rate, not memory: a constant one to call .step()
+            lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: 1.0)
+        loader = None if training_data is None else torch.utils.data.DataLoader(
+            training_data, batch_size=cfg["train_micro_batch_size_per_gpu"],
+            collate_fn=collate_fn)
+        return ScriptEngine(model, optimizer, cfg, dtype), optimizer, loader, lr_scheduler
 
 
-def _basic_optimizer(section: dict, parameters: Any) -> torch.optim.Optimizer:
-    """The config's optimizer as DeepSpeed builds it (engine.py, _configure_basic_optimizer):
-    Adam/AdamW is its FusedAdam - two states, no temporaries, as torch's fused AdamW allocates -
-    or, with ``torch_adam``, torch's own with the config's ``fused``/``foreach``. Other types
-    (Lamb, the 1-bit Adams) hold the same two states and are traced as fused AdamW."""
+def _world_size() -> int:
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_initialized() else int(
+        os.environ.get("WORLD_SIZE", "1"))
+
+
+def _precision(cfg: dict) -> torch.dtype | None:
+    """The 16-bit mode the config enables ("bfloat16" is the old key of "bf16")."""
+    def on(key: str) -> bool:
+        return (cfg.get(key) or {}).get("enabled") in (True, "auto")
+    return torch.bfloat16 if on("bf16") or on("bfloat16") else torch.float16 if on("fp16") \
+        else None
+
+
+def _batch_settings(cfg: dict, world: int) -> dict:
+    """The micro-batch and accumulation DeepSpeed derives from whichever of train_batch_size,
+    train_micro_batch_size_per_gpu and gradient_accumulation_steps the config gives
+    (runtime/config.py, _set_batch_related_parameters; "auto" counts as missing)."""
+    def given(key: str) -> int | None:
+        v = cfg.get(key)
+        return None if v in (None, "auto") else int(v)
+    batch, micro, gas = (given("train_batch_size"), given("train_micro_batch_size_per_gpu"),
+                         given("gradient_accumulation_steps"))
+    if micro is None:
+        micro = max(batch // world // (gas or 1), 1) if batch else 1
+    if gas is None:
+        gas = max(batch // micro // world, 1) if batch else 1
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas}
+
+
+# DeepSpeed's optimizers by the state they hold per parameter (engine.py,
+# _configure_basic_optimizer): FusedAdam/Lamb and the 1-bit Adams two moments, traced as torch's
+# fused AdamW (no temporaries, as FusedAdam); Adagrad one sum; Lion one momentum, traced as
+# SGD with momentum; any other name is torch.optim's own.
+_TWO_STATES = ("adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebitlamb")
+
+
+def _basic_optimizer(section: dict, parameters: list) -> torch.optim.Optimizer:
+    """The config's optimizer as DeepSpeed builds it (with ``torch_adam``, torch's own Adam
+    with the config's ``fused``/``foreach``). ``parameters``: tensors or parameter groups."""
     params = dict(section.get("params") or {})
     kind = str(section.get("type", "adamw")).lower()
     torch_adam = params.pop("torch_adam", False)
-    kwargs = {"lr": float(params.get("lr", 1e-3)),
+    groups = [p for p in parameters if isinstance(p, dict) or p.requires_grad]
+    lr = float(params.get("lr", 1e-3))
+    if kind == "adagrad":
+        return torch.optim.Adagrad(groups, lr=lr)
+    if kind == "lion":
+        return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+    if kind not in _TWO_STATES:
+        maker = getattr(torch.optim, str(section.get("type")), None)
+        if maker is not None:
+            return maker(groups, lr=lr)
+    kwargs = {"lr": lr,
               "weight_decay": float(params.get("weight_decay", 0.01 if kind == "adamw" else 0))}
     if torch_adam and kind in ("adam", "adamw"):
         kwargs.update({k: params[k] for k in ("fused", "foreach") if k in params})
     else:
         kwargs["fused"] = True
-    return torch.optim.AdamW([p for p in parameters if p.requires_grad], **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def _init_distributed(*_args: Any, **_kwargs: Any) -> None:

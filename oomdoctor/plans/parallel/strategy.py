@@ -280,7 +280,10 @@ def read_deepspeed_config(doc: dict, source: str = "the DeepSpeed config") -> De
             raise ValueError(f"{source}: zero_optimization.{key} puts state on {device!r}, "
                              "which oomdoctor does not model; estimate without offload (the "
                              "GPU's share is then an upper bound)")
-    enabled = [p for p in ("fp16", "bf16") if (doc.get(p) or {}).get("enabled") in (True, "auto")]
+    # "bfloat16" is the old key of "bf16" (deepspeed/runtime/constants.py BFLOAT16_OLD)
+    enabled = [p for p in ("fp16", "bf16") if any(
+        (doc.get(k) or {}).get("enabled") in (True, "auto")
+        for k in ((p, "bfloat16") if p == "bf16" else (p,)))]
     if len(enabled) > 1:
         raise ValueError(f"{source}: both fp16 and bf16 are enabled; DeepSpeed allows one")
     values, auto = {}, []
