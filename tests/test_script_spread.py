@@ -137,3 +137,43 @@ def test_readme_example_runs(monkeypatch):
     r = CliRunner().invoke(cli, words, env=dict([env.split("=", 1)]))
     assert r.exit_code == 0, r.output[-2000:]
     assert "dp x2" in r.output and "the script's DataParallel over GPUs 0, 1" in r.output
+
+
+DROPOUT_LM = f"""import sys
+sys.path.insert(0, {os.path.join(HERE, "models")!r})
+import torch.nn as nn
+import plan_lm
+from plan_lm import make_batch, loss_fn
+class DropLM(plan_lm.PlanLM):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+    def forward(self, ids):
+        x = self.drop(self.embed(ids))
+        for block in self.layers:
+            x = block(x)
+        return self.head(self.norm(x))
+def build_model():
+    return DropLM()
+"""
+
+
+def test_a_device_map_need_not_name_a_block_without_parameters(tmp_path):
+    """accelerate places parameters; a dropout between the embedding and the first layer is in
+    no map (its check_device_map passes without it) and runs on the GPU of the block before."""
+    model = tmp_path / "drop_lm.py"
+    model.write_text(DROPOUT_LM)
+    dmap = {"embed": 0, "layers.0": 0, "layers.1": 0, "layers.2": 1, "layers.3": 1, "norm": 1,
+            "head": 1}
+    r = CliRunner().invoke(cli, ["estimate", *CARD, "--json", "--", sys.executable, SCRIPT,
+                                 "--model", str(model), "--spread", "split", "--map",
+                                 json.dumps(dmap), "--batch-size", "8"], env=TWO)
+    assert r.exit_code == 0, r.output[-2000:]
+    [est] = json.loads(r.stdout)["strategies"]
+    assert est["partition"]["stages"][0][:2] == ["embed", "drop"]
+
+
+def test_a_batch_smaller_than_dataparallels_gpus_is_named():
+    r, _ = _estimate("--spread", "dp", "--batch-size", "2", env={"CUDA_VISIBLE_DEVICES": "0,1,2"})
+    assert r.exit_code == 3, r.output[-2000:]
+    assert "smaller than the 3 GPUs" in r.output

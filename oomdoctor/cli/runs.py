@@ -94,12 +94,18 @@ def _smoke_script(ctx, script, steps, device, budget, alloc_conf, as_json, debug
     alloc = _alloc_config(alloc_conf)
 
     def predict():
-        from oomdoctor.plans.estimate import estimate_script
+        from oomdoctor.plans.estimate import estimate_trace, script_trace, spreads_itself
+        from oomdoctor.plans.script_probe import fullest_gpu
         from oomdoctor.sim.trace import TraceConfig
         # the same stop as the real run's: after optimizer step `steps` (runs.script_steps)
         cfg = TraceConfig(1, steps=steps, torch=_modelled_torch())
-        return run_script(lambda: estimate_script(script, cfg, budget(), alloc,
-                                                  progress=_progress))
+
+        def estimate():
+            trace = script_trace(script, cfg, budget(), progress=_progress)
+            if spreads_itself(trace):     # DataParallel, a split: its fullest GPU
+                return fullest_gpu(script, trace, budget(), alloc, None)
+            return estimate_trace(trace, budget(), alloc, script.name)
+        return run_script(estimate)
     try:
         cfg = smoke_script.ScriptSmokeConfig(steps, device, alloc_conf=alloc_conf)
         result = smoke_script.run_script_smoke(script, cfg, predict, progress=_progress,

@@ -75,7 +75,9 @@ def run(cfg: dict[str, Any], on_step: Callable) -> dict[str, Any]:
     end.update(steps=watch.done, skipped=watch.skipped, autocast=seen.autocast,
                grad_scaler=seen.grad_scaler, cpu_autocast="" if cuda else cfg["autocast"])
     if cuda:
-        device = torch.cuda.current_device()
+        # the fullest GPU the script used (DataParallel's or a split's may not be the current
+        # one), as the estimate of a script that spreads itself predicts its fullest GPU
+        device = max(range(torch.cuda.device_count()), key=torch.cuda.max_memory_reserved)
         end["memory"] = [(f"cuda:{device}", torch.cuda.max_memory_allocated(device),
                           torch.cuda.max_memory_reserved(device))]
         end["gpu"] = torch.cuda.get_device_name(device)

@@ -15,7 +15,7 @@ What the real ones do, from their sources:
   over them in dim-0 chunks (GPU 0 takes the first, largest), replicates the module, runs the
   replicas and gathers their outputs on ``output_device`` (``device_ids[0]``).
 - ``dispatch_model`` (accelerate/big_modeling.py) puts each module of the map on its device and
-  hooks it to move its inputs there; ``main_device`` defaults to the map's first GPU. A map
+  hooks it to move its inputs there; ``main_device`` defaults to the lowest GPU index. A map
   that sends modules to "cpu" or "disk" offloads them, which a script's run does not follow.
 """
 from __future__ import annotations
@@ -79,7 +79,10 @@ class Recorder:
                 self.module = module
                 count = torch.cuda.device_count()
                 ids = tuple(range(count)) if device_ids is None else tuple(
-                    int(_index(d)) for d in device_ids)
+                    _index(d) for d in device_ids)
+                if not ids or not all(isinstance(i, int) for i in ids):
+                    raise UnsupportedParallel(f"DataParallel(device_ids={device_ids!r}): "
+                                              "oomdoctor replays it over GPU indices only")
                 self.device_ids, self.dim = list(ids), dim
                 self.output_device = ids[0] if output_device is None else _index(output_device)
                 if dim != 0:
@@ -106,6 +109,7 @@ class Recorder:
             raise UnsupportedParallel(f"a device map over {len(gpus)} GPUs: oomdoctor replays "
                                       "the two-GPU split only")
         if len(gpus) == 2:
+            # accelerate's default: list(set(device_map.values()))[0], the lowest index
             main = gpus[0] if main_device is None else _index(main_device)
             self._record(Spread("pipeline2", tuple(gpus),
                                 {n: gpus.index(d) for n, d in where.items()},

@@ -157,7 +157,12 @@ def estimate_spread_script(script: ScriptSpec, trace: Trace, budget: Budget,
     progress(f"{st.name}: replaying {st.num_gpus} GPUs as the script spreads")
     e = estimate_strategy(trace, layout, st, budget, alloc, sizes or Sizes.of(trace),
                           grad_accum=trace.config.grad_accum, cut=cut)
-    e = replace(e, notes=(_spread_note(spread, st), *e.notes))
+    notes = [_spread_note(spread, st)]
+    if e.partition is not None and e.partition.main_stage != spread.main_stage:
+        notes.append(f"the inputs, root-level tensors and loss estimated on stage "
+                     f"{e.partition.main_stage} (the last block's GPU), where the script's "
+                     f"main_device puts them on stage {spread.main_stage}")
+    e = replace(e, notes=(*notes, *e.notes))
     return ParallelReport(script.name, budget.gpu.name, st.num_gpus, budget.gpu.total_bytes,
                           budget.limit_bytes, e.micro_batch, trace.config.precision,
                           bool(trace.checkpointed), layout.num_parameters, (e,), (),
@@ -206,7 +211,11 @@ def _data_parallel_run(script: ScriptSpec, whole: Trace, budget: Budget, progres
     from oomdoctor.plans.estimate import script_trace
     n = len(whole.model.spread.devices)
     batch = whole.config.batch_size
-    if not (whole.loaders or "batch" in script.placeholders) or batch < n:
+    if batch < n:
+        raise ModelFileError(f"{script.name}'s batch of {batch} is smaller than the {n} GPUs "
+                             "its DataParallel scatters over (it would use only as many GPUs "
+                             f"as samples): give a batch of at least {n}, or fewer device_ids")
+    if not (whole.loaders or "batch" in script.placeholders):
         raise ModelFileError(f"{script.name} runs DataParallel over {n} GPUs on batches it makes "
                          "without a DataLoader: oomdoctor needs one GPU's share of the batch in "
                          "a second run. Put {batch} in the script's arguments where it takes its "
@@ -224,6 +233,12 @@ def map_cut(layout: Layout, device_map: dict[str, int]) -> int:
     """The split a device map makes (module name -> stage): the execution index of the first
     block on the other stage. A map of more than two contiguous runs of blocks is refused."""
     stages = [_stage_of(block, device_map) for block in layout.blocks]
+    # a block the map does not name holds no parameter (accelerate needs every parameter
+    # placed, nothing more): it runs where its inputs are, on the block before it
+    known = [st for st in stages if st is not None] or [0]
+    last = known[0]
+    for i, st in enumerate(stages):
+        stages[i] = last = last if st is None else st
     cuts = [i for i in range(1, len(stages)) if stages[i] != stages[i - 1]]
     if len(cuts) != 1:
         raise ModelFileError(f"the script's device map puts the blocks on the GPUs as {stages}: "
@@ -232,18 +247,17 @@ def map_cut(layout: Layout, device_map: dict[str, int]) -> int:
     return cuts[0]
 
 
-def _stage_of(block: str, device_map: dict[str, int]) -> int:
+def _stage_of(block: str, device_map: dict[str, int]) -> int | None:
     """A block's stage: the map's entry for it or for the module that holds it, else the one
-    stage of all the entries inside it."""
+    stage of all the entries inside it (None: the map names nothing of it)."""
     holders = [k for k in device_map if k == "" or block == k or block.startswith(k + ".")]
     if holders:
         return device_map[max(holders, key=len)]
     inside = {v for k, v in device_map.items() if k.startswith(block + ".")}
-    if len(inside) != 1:
-        raise ModelFileError(f"the script's device map "
-                         + ("names no device for" if not inside else "splits")
-                         + f" the block {block!r}: oomdoctor replays whole blocks per GPU")
-    return inside.pop()
+    if len(inside) > 1:
+        raise ModelFileError(f"the script's device map splits the block {block!r}: oomdoctor "
+                             "replays whole blocks per GPU")
+    return inside.pop() if inside else None
 
 
 def estimate_sharded_script(script: ScriptSpec, trace: Trace, budget: Budget,

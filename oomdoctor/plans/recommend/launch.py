@@ -219,7 +219,11 @@ def _adapter_lines(c: Candidate, adapters: Any, targets: tuple[str, ...], distri
             lines.append("model = prepare_model_for_kbit_training(model, use_gradient_"
                          f"checkpointing={c.checkpointing})   # frozen base, norms in fp32")
         elif c.checkpointing:
-            lines.append("model.gradient_checkpointing_enable()   # pure 16-bit: nothing upcast")
+            # non-reentrant: peft enables the inputs' gradients for reentrant checkpointing
+            # only on models that are not quantized (peft_model.py, _prepare_model_for_
+            # gradient_checkpointing), and transformers 4.x defaults to reentrant
+            lines += ["model.gradient_checkpointing_enable(   # pure 16-bit: nothing upcast",
+                      "    gradient_checkpointing_kwargs={'use_reentrant': False})"]
     else:
         lines += ["from transformers import AutoModelForCausalLM   # or your build_model()",
                   load + ")   # frozen base in 16-bit"]

@@ -69,7 +69,9 @@ _FRAMEWORK = {
     "lightning": {
         "ddp": "Trainer(accelerator='gpu', devices={n}, strategy='ddp')",
         "zero2": "Trainer(devices={n}, strategy='deepspeed_stage_2')",
-        "zero3": "Trainer(devices={n}, strategy='fsdp')",
+        "zero3": "Trainer(devices={n}, strategy=FSDPStrategy(auto_wrap_policy={{<the repeated "
+                 "block class>}})) - the default wraps only the root, gathering every parameter "
+                 "at once",
     },
     "own_ddp": {
         "ddp": "launch with `torchrun --standalone --nproc_per_node {n} {script} ...`: it wraps "
