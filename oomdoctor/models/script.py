@@ -88,6 +88,14 @@ class ScriptSpec:
     def name(self) -> str:
         return os.path.basename(self.path)
 
+    def source(self) -> str:
+        """The script's text ("" when it cannot be read: running it will say why)."""
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
     @property
     def world(self) -> int:
         """Processes in all: one per GPU of every node."""

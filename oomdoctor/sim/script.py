@@ -163,15 +163,6 @@ def _run_file(script: ScriptSpec, argv: list[str]) -> str:
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
-def _source(script: ScriptSpec) -> str:
-    """The script's text ("" when it cannot be read: the run will say why)."""
-    try:
-        with open(script.path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
 def _failure(script: ScriptSpec, e: BaseException) -> str:
     """One line: where the script failed, what, and the fallback."""
     where = user_frame(e) or script.name
@@ -203,7 +194,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
             fakecuda.fake_cuda(device), \
             ddp.rank_zero(script.world, script.environment()) as sharded, \
             spreading.stand_ins() as spread, \
-            deepspeed_engine.stand_ins(_source(script), script.args) as engine, \
+            deepspeed_engine.stand_ins(script.source(), script.args) as engine, \
             _loaders(batch_size, run), \
             (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
                                  cfg.torch)

@@ -185,7 +185,7 @@ def _how(best: Candidate | None, e: StrategyEstimate | None, script: ScriptSpec
     terms of the framework the script is written in)."""
     if best is None:
         return ()
-    kind = script_advice.framework(script_advice.read_source(script.path))
+    kind = script_advice.framework(script.source())
     k = best.grad_accum
     out = [f"micro-batch {best.micro_batch}: every DataLoader's batch_size (or {{batch}})",
            f"step the optimizer every {k} micro-batches, the loss scaled by 1/{k}" if k > 1

@@ -29,14 +29,6 @@ def framework(source: str) -> str:
     return next((name for name, sign in _SIGNS if sign.search(source)), "plain")
 
 
-def read_source(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
 _PLAIN = {
     "single": "nothing but the batch: run it as it is",
     "ddp": "launch with torchrun and wrap the model in DistributedDataParallel after moving it "
