@@ -95,3 +95,27 @@ def test_formatting_the_gpu_loss_reads_a_stand_in():
     """f"{loss:.3f}" of a GPU scalar (imagenet's AverageMeter) formats the stand-in .item()
     gives, instead of failing on a tensor with no data."""
     assert _estimate("--format")["batch_size"] == 8
+
+
+def test_a_scripts_run_leaves_cuda_uninitialised(tmp_path):
+    """A BatchNorm's integer buffer has real values beside its meta copy; following its
+    `.cuda()` on the real value initialised CUDA in this CPU build under the fake device's
+    answers, and every later `.cuda()` of the process failed as "not linked with CUDA" - so a
+    model file's misplaced .cuda() was no longer recognised (tests/test_loader.py failed after
+    a DeepSpeed script test in CI)."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA build: nothing to initialise wrongly")
+    script = tmp_path / "bn.py"
+    script.write_text("import torch\n"
+                      "bn, fc = torch.nn.BatchNorm1d(4).cuda(), torch.nn.Linear(4, 4).cuda()\n"
+                      "opt = torch.optim.AdamW(fc.parameters())\n"
+                      "for _ in range(3):\n"
+                      "    fc(bn(torch.randn(2, 4).cuda())).sum().backward()\n"
+                      "    opt.step()\n"
+                      "    opt.zero_grad()\n")
+    r = CliRunner().invoke(cli, ["estimate", "--gpu", "rtx3090", "--no-input-check", "--",
+                                 sys.executable, str(script)])
+    assert r.exit_code == 0, r.output[-2000:]
+    with pytest.raises(AssertionError, match="not compiled with CUDA"):
+        torch.ones(1).cuda()

@@ -139,6 +139,8 @@ class Shadows:
         if any(isinstance(o, torch.Tensor) and o.numel() > MAX_NUMEL for o in outs):
             return
         r_args, r_kwargs = tree_unflatten(real_leaves, spec)
+        if func in (torch.Tensor.cuda, torch.Tensor.to):
+            return _moved(r_args, r_kwargs)
         if "device" in r_kwargs:
             r_kwargs = dict(r_kwargs, device=torch.device("cpu"))
         try:
@@ -219,6 +221,8 @@ class Calls(TorchFunctionMode):
         if any(r is None for x, r in zip(leaves, real_leaves) if isinstance(x, torch.Tensor)):
             return None
         r_args, r_kwargs = tree_unflatten(real_leaves, spec)
+        if func in (torch.Tensor.cuda, torch.Tensor.to):
+            return _moved(r_args, r_kwargs)
         if "device" in r_kwargs:
             r_kwargs = dict(r_kwargs, device=torch.device("cpu"))
         try:
@@ -228,6 +232,20 @@ class Calls(TorchFunctionMode):
                 return func(*r_args, **r_kwargs)
         except Exception:
             return None
+
+
+def _moved(args: tuple, kwargs: dict) -> Any:
+    """A move's real value (``.cuda()``, ``.to(device, dtype)``): the same values on the CPU,
+    in the dtype asked for. Running the move itself would initialise CUDA in a CPU build
+    under the fake device's answers (torch.cuda.is_initialized is true there), which leaves
+    every later ``.cuda()`` of the process failing as "not linked with CUDA" instead of
+    "not compiled with CUDA" (the message a model file's misplaced .cuda() is told by)."""
+    real = args[0]
+    if len(args) > 1 and isinstance(args[1], torch.Tensor):
+        return real.to(args[1].dtype)
+    dtype = kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)),
+                                        None)
+    return real if dtype is None else real.to(dtype)
 
 
 # The Shadows of the trace now running, for code outside the dispatch mode that needs a batch
