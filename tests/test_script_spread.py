@@ -100,13 +100,20 @@ def test_a_split_oomdoctor_cannot_replay_is_named(device_map, words):
     assert words in r.output and "Traceback" not in r.output
 
 
-def test_parallel_refuses_a_script_that_spreads_itself():
-    """`parallel` plans a single-GPU script; one that runs DataParallel already is sent to
-    `estimate`, which estimates it as it is."""
-    r = CliRunner().invoke(cli, ["parallel", *CARD, "--gpus", "2", "--", sys.executable, SCRIPT,
-                                 "--model", MODEL, "--spread", "dp"], env=TWO)
-    assert r.exit_code != 0
-    assert "runs DataParallel over 2 GPUs" in r.output and "oomdoctor estimate" in r.output
+def test_parallel_plans_a_dataparallel_scripts_model_across_the_strategies():
+    """`parallel -- <a DataParallel script>`: its run is the model whole on one GPU, as a
+    single-GPU script's; every strategy is planned for that model (the advice a DataParallel
+    user needs: DDP), each as for the same script without DataParallel, with a note."""
+    def plan(spread):
+        r = CliRunner().invoke(cli, ["parallel", *CARD, "--gpus", "2", "--json", "--",
+                                     sys.executable, SCRIPT, "--model", MODEL, "--spread",
+                                     spread, "--batch-size", "8"], env=TWO)
+        assert r.exit_code in (0, 1), r.output[-2000:]
+        return {s["strategy"]: s for s in json.loads(r.stdout)["strategies"]}
+    with_dp, plain = plan("dp"), plan("none")
+    assert set(with_dp) == set(plain) and "ddp" in with_dp
+    assert _per_gpu({"strategies": [with_dp["ddp"]]}) == _per_gpu({"strategies": [plain["ddp"]]})
+    assert any("DataParallel set aside" in n for n in with_dp["ddp"]["notes"])
 
 
 def test_a_deepspeed_script_without_deepspeed_installed_says_what_to_do(tmp_path):

@@ -87,6 +87,8 @@ def estimate_script_strategies(script: ScriptSpec, budget: Budget, num_gpus: int
         if name == "zero3" and precision == "bf16":      # not the options' note: the script's
             e = replace(e, notes=tuple(n for n in e.notes if n != AUTOCAST_NOTE)
                         + (SCRIPT_AUTOCAST_NOTE,))
+        if sets_aside(trace):
+            e = replace(e, notes=(sets_aside(trace), *e.notes))
         out.append(e)
     return ParallelReport(script.name, budget.gpu.name, num_gpus, budget.gpu.total_bytes,
                           budget.limit_bytes, trace.config.batch_size, precision,
@@ -122,6 +124,8 @@ def _refuse_distributed(script: ScriptSpec, trace) -> None:
     from oomdoctor.plans.estimate import how_it_spreads, spreads_itself
     from oomdoctor.sim.ddp import ScriptDDP
     trained = trace.model.module if trace.model is not None else None
+    if sets_aside(trace):
+        return
     spreads = spreads_itself(trace)
     if isinstance(trained, ScriptDDP) or script.world > 1 or spreads:
         how = (how_it_spreads(trace) if spreads else
@@ -130,7 +134,21 @@ def _refuse_distributed(script: ScriptSpec, trace) -> None:
         raise ValueError(f"{script.name} {how}: its per-GPU memory is what `oomdoctor "
                          "estimate -- <the same command>` gives; `oomdoctor parallel` plans a "
                          "single-GPU script across strategies - give it the script without its "
-                         "own DDP/FSDP/DataParallel/split, as plain `python train.py ...`")
+                         "own DDP/FSDP/DeepSpeed, as plain `python train.py ...`")
+
+
+def sets_aside(trace: Trace) -> str:
+    """One process spreading its model with DataParallel or dispatch_model ran it whole on the
+    fake GPU, the way a single-GPU script runs it: the planners plan that model across the
+    strategies, setting the script's own spreading aside (what it says; "" when it does not
+    apply). FSDP and DeepSpeed change the model's dtypes in the run, so they are not."""
+    spread = getattr(trace.model, "spread", None)
+    if spread is None or getattr(trace.model, "sharding", None) is not None \
+            or getattr(trace.model, "deepspeed", None) is not None:
+        return ""
+    what = ("DataParallel" if spread.kind == "dp" else "dispatch_model split")
+    return (f"the script's own {what} set aside: each strategy is planned for its model "
+            f"(replace the {what} with the plan's strategy)")
 
 
 def estimate_spread_script(script: ScriptSpec, trace: Trace, budget: Budget,

@@ -20,7 +20,7 @@ from oomdoctor.models.script import ScriptSpec
 from oomdoctor.plans.script_probe import ScriptError
 from oomdoctor.plans.estimate import Budget, allocator_conf_string
 from oomdoctor.plans.parallel import StrategyEstimate, estimate_strategy, parse_strategy
-from oomdoctor.plans.parallel.scripts import _script_cannot, _script_inputs
+from oomdoctor.plans.parallel.scripts import _script_cannot, _script_inputs, sets_aside
 from oomdoctor.plans.parallel.report import _strategy
 from oomdoctor.plans.parallel.timeline import Sizes
 from oomdoctor.plans.recommend.cost import step_time
@@ -134,7 +134,8 @@ def recommend_script(script: ScriptSpec, hw: Hardware, target_batch: int, budget
     return ScriptRecommendation(
         script.name, hw.gpu.name, hw.num_gpus, hw.link, target_batch, budget.limit_bytes,
         precision, checkpointing, layout.num_parameters, tuple(ranked), best,
-        _how(best, found.get(best.strategy) if best else None, script), tuple(skipped),
+        _how(best, found.get(best.strategy) if best else None, script, sets_aside(trace)),
+        tuple(skipped),
         allocator_conf_string(alloc), tuple(sorted(runs.done)))
 
 
@@ -179,8 +180,8 @@ def _candidate(run: tuple, st, hw: Hardware, precision: str, checkpointing: bool
     return candidate(st, precision, checkpointing, b, k, target, e, t, extrapolated=False)
 
 
-def _how(best: Candidate | None, e: StrategyEstimate | None, script: ScriptSpec
-         ) -> tuple[str, ...]:
+def _how(best: Candidate | None, e: StrategyEstimate | None, script: ScriptSpec,
+         set_aside: str = "") -> tuple[str, ...]:
     """What to change in the script for the best plan: batch, accumulation, strategy (in the
     terms of the framework the script is written in)."""
     if best is None:
@@ -192,6 +193,8 @@ def _how(best: Candidate | None, e: StrategyEstimate | None, script: ScriptSpec
            else "step the optimizer every micro-batch (no accumulation)",
            f"{best.strategy}: " + script_advice.change(best.strategy, kind, best.num_gpus,
                                                         script.name)]
+    if set_aside:
+        out.insert(0, set_aside)
     return tuple(out) + (e.notes if e is not None else ())
 
 
