@@ -52,13 +52,20 @@ def _name(rec: dict) -> str:
     return f"{rec['setup']}-{rec['model']}-b{rec['batch_size']}-ck{int(rec['checkpointing'])}"
 
 
-def _estimate(rec: dict, env: dict, tmp_path, monkeypatch) -> dict:
-    """oomdoctor's one GPU for the record's run, from `parallel --json`."""
+def record_setup(rec: dict, tmp_path, monkeypatch):
+    """The record's model sizes in the environment (the model file reads them) and its
+    DeepSpeed config as a file; the file's path."""
     monkeypatch.setenv("DS_HIDDEN", str(rec["hidden"]))
     monkeypatch.setenv("DS_LAYERS", str(rec["layers"]))
     monkeypatch.setenv("DS_HEADS", str(rec["heads"]))
     config = tmp_path / "ds.json"
     config.write_text(json.dumps(rec["ds_config"]))
+    return config
+
+
+def _estimate(rec: dict, env: dict, tmp_path, monkeypatch) -> dict:
+    """oomdoctor's one GPU for the record's run, from `parallel --json`."""
+    config = record_setup(rec, tmp_path, monkeypatch)
     args = ["parallel", MODEL, "--gpus", "1", "--gpu", "h200", "-b", str(rec["batch_size"]),
             "--ds-config", str(config), "--deepspeed", env["deepspeed"], "--json"]
     accumulation = rec["ds_config"].get("gradient_accumulation_steps", 1)

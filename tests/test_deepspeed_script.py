@@ -19,7 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from oomdoctor.cli import cli
-from test_deepspeed_gpu import ALLOCATED_TOL, RECORDS, RESERVED_TOL, _name, _skips_steps
+from test_deepspeed_gpu import (ALLOCATED_TOL, RECORDS, RESERVED_TOL, _name, _skips_steps,
+                                record_setup)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "ds_train.py")
@@ -36,11 +37,7 @@ def deepspeed_importable(monkeypatch):
 
 
 def _script_estimate(rec: dict, env: dict, tmp_path, monkeypatch) -> dict:
-    monkeypatch.setenv("DS_HIDDEN", str(rec["hidden"]))
-    monkeypatch.setenv("DS_LAYERS", str(rec["layers"]))
-    monkeypatch.setenv("DS_HEADS", str(rec["heads"]))
-    config = tmp_path / "ds.json"
-    config.write_text(json.dumps(rec["ds_config"]))
+    config = record_setup(rec, tmp_path, monkeypatch)
     zero = rec["ds_config"]["zero_optimization"]["stage"]
     args = ["estimate", "--gpu", "h200", "--deepspeed", env["deepspeed"], "--json", "--",
             "deepspeed", "--num_gpus", "1", SCRIPT, "--deepspeed_config", str(config),

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from oomdoctor.cli.group import (EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
+from oomdoctor.cli.group import (EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
                                  cli)
 from oomdoctor.cli.script import model_or_script
 from oomdoctor.cli.deepspeed_options import (_deepspeed_defaults, _deepspeed_run,
@@ -19,7 +19,7 @@ from oomdoctor.cli.options import (_bucket_view_option, _fsdp_version, _fsdp_ver
                                    _checkpoint_config,
                                    _link_option, LINKS,
                                    _write_bar_plot)
-from oomdoctor.cli.runs import _smoke_best, _smoke_prediction, _smoke_script
+from oomdoctor.cli.runs import _smoke_best, _smoke_prediction, _smoke_script, smoke_verdict
 from oomdoctor.configs import (DEEPSPEED_CHOICES, MODEL_PROTOCOL, NODE_STRATEGY_CHOICES,
                                PRECISIONS, STRATEGY_CHOICES)
 
@@ -509,24 +509,14 @@ def smoke_command(ctx, model_file, strategy, batch_size, grad_accum, precision, 
         with open(device_map_path, encoding="utf-8") as f:
             doc = json.load(f)
         dmap, main = doc.get("device_map"), int(doc.get("main_device", 0))
-    try:
+    def run():
         spec = _load_model(model_file)
         cfg = smoke_mod.SmokeConfig(strategy, n, precision, checkpointing, checkpoint_class,
                                     batch_size, grad_accum, steps, optimizer, device, cpu_batch,
                                     dmap, main, **_checkpoint_config(checkpointing))
         cfg, prediction = _smoke_prediction(spec, cfg, budget, alloc)
-        result = smoke_mod.run_smoke(spec, cfg, prediction, progress=_progress)
-    except ModelFileError as e:
-        _die(e, debug, EXIT_MODEL)
-    except smoke_mod.NoDeviceError as e:
-        _die(e, debug, EXIT_NO_GPU)
-    except smoke_mod.SmokeError as e:
-        _die(e, debug, EXIT_PROBLEM)
-    except ValueError as e:
-        _die(e, debug, EXIT_USAGE)
-    click.echo(json.dumps(result.to_json(), indent=2) if as_json
-               else smoke_mod.render_text(result))
-    sys.exit(EXIT_OK if result.ok else EXIT_PROBLEM)
+        return smoke_mod.run_smoke(spec, cfg, prediction, progress=_progress)
+    smoke_verdict(run, smoke_mod.render_text, as_json, debug)
 
 
 def _smoke_nodes(model_file, strategy, nodes, per_node, batch_size, grad_accum, precision,

@@ -79,37 +79,43 @@ _SCRIPT_SMOKE_REFUSED = {
 def _smoke_script(ctx, script, steps, device, budget, alloc_conf, as_json, debug):
     """`smoke -- python train.py`: the script's real steps judged (with CUDA, against its
     estimate for as many steps); prints the result and exits with the verdict."""
-    import json
-    import sys
-
-    import click
-
-    from oomdoctor.cli.group import EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_USAGE
     from oomdoctor.cli.options import _alloc_config, _modelled_torch
     from oomdoctor.cli.script import refuse_loop_options, run_script
-    from oomdoctor.models.spec import ModelFileError
-    from oomdoctor.runs import smoke as smoke_mod
     from oomdoctor.runs import smoke_script
     refuse_loop_options(ctx, extra=_SCRIPT_SMOKE_REFUSED)
     alloc = _alloc_config(alloc_conf)
 
     def predict():
-        from oomdoctor.plans.estimate import estimate_trace, script_trace, spreads_itself
-        from oomdoctor.plans.script_probe import fullest_gpu
+        from oomdoctor.plans.estimate import script_trace
+        from oomdoctor.plans.parallel.scripts import script_gpu_estimate
         from oomdoctor.sim.trace import TraceConfig
         # the same stop as the real run's: after optimizer step `steps` (runs.script_steps)
         cfg = TraceConfig(1, steps=steps, torch=_modelled_torch())
 
         def estimate():
             trace = script_trace(script, cfg, budget(), progress=_progress)
-            if spreads_itself(trace):     # DataParallel, a split: its fullest GPU
-                return fullest_gpu(script, trace, budget(), alloc, None)
-            return estimate_trace(trace, budget(), alloc, script.name)
+            return script_gpu_estimate(script, trace, budget(), alloc)
         return run_script(estimate)
+    cfg = smoke_script.ScriptSmokeConfig(steps, device, alloc_conf=alloc_conf)
+    smoke_verdict(lambda: smoke_script.run_script_smoke(script, cfg, predict, progress=_progress,
+                                                        output=_progress),
+                  smoke_script.render_text, as_json, debug)
+
+
+def smoke_verdict(run, render, as_json: bool, debug: bool):
+    """Run a smoke (``run()``: a result with ``ok`` and ``to_json``) and end the command with
+    its report and verdict: exit 0 passed, 1 failed; a model or script error 3, no GPU 4, a
+    usage error 2 - for a model file's smoke and a script's alike."""
+    import json
+    import sys
+
+    import click
+
+    from oomdoctor.cli.group import EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_USAGE
+    from oomdoctor.models.spec import ModelFileError
+    from oomdoctor.runs import smoke as smoke_mod
     try:
-        cfg = smoke_script.ScriptSmokeConfig(steps, device, alloc_conf=alloc_conf)
-        result = smoke_script.run_script_smoke(script, cfg, predict, progress=_progress,
-                                               output=_progress)
+        result = run()
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except smoke_mod.NoDeviceError as e:
@@ -118,6 +124,5 @@ def _smoke_script(ctx, script, steps, device, budget, alloc_conf, as_json, debug
         _die(e, debug, EXIT_PROBLEM)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
-    click.echo(json.dumps(result.to_json(), indent=2) if as_json
-               else smoke_script.render_text(result))
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result))
     sys.exit(EXIT_OK if result.ok else EXIT_PROBLEM)

@@ -359,8 +359,8 @@ def _script_estimate(case: Case, root: str, budget: Budget):
     import shlex
 
     from oomdoctor.models.script import parse_command
-    from oomdoctor.plans.estimate import estimate_trace, script_trace, spreads_itself
-    from oomdoctor.plans.script_probe import fullest_gpu
+    from oomdoctor.plans.estimate import script_trace
+    from oomdoctor.plans.parallel.scripts import script_gpu_estimate
     from oomdoctor.sim.allocator import AllocatorConfig
     words = shlex.split(case.command)
     for i, w in enumerate(words):               # the script's path, relative to the config
@@ -370,9 +370,7 @@ def _script_estimate(case: Case, root: str, budget: Budget):
     script = parse_command(words)
     trace = script_trace(script, _trace_config(case, case.batch_size or 1), budget,
                          batch_size=case.batch_size or None, seq_len=case.seq_len)
-    if spreads_itself(trace):       # FSDP, DeepSpeed, DataParallel, a split: the fullest GPU
-        return fullest_gpu(script, trace, budget, AllocatorConfig(), case.seq_len)
-    return estimate_trace(trace, budget, AllocatorConfig(), script.name)
+    return script_gpu_estimate(script, trace, budget, AllocatorConfig(), case.seq_len)
 
 
 # -- measuring ------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError
-from oomdoctor.plans.estimate import (Budget, Estimate, estimate_trace, script_trace,
-                                      spreads_itself)
+from oomdoctor.plans.estimate import Budget, Estimate, script_trace
+from oomdoctor.plans.parallel.scripts import script_gpu_estimate
 from oomdoctor.sim.allocator import AllocatorConfig
 from oomdoctor.sim.recorder import Category
 from oomdoctor.sim.script import DataExhausted, NoStep
@@ -80,8 +80,7 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
                               "oomdoctor cannot set their size; put {batch} where the "
                               f"script's batch size goes: `-- {script.command()} --batch-size "
                               "{batch}` (its own flag)")
-        e = (fullest_gpu(script, trace, budget, alloc, seq_len) if spreads_itself(trace)
-             else estimate_trace(trace, budget, alloc, script.name))
+        e = script_gpu_estimate(script, trace, budget, alloc, seq_len)
         result.trials[batch] = e
         fitted[batch] = trace if e.fits else None
         inputs[batch] = sum(s.nbytes for s in trace.storages.values()
@@ -143,25 +142,6 @@ def probe_script(script: ScriptSpec, cfg: TraceConfig, budget: Budget,
         result.data_samples = 0          # memory, not the data, stopped it
     result.at_max_trace = fitted.get(lo)
     return result
-
-
-def fullest_gpu(script: ScriptSpec, trace, budget: Budget, alloc: AllocatorConfig,
-                 seq_len: int | None) -> Estimate:
-    """A script that spreads its model itself (FSDP, DeepSpeed, DataParallel, a split): its
-    per-GPU replay (the one `estimate -- <command>` gives), as an estimate of the fullest GPU;
-    the batch fits when every GPU does."""
-    from dataclasses import replace
-
-    from oomdoctor.plans import parallel as par
-    report = par.estimate_spread_script(script, trace, budget, alloc, seq_len=seq_len)
-    [s] = report.estimates
-    g = max(s.gpus, key=lambda g: g.device_peak_bytes)
-    return replace(estimate_trace(trace, budget, alloc, script.name), precision=report.precision,
-                   peak_allocated_bytes=g.peak_allocated_bytes,
-                   peak_reserved_bytes=g.peak_reserved_bytes, fits=s.fits,
-                   breakdown=dict(g.breakdown), peak_phase=g.peak_phase,
-                   notes=(f"per GPU: {s.strategy} x{s.num_gpus} as the script runs it, the "
-                          f"fullest GPU ({g.label})", *s.notes))
 
 
 def render_text(p: ScriptProbe) -> str:

@@ -31,6 +31,8 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from oomdoctor.sim.script_phases import Loading, watching_loaders
+
 
 class StopRun(BaseException):
     """The script has taken its steps."""
@@ -64,7 +66,7 @@ class StepWatch:
         self.forward_limit, self.clock = forwards, clock
         self.done = self.skipped = 0
         self.depth = self.in_backward = self.forwards = 0
-        self.loading = 0          # > 0: inside a DataLoader's __next__ (its transform modules)
+        self.loading = Loading()  # the DataLoaders at work (their transform modules)
         self.backwarded = False
         self.pending: list[float | None] = []       # this step's backward losses
         self.last: float | None = None              # when the previous step ended
@@ -102,14 +104,6 @@ class StepWatch:
             return
         self.depth = max(self.depth - 1, 0)
 
-    def loader_next(self, real: Callable) -> Callable:
-        def __next__(it):
-            self.loading += 1
-            try:
-                return real(it)
-            finally:
-                self.loading -= 1
-        return __next__
 
     def backward(self, real: Callable) -> Callable:
         """``torch.autograd.backward`` that stops the script after its steps and records the
@@ -187,13 +181,10 @@ def watching(watch: StepWatch) -> Iterator[StepWatch]:
              register_optimizer_step_post_hook(watch.step_post)]
     torch.autograd.backward = watch.backward(real_backward)
     scaler.scale, scaler.step = watch.scale(real_scale), watch.scaler_step(real_step)
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-    fetch = _BaseDataLoaderIter.__next__
-    _BaseDataLoaderIter.__next__ = watch.loader_next(fetch)
     try:
-        yield watch
+        with watching_loaders(watch.loading):
+            yield watch
     finally:
-        _BaseDataLoaderIter.__next__ = fetch
         torch.autograd.backward = real_backward
         scaler.scale, scaler.step = real_scale, real_step
         for h in hooks:

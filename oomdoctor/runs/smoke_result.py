@@ -54,11 +54,7 @@ class SmokeResult:
     notes: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for m, obj in zip(d["memory"], self.memory):
-            m["allocated_off"] = obj.off("allocated")
-            m["reserved_off"] = obj.off("reserved")
-        return d
+        return smoke_json(self)
 
 
 # Pure fp16 with torch's AdamW defaults: the second moment of gradients below ~5e-3 flushes
@@ -168,3 +164,13 @@ def memory_table(memory: tuple[MemoryCheck, ...]) -> str:
              "ok" if m.ok else "OFF") for m in memory]
     return tabulate(rows, headers=("GPU", "allocated", "predicted", "reserved", "predicted",
                                    f"within {TOLERANCE:.0%}"))
+
+
+def smoke_json(result: Any) -> dict[str, Any]:
+    """A smoke result (a model file's or a script's) as JSON: its fields, each memory check
+    with how far off the prediction it was."""
+    d = asdict(result)
+    for m, obj in zip(d["memory"], result.memory):
+        m["allocated_off"] = obj.off("allocated")
+        m["reserved_off"] = obj.off("reserved")
+    return d

@@ -2,11 +2,11 @@
 sent back (against the estimate of the same script, with CUDA), and its text."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from oomdoctor.runs.smoke_result import (TOLERANCE, MemoryCheck, judge_losses, memory_problem,
-                                         memory_table)
+                                         memory_table, smoke_json)
 
 __all__ = ["TOLERANCE", "ScriptSmokeResult", "judge_script", "render_text", "CPU_NOTE"]
 
@@ -36,11 +36,7 @@ class ScriptSmokeResult:
     notes: tuple[str, ...]
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for m, obj in zip(d["memory"], self.memory):
-            m["allocated_off"] = obj.off("allocated")
-            m["reserved_off"] = obj.off("reserved")
-        return d
+        return smoke_json(self)
 
 
 def judge_script(steps: list[dict[str, Any]], end: dict[str, Any], cuda: bool,

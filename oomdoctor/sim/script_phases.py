@@ -106,9 +106,7 @@ class Phases:
         self.micro = self.depth = self.forwards = 0
         self.backwarded = False
         self.optimizer_made = False      # a torch.optim.Optimizer exists (the script made one)
-        self.fetched = 0                 # DataLoader batches taken since the last step
-        self.loading = 0                 # > 0: inside a DataLoader's __next__ (its dataset's
-        #                                  transforms are modules too, run on the CPU)
+        self.loading = Loading()         # the DataLoaders at work (batches since the step)
         self.names: dict[int, str] = {}
         self.blocks: dict[int, tuple[int, int]] = {}     # module id -> (root id, block)
         self.started = time.monotonic()
@@ -219,21 +217,17 @@ class Phases:
         """A script without an optimizer (``p.data.add_(p.grad, alpha=-lr)``, pytorch/examples'
         word_language_model) updates its weights by hand: a backward followed by the next
         forward is its step."""
-        self.run.steps_done += 1
-        self.run.micro_batches.append(min(self.micro, self.fetched) if self.fetched
-                                      else self.micro)
-        self.backwarded, self.micro, self.forwards, self.fetched = False, 0, 0, 0
+        self._step_done()
         self.mark(Phase.ZERO_GRAD)
 
-    def loader_next(self, real: Callable) -> Callable:
-        def __next__(it):
-            self.fetched += 1
-            self.loading += 1
-            try:
-                return real(it)
-            finally:
-                self.loading -= 1
-        return __next__
+    def _step_done(self) -> None:
+        """An optimizer step (or a hand-written one) ended: its backward passes per step, but no
+        more than the batches it took (a GAN's discriminator backpropagates a real and a fake
+        loss for one batch)."""
+        self.run.steps_done += 1
+        fetched = self.loading.batches
+        self.run.micro_batches.append(min(self.micro, fetched) if fetched else self.micro)
+        self.backwarded, self.micro, self.forwards, self.loading.batches = False, 0, 0, 0
 
     def optimizer_init(self, real: Callable) -> Callable:
         def __init__(optimizer, *args, **kwargs):
@@ -250,13 +244,7 @@ class Phases:
 
     def step_post(self, _optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if self.backwarded:
-            self.run.steps_done += 1
-            # backward passes per step, but no more than the batches it took: a GAN's
-            # discriminator backpropagates a real and a fake loss for one batch
-            self.run.micro_batches.append(min(self.micro, self.fetched) if self.fetched
-                                          else self.micro)
-            self.fetched = 0
-            self.backwarded, self.micro, self.forwards = False, 0, 0
+            self._step_done()
         self.mark(Phase.ZERO_GRAD)
 
 
@@ -300,6 +288,38 @@ def script_frame() -> str:
     return "its top level"
 
 
+class Loading:
+    """The script's DataLoaders at work: true while one makes a batch (its dataset's transform
+    modules run then, on the CPU: not the model's forwards), and the batches taken."""
+
+    def __init__(self) -> None:
+        self.depth = self.batches = 0
+
+    def __bool__(self) -> bool:
+        return self.depth > 0
+
+
+@contextlib.contextmanager
+def watching_loaders(loading: Loading) -> Iterator[None]:
+    """Every DataLoader iterator's ``__next__`` counted into ``loading`` for the block (in
+    this process; a worker process makes its batches elsewhere)."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+    real = _BaseDataLoaderIter.__next__
+
+    def __next__(it):
+        loading.batches += 1
+        loading.depth += 1
+        try:
+            return real(it)
+        finally:
+            loading.depth -= 1
+    _BaseDataLoaderIter.__next__ = __next__
+    try:
+        yield
+    finally:
+        _BaseDataLoaderIter.__next__ = real
+
+
 @contextlib.contextmanager
 def hooks(phases: Phases) -> Iterator[None]:
     from torch.nn.modules import module as nn_module
@@ -311,13 +331,10 @@ def hooks(phases: Phases) -> Iterator[None]:
     torch.autograd.backward = phases.backward(real)
     init = torch.optim.Optimizer.__init__
     torch.optim.Optimizer.__init__ = phases.optimizer_init(init)
-    from torch.utils.data.dataloader import _BaseDataLoaderIter
-    fetch = _BaseDataLoaderIter.__next__
-    _BaseDataLoaderIter.__next__ = phases.loader_next(fetch)
     try:
-        yield
+        with watching_loaders(phases.loading):
+            yield
     finally:
-        _BaseDataLoaderIter.__next__ = fetch
         torch.optim.Optimizer.__init__ = init
         torch.autograd.backward = real
         for h in handles:

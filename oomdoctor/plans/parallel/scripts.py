@@ -137,6 +137,26 @@ def _refuse_distributed(script: ScriptSpec, trace) -> None:
                          "own DDP/FSDP/DeepSpeed, as plain `python train.py ...`")
 
 
+def script_gpu_estimate(script: ScriptSpec, trace: Trace, budget: Budget,
+                        alloc: AllocatorConfig, seq_len: int | None = None):
+    """A script's run as one GPU's estimate (plans.estimate.Estimate): its own, or - a script
+    that spreads its model itself (FSDP, DeepSpeed, DataParallel, a split) - the fullest GPU of
+    its per-GPU replay (the one `estimate -- <command>` gives), which fits when every GPU
+    does. What probe searches, check gates and smoke compares with."""
+    from oomdoctor.plans.estimate import estimate_trace, spreads_itself
+    e = estimate_trace(trace, budget, alloc, script.name)
+    if not spreads_itself(trace):
+        return e
+    report = estimate_spread_script(script, trace, budget, alloc, seq_len=seq_len)
+    [s] = report.estimates
+    g = max(s.gpus, key=lambda g: g.device_peak_bytes)
+    return replace(e, precision=report.precision, peak_allocated_bytes=g.peak_allocated_bytes,
+                   peak_reserved_bytes=g.peak_reserved_bytes, fits=s.fits,
+                   breakdown=dict(g.breakdown), peak_phase=g.peak_phase,
+                   notes=(f"per GPU: {s.strategy} x{s.num_gpus} as the script runs it, the "
+                          f"fullest GPU ({g.label})", *s.notes))
+
+
 def sets_aside(trace: Trace) -> str:
     """One process spreading its model with DataParallel or dispatch_model ran it whole on the
     fake GPU, the way a single-GPU script runs it: the planners plan that model across the
