@@ -83,9 +83,15 @@ def test_config_file_reading():
     assert run.config.overlap_comm is True and run.config.auto == ("reduce_bucket_size",)
     assert run.config.reduce_bucket_size == 500_000_000          # DeepSpeed's default
     assert par.read_deepspeed_config({}).strategy == "ds0"
-    with pytest.raises(ValueError, match="offload"):
+    off = par.read_deepspeed_config({"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}})
+    assert off.config.offload_optimizer and off.config.offload_param
+    with pytest.raises(ValueError, match="NVMe"):
         par.read_deepspeed_config({"zero_optimization": {
-            "stage": 3, "offload_optimizer": {"device": "cpu"}}})
+            "stage": 3, "offload_optimizer": {"device": "nvme"}}})
+    with pytest.raises(ValueError, match="needs ZeRO stage 3"):
+        par.read_deepspeed_config({"zero_optimization": {
+            "stage": 2, "offload_param": {"device": "cpu"}}})
     with pytest.raises(ValueError, match="both fp16 and bf16"):
         par.read_deepspeed_config({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
 
@@ -182,3 +188,27 @@ def test_the_deepspeed_release_is_stated_settable_and_moves_the_bucket(command, 
     assert old_gpu["gpus"][0]["peak_allocated_bytes"] > new_gpu["gpus"][0]["peak_allocated_bytes"]
     bad = run("--deepspeed", "banana")
     assert bad.exit_code == 2 and "give it as 0.9.2" in bad.output
+
+
+def test_offload_leaves_what_deepspeeds_estimators_keep_on_the_gpu():
+    # DeepSpeed's estimators with cpu_offload (estimate_zero2_model_states_mem_needs: GPU 2P;
+    # estimate_zero3_model_states_mem_needs: 2P/N with the optimizer offloaded, nothing at rest
+    # with the parameters too - 4L is the layer being computed, gone after the step). What one
+    # rank of 2 holds after the step, against the same with everything offloaded, is that
+    # plus the buffers DeepSpeed's source keeps: ZeRO-2's temp_grad_buffer_for_gpu_offload (the
+    # largest parameter, 16-bit) in place of stage 3's reduce bucket; and against no offload,
+    # the fp32 master weights and Adam moments (12P/N) less that buffer.
+    spec = load_model_file(TINY)
+    sizes = [t.numel() for t in spec.build_model().parameters()]
+    p, largest = sum(sizes), max(sizes)
+    held = {}
+    for key, name, kw in [("ds2", "ds2", {}), ("ds2-opt", "ds2", {"offload_optimizer": True}),
+                          ("ds3-opt", "ds3", {"offload_optimizer": True}),
+                          ("ds3-all", "ds3", {"offload_optimizer": True,
+                                              "offload_param": True})]:
+        ds = par.DeepSpeedConfig(reduce_bucket_size=1024, param_persistence_threshold=0, **kw)
+        st = par.default_policy(par.Strategy(name, 2, deepspeed=ds), "bf16")
+        held[key] = _after_steps(spec, st, "bf16")[-1]
+    assert held["ds2-opt"] - held["ds3-all"] == 2 * p + 2 * largest - 1024 * 2
+    assert held["ds3-opt"] - held["ds3-all"] == 2 * p // 2
+    assert held["ds2"] - held["ds2-opt"] == 12 * p // 2 - 2 * largest

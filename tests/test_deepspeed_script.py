@@ -95,12 +95,27 @@ def test_a_config_dict_and_the_launchers_processes(tmp_path, deepspeed_importabl
     assert any("deepspeed.initialize: ZeRO stage 2, bf16 on 2 GPU(s)" in n for n in est["notes"])
 
 
-def test_offload_in_a_scripts_config_is_named(tmp_path, deepspeed_importable):
-    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {
-        "stage": 3, "offload_optimizer": {"device": "cpu"}}}
-    r = _inline(tmp_path, config)
-    assert r.exit_code == 3, r.output[-3000:]
-    assert "offload_optimizer" in r.output and "Traceback" not in r.output
+def test_offload_in_a_scripts_config_is_followed(tmp_path, deepspeed_importable):
+    """ZeRO-3 with the optimizer on the CPU, then the parameters too: the script's run is
+    replayed with what the config offloads on the host - each GPU keeps less, and the notes
+    say what moved (the replay's bytes are checked in test_deepspeed)."""
+    peaks = []
+    for offload in ({}, {"offload_optimizer": {"device": "cpu"}},
+                    {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}):
+        config = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": True},
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                  "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e5,
+                                        "stage3_param_persistence_threshold": 0, **offload}}
+        r = _inline(tmp_path, config)
+        assert r.exit_code == 0, r.output[-3000:]
+        [est] = json.loads(r.stdout)["strategies"]
+        peaks.append(est["gpus"][0]["resting_state_bytes"])
+        assert any("ZeRO-Offload" in n for n in est["notes"]) == bool(offload)
+    # 4 x Linear(256, 256) on 2 GPUs: the fp32 master and Adam moments of half, 12 B x P/2,
+    # leave with the optimizer; the bf16 partitions, 2 B x P/2, with the parameters
+    p = 4 * (256 * 256 + 256)
+    assert peaks[0] - peaks[1] == pytest.approx(12 * p / 2 + 2 * p / 2, abs=4096)
+    assert peaks[1] - peaks[2] == pytest.approx(2 * p / 2, abs=4096)
 
 
 def test_readme_example_runs(tmp_path, monkeypatch, deepspeed_importable):

@@ -51,12 +51,16 @@ _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default
 @_bucket_view_option
 @_mp_policy_option
 @_fsdp_version_option
+@click.option("--cpu-offload", is_flag=True,
+              help="FSDP (zero3) under FSDP2's CPUOffloadPolicy: parameters, gradients and "
+                   "the optimizer on the host. DeepSpeed's offload: its config's "
+                   "offload_optimizer/offload_param (--ds-config).")
 @_link_option
 @_card_options
 @click.pass_context
 def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad_accum,
-                     strategies, ds_config, ds_release, bucket_view, mp_policy, fsdp_version, link,
-                     gpu_name,
+                     strategies, ds_config, ds_release, bucket_view, mp_policy, fsdp_version,
+                     cpu_offload, link, gpu_name,
                      memory, num_gpus, overhead, other_mem, margin, alloc_conf, checkpoint_class,
                      optimizer, as_json, debug):
     """Per-GPU memory of single, DDP, DataParallel, ZeRO-1/2/3 (FSDP) and a 2-GPU split; and
@@ -79,7 +83,8 @@ def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     n = _num_gpus(num_gpus)
-    script = _planned_script(ctx, model_file, debug, ds_config, mp_policy)
+    script = _planned_script(ctx, model_file, debug, ds_config,
+                             True if cpu_offload else mp_policy)
     if script is not None:
         report = _parallel_script(ctx, script, budget, n, strategies, alloc, bucket_view, debug,
                                   _fsdp_version(fsdp_version, strategies))
@@ -97,12 +102,22 @@ def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad
                                          mixed_precision=_mp_policy(mp_policy, precision,
                                                                     strategies),
                                          deepspeed=ds,
-                                         fsdp_version=_fsdp_version(fsdp_version, strategies))
+                                         fsdp_version=_fsdp_version(fsdp_version, strategies),
+                                         cpu_offload=_cpu_offload(cpu_offload, strategies))
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:
         _die(e, debug, EXIT_USAGE)
     _print_parallel(report, link, budget, gpu_name, memory, n, as_json)
+
+
+def _cpu_offload(cpu_offload: bool, strategies) -> bool:
+    """--cpu-offload is FSDP's: it needs zero3 among ``strategies`` (empty: all)."""
+    if cpu_offload and strategies and not {"zero3", "fsdp"} & set(strategies):
+        raise click.UsageError("--cpu-offload is FSDP2's CPUOffloadPolicy: use it with "
+                               "--strategy fsdp (zero3); DeepSpeed's offload is set in "
+                               "--ds-config")
+    return cpu_offload
 
 
 def _print_parallel(report, link, budget, gpu_name, memory, num_gpus, as_json):
@@ -127,8 +142,9 @@ def _planned_script(ctx, words, debug, ds_config, mp_policy):
         return None
     script_cli.refuse_loop_options(ctx, allowed=("strategy", "strategies"))
     if ds_config or mp_policy is not None:
-        raise click.UsageError(f"--{'ds-config' if ds_config else 'mp-policy'} describes how a "
-                               "framework runs a model's precision; a script decides its own")
+        raise click.UsageError(f"--{'ds-config' if ds_config else 'mp-policy/--cpu-offload'} "
+                               "describes how a framework runs a model; a script decides it "
+                               "in its own code")
     return script
 
 

@@ -16,7 +16,9 @@ DeepSpeed runs (tests/test_deepspeed_gpu.py).
 The HF Trainer's ``--deepspeed`` reaches the same stand-in through accelerate (which needs
 DeepSpeed installed: it checks the release and imports ``deepspeed.comm``); ``zero.Init``, in
 which transformers builds models under ZeRO-3, builds them whole, as the replay shards them.
-Not followed: offload, and pipeline parallelism (``PipelineModule``).
+CPU offload runs as any config: the module computes on the GPU and its optimizer steps in the
+run, and the replay puts what the config offloads on the host. Not followed: pipeline
+parallelism (``PipelineModule``).
 """
 from __future__ import annotations
 
@@ -160,14 +162,6 @@ class Recorder:
         cfg = _config(config if config is not None else config_params, args)
         if self.config is not None:
             raise UnsupportedParallel(f"deepspeed.initialize called twice: {NOT_FOLLOWED}")
-        zero = cfg.get("zero_optimization") or {}
-        offload = [k for k in ("offload_optimizer", "offload_param")
-                   if (zero.get(k) or {}).get("device", "none") not in ("none", None)]
-        if offload:
-            raise UnsupportedParallel(f"deepspeed.initialize with zero_optimization."
-                                      f"{offload[0]} (state on the CPU) is not simulated; "
-                                      "estimate the config without offload (the GPU's share is "
-                                      "then an upper bound)")
         cfg = self.config = dict(cfg, **_batch_settings(cfg, _world_size()))
         dtype = _precision(cfg)
         if dtype is not None:

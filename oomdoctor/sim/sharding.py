@@ -49,6 +49,7 @@ class Sharding:
     reduce_dtype: torch.dtype | None = None
     reshard_after_forward: bool = True
     mesh_shape: tuple[int, ...] = ()        # () is every rank in one shard group
+    cpu_offload: bool = False               # offload_policy=CPUOffloadPolicy()
 
 
 class _Mesh:
@@ -152,14 +153,18 @@ class Recorder:
 
     def fully_shard(self, module: Any, *, mesh: Any = None, reshard_after_forward: Any = None,
                     mp_policy: Any = None, offload_policy: Any = None, **_kwargs: Any) -> Any:
-        """FSDP2's ``fully_shard``: record, place, cast inputs (and outputs) as it does."""
-        if type(offload_policy).__name__ == "CPUOffloadPolicy":
-            raise UnsupportedParallel("fully_shard(offload_policy=CPUOffloadPolicy()): CPU "
-                                      "offload inside a script is not simulated")
+        """FSDP2's ``fully_shard``: record, place, cast inputs (and outputs) as it does. Under
+        ``CPUOffloadPolicy`` the module still computes on the GPU: the replay keeps its states
+        on the host."""
         dtype = getattr(mp_policy, "param_dtype", None)
         reduce = getattr(mp_policy, "reduce_dtype", None)
+        offload = type(offload_policy).__name__ == "CPUOffloadPolicy"
         for m in (module if isinstance(module, (list, tuple)) else [module]):
-            self._record(2, m, dtype, reduce, reshard_after_forward is not False, mesh)
+            s = self._record(2, m, dtype, reduce, reshard_after_forward is not False, mesh)
+            if len(s.units) > 1 and s.cpu_offload != offload:
+                raise UnsupportedParallel("CPUOffloadPolicy on some fully_shard calls and not "
+                                          "others; give every call the same offload_policy")
+            s.cpu_offload = offload
             self._place(m, dtype)
             if dtype is not None and getattr(mp_policy, "cast_forward_inputs", True):
                 m.register_forward_pre_hook(

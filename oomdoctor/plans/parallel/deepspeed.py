@@ -46,120 +46,33 @@ deepspeed/runtime 0.19.8, checked event by event against its allocator on an H20
 
 In fp32 (neither mode enabled) there is no master copy and no conversion; the buffers remain.
 Stage 3 reduce-scatters each full bucket through a flat buffer on its reduce stream.
-Not modelled: offload, ZeRO++ (quantized weights/gradients), the whole model on the GPU before
+
+**CPU offload** (``offload_optimizer``/``offload_param`` with ``"device": "cpu"``; the GPU's
+side, from the same sources): the master weights, the optimizer state and its step
+(DeepSpeedCPUAdam), and the fp32 gradient partition are the host's. Stages 1-2 keep no
+``grads_in_partition``: at each reduce, every gradient of this rank's partition is copied to
+the host (``copy_grads_in_partition`` -> ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``,
+after ``set_norm_for_param_grad_in_gpu`` takes its norm through a float64 copy), and a
+``temp_grad_buffer_for_gpu_offload`` of the largest parameter stays on the GPU from start-up.
+Stage 3 makes its ``grad_partitions_flat_buffer`` on the host. With ``offload_param`` (stage 3)
+the 16-bit partitions are the host's too (``_create_param_groups_fp16_flat_cpu_memory``; those
+under the persistence threshold stay whole on the GPU), and every rank gathers module by
+module, one GPU included (``NoGatherCoalescedHandle``: ``ds_tensor.to(device)``), each gather
+copying its partitions to the GPU first (``_allgather_params_coalesced``).
+Not modelled: NVMe offload, ZeRO++ (quantized weights/gradients), the whole model on the GPU before
 stage 3 partitions it (when it is not built under ``deepspeed.zero.Init``: emptied from the
 cache before training), FP16_UnfusedOptimizer's per-parameter start-up copies.
 """
 from __future__ import annotations
 
-import bisect
 import importlib.util
 
+from oomdoctor.plans.parallel.deepspeed_model import _FP32, _Hooks, _Model
 from oomdoctor.plans.parallel.events import _Context, _Gpu
 from oomdoctor.plans.parallel.fsdp import REDUCE_SCATTER_STREAM, _shard
 from oomdoctor.plans.parallel.layout import MAIN
-from oomdoctor.plans.parallel.strategy import MASTER_SCALE, DeepSpeedConfig, Strategy
+from oomdoctor.plans.parallel.strategy import DeepSpeedConfig, Strategy
 from oomdoctor.sim.trace import Category, Phase
-
-_FP32 = 4
-
-
-class _Model:
-    """The trainable parameters' sizes as traced, and what DeepSpeed stores for them."""
-
-    def __init__(self, ctx: _Context, strategy: Strategy) -> None:
-        lay = ctx.layout
-        self.stage = strategy.zero_stage
-        self.world = strategy.num_gpus
-        self.ds: DeepSpeedConfig = strategy.deepspeed
-        self.mixed = strategy.mixed_precision
-        handle = {i: h for h, i in ctx.param_index.items() if i < lay.num_param_storages}
-        self.itemsize = {i: ctx.trace.storages[h].nbytes / max(1, lay.param_numel[i])
-                         for i, h in handle.items()}
-        trainable = sorted(i for i in handle if lay.param_trainable[i])   # the model's order
-        self.numels = [lay.param_numel[i] for i in trainable]
-        self.numel = sum(self.numels)
-        self.grad_bytes = sum(ctx.trace.storages[handle[i]].nbytes for i in trainable)
-        self.grad_itemsize = round(self.grad_bytes / self.numel) if self.numel else 2
-        self.persistent = {handle[i] for i in handle
-                           if lay.param_numel[i] < self.ds.param_persistence_threshold}
-        self._trainable = {handle[i] for i in trainable}
-        fused = self.mixed and self.ds.fused_optimizer
-        # FP16_Optimizer (stage 0, fused) and DeepSpeedZeroOptimizer (stages 1-2) flatten the
-        # 16-bit parameters into one buffer; stage 3 partitions them instead
-        self.flattens = self.stage in (1, 2) or (self.stage == 0 and fused)
-        # stage 3 moves its partitions into one buffer (_create_fp16_partitions_with_
-        # defragmentation); the parameters it keeps whole stay where they are
-        self.defragments = self.stage == 3
-        # ... and their optimizer steps flat fp32 partitions (stage 3 too)
-        self.flat_optimizer = self.stage >= 1 or (self.stage == 0 and fused)
-
-    def trainable(self, h: int) -> bool:
-        return h in self._trainable
-
-    @property
-    def optimizer_world(self) -> int:
-        """Ranks the master weights and optimizer state are split over."""
-        return self.world if self.stage >= 1 else 1
-
-    def state_scale(self, i: int | None) -> float:
-        """fp32 state per traced byte of optimizer state (16 bits in the trace)."""
-        if not self.mixed:
-            return 1
-        return MASTER_SCALE if i is None or self.itemsize.get(i) == 2 else 1
-
-    def local_numel(self) -> int:
-        """Trainable elements this rank's optimizer owns."""
-        return _shard(self.numel, self.optimizer_world)
-
-    def chunks(self) -> list[int]:
-        """The rank's partition as the optimizer steps it: stage 3 in sub-groups of whole
-        parameters, each closed once it reaches ``sub_group_size`` elements (stage3.py
-        ``_create_fp16_sub_groups``), else whole."""
-        if self.stage != 3:
-            return [self.local_numel()]
-        out, size = [], 0
-        for n in self.numels:
-            size += _shard(n, self.world)
-            if size >= self.ds.sub_group_size:
-                out.append(size)
-                size = 0
-        return out + [size] if size or not out else out
-
-    def bucket_bytes(self) -> int:
-        return self.ds.reduce_bucket_size * self.grad_itemsize
-
-
-class _Hooks:
-    """When DeepSpeed's gradient hook runs for a gradient the trace allocated at ``t``: after
-    autograd's node that made it has returned and released its inputs (AccumulateGrad, then
-    the post-accumulate hook), so just before the next allocation that is not itself a
-    gradient. Measured on an H200 (benchmarks/results/deepspeed/traces/zero2-bf16-*): the
-    output projection's weight gradient, then its bias gradient, the logits' gradient freed,
-    and only then ``setup_buckets`` allocates the reduce bucket."""
-
-    def __init__(self, ctx: _Context) -> None:
-        self._allocs = sorted(s.t_alloc for s in ctx.storages
-                              if s.category is not Category.GRADIENTS)
-        self._every = sorted(s.t_alloc for s in ctx.storages)
-        self._timing = ctx.timing
-
-    def ready(self, t: float) -> float:
-        i = bisect.bisect_right(self._allocs, t)
-        nxt = self._allocs[i] if i < len(self._allocs) else self._timing.end
-        hi = self._timing.phases[self._timing.phase_index(t)][1]
-        return min(nxt - 0.5, hi - 0.45)   # before the epilogue's buffers (hi - 0.31 ..)
-
-    def moved(self, t: float, src: int, dst: int) -> float:
-        """Position ``t`` of phase ``src`` at the same allocation ordinal in phase ``dst``: an
-        accumulating backward runs the same ops as the first (the trace accumulates into the
-        gradients the first made, where DeepSpeed, having dropped them, gets new ones)."""
-        (a, _, _), (b, hi, _) = self._timing.phases[src], self._timing.phases[dst]
-        every = self._every           # counted with the gradients: accumulated, they are
-        k = bisect.bisect_right(every, t) - bisect.bisect_left(every, a)   # temporaries there
-        i = bisect.bisect_left(every, b) + k
-        at = every[i] - 0.5 if i < len(every) else hi
-        return min(at, hi - 0.45)
 
 
 def deepspeed(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]:
@@ -189,6 +102,11 @@ def _notes(m: _Model) -> list[str]:
             f"{m.bucket_bytes() / 2**20:,.0f} MiB each, allocated whatever the model's size; "
             "set it in the config's zero_optimization, or pass --ds-config)",
             _release_note(ds)]
+    if m.offload_opt:
+        notes.append("ZeRO-Offload (offload_optimizer cpu): fp32 master weights, optimizer state "
+                     "and step (DeepSpeedCPUAdam) and the gradient partition on the host"
+                     + ("; the 16-bit parameter partitions too (offload_param cpu), each "
+                        "module copied in and gathered as it runs" if m.offload_param else ""))
     if ds.auto:
         notes.append(f"'auto' in the DeepSpeed config for {', '.join(ds.auto)}: the HF Trainer "
                      "fills these in from the model; DeepSpeed's defaults were assumed")
@@ -230,6 +148,7 @@ def _states(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
     flat = _flat_states(ctx, m)
     folded = set(flat)
     flatten_at = ctx.setup_end - 0.45 if m.flattens or m.defragments else None
+    on_host = _flattens_on_host(ctx, m)
     flat_bytes = 0
     for s in ctx.storages:
         h, size = s.handle, ctx.size[s.handle]
@@ -239,11 +158,16 @@ def _states(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
         if s.phase is Phase.SETUP and s.category is Category.PARAMETERS:
             whole = m.stage < 3 or h in m.persistent
             stored = size if whole else _shard(size, m.world)
+            if m.offload_param and not whole:       # the partition goes to the host
+                g.add(key, stored, s.t_alloc, flatten_at - 0.002, h)
+                continue
             moved = flatten_at is not None and m.trainable(h) and (m.flattens or not whole)
             flat_bytes += stored if moved else 0
-            g.add(key, stored, s.t_alloc, flatten_at - 0.002 * m.defragments if moved
-                  else s.t_free, h)
+            g.add(key, stored, s.t_alloc, flatten_at - 0.002 * m.defragments
+                  - 0.003 * on_host if moved else s.t_free, h)
         elif s.phase is Phase.OPTIMIZER or s.category is Category.OPTIMIZER_STATE:
+            if m.offload_opt:                       # DeepSpeedCPUAdam steps on the host
+                continue
             scale = m.state_scale(ctx.opt_param.get(h))
             g.add(key, int(_shard(size, m.optimizer_world) * scale), s.t_alloc, s.t_free, h)
         elif s.category is Category.GRADIENTS and tl.phase_of(s.t_alloc) is Phase.BACKWARD \
@@ -252,16 +176,31 @@ def _states(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
         else:
             g.add(key, size, s.t_alloc, s.t_free, h)
     if flat_bytes:
-        _flatten(g, m, flat_bytes, flatten_at)
+        _flatten(g, m, flat_bytes, flatten_at, on_host)
     _add_flat_states(ctx, g, m, flat)
 
 
-def _flatten(g: _Gpu, m: _Model, nbytes: int, at: float) -> None:
+def _flattens_on_host(ctx: _Context, m: _Model) -> bool:
+    """Whether stages 1-2 flatten the 16-bit parameters on the host: before 0.19.0 always
+    (stage_1_and_2.py: "move all the parameters to cpu to free up GPU space for creating flat
+    buffer"), from 0.19.0 (DeepSpeed PR #7948) only when the GPU's free memory after
+    ``empty_cache`` is short of the flat buffer (``flatten_on_accelerator``): the parameters
+    and the CUDA context hold the rest of the card."""
+    if m.stage not in (1, 2):
+        return False
+    if m.ds.version < (0, 19, 0):
+        return True
+    params = sum(m.numels) * m.grad_itemsize
+    return ctx.gpu.total_bytes - ctx.gpu.context_bytes - params < params
+
+
+def _flatten(g: _Gpu, m: _Model, nbytes: int, at: float, on_host: bool = False) -> None:
     """The 16-bit parameters moved into one buffer, whose originals go at ``at``. Stages 0-2
     flatten on the GPU (``bit16_groups_flat``: made while the originals live). Stage 3's
     defragmentation (runtime/utils.py ``defragment``) moves its partitions to the host first
     and empties the cache (measured: the reserve fell to 2 MiB, traces/zero3-*), then makes
-    the buffer. Stage 0's FP16_Optimizer flattens clones of the parameters (fused_optimizer.py:
+    the buffer; so do stages 1-2 where the GPU lacks the room (:func:`_flattens_on_host`).
+    Stage 0's FP16_Optimizer flattens clones of the parameters (fused_optimizer.py:
     ``[p.clone().detach() ...]``), dropped once the buffer is made (measured: their segments,
     traces/zero0-*-fusedadam-*)."""
     if m.defragments:
@@ -271,6 +210,8 @@ def _flatten(g: _Gpu, m: _Model, nbytes: int, at: float) -> None:
     if m.stage == 0:
         for n in m.numels:
             g.add("parameters", n * m.grad_itemsize, at - 0.004, at - 0.001)
+    if on_host:                      # the originals went to the host first, the cache emptied
+        g.empty_cache(at - 0.0025)
     g.add("parameters", nbytes, at - 0.002, None)
 
 
@@ -279,7 +220,7 @@ def _flat_states(ctx: _Context, m: _Model) -> list[int]:
     flat fp32 tensor per parameter group, so each state slot (exp_avg, exp_avg_sq) is one
     tensor of the partition's size, not one per parameter. Measured: two 1.02 GB Adam moments
     as two new segments (benchmarks/results/deepspeed/traces/zero2-*)."""
-    if not m.flat_optimizer or not m.grad_bytes:
+    if not m.flat_optimizer or not m.grad_bytes or m.offload_opt:
         return []
     return [s.handle for s in ctx.storages
             if s.category is Category.OPTIMIZER_STATE and s.phase is Phase.OPTIMIZER]
@@ -328,8 +269,13 @@ def _gradient_free(ctx: _Context, m: _Model, s, steps: list[tuple[float, float]]
 
 
 def _optimizer_buffers(ctx: _Context, g: _Gpu, m: _Model) -> None:
-    """fp32 master weights from start-up, and the fp32 gradients of each step."""
+    """fp32 master weights from start-up, and the fp32 gradients of each step (offloaded:
+    the host's; stages 1-2 keep a 16-bit buffer of the largest parameter on the GPU)."""
     if not m.numel:
+        return
+    if m.offload_opt:
+        if m.stage < 3:
+            g.add("gradients", max(m.numels) * m.grad_itemsize, ctx.setup_end - 0.36, None)
         return
     local = m.local_numel()
     if m.mixed or m.stage:
@@ -426,7 +372,8 @@ def _gradient_buffers(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
         return
     if m.stage == 3:                           # both at start-up, for good (stage3.py __init__)
         g.add("gradients", m.bucket_bytes(), ctx.setup_end - 0.35, None)
-        g.add("gradients", partition, ctx.setup_end - 0.34, None)
+        if not m.offload_opt:                  # offloaded: the partition is the host's
+            g.add("gradients", partition, ctx.setup_end - 0.34, None)
         for ph in backwards:
             _reduce_scatters(ctx, g, m, hooks, ph)
         return
@@ -442,9 +389,12 @@ def _gradient_buffers(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
             template = ph
         if first is None or not m.ds.buckets_at_first_gradient:
             first = lo + 0.01
-        if m.ds.contiguous_gradients:          # setup_buckets (the first hook) .. the epilogue
+        if m.ds.contiguous_gradients or m.offload_opt:   # setup_buckets .. the epilogue
             for _ in range(2 if m.ds.overlap(m.stage) else 1):
                 g.add("gradients", m.bucket_bytes(), first, hi - 0.29)
+        if m.offload_opt:
+            _offloaded_reduces(ctx, g, m, hooks, ph)
+            continue
         # grads_in_partition: made by the first reduce of a step (copy_grads_in_partition),
         # when the bucket first fills or at the backward's epilogue; the parameters'
         # gradients are views into it until the step has converted them to fp32 and drops them.
@@ -463,13 +413,26 @@ def _gradient_buffers(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
             g.free(handle, step - 0.12)        # the step has converted and dropped it
 
 
+def _offloaded_reduces(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks, ph: int) -> None:
+    """Stages 1-2 offloaded, at each reduce of the bucket: each of its gradients' slice in this
+    rank's partition taken to float64 for its norm, then to fp32 for the host, one at a time:
+    the largest's float64 copy is the peak. Stage 1 reduces everything at the backward's end."""
+    hi = ctx.timing.phases[ph][1]
+    fills = _bucket_fills(_phase_gradients(ctx, ph), m)
+    if m.stage == 1 and fills:
+        fills = [(None, 0, max(largest for _, _, largest in fills))]
+    for t, _, largest in fills:
+        at = hooks.ready(t) - 0.004 if t is not None else hi - 0.31
+        g.add("temporaries", min(largest, m.local_numel()) * 8, at, at + 0.001)
+
+
 def _reduce_scatters(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks, ph: int) -> None:
     """Stage 3's reduce-scatter of each full bucket: ``reduce_scatter_coalesced``
     (zero/coalesced_collectives.py) flattens the bucket's gradients into one buffer on the
     reduce stream and drops it once reduced. The stream's blocks are its own: measured, two
     cached segments of 92-101 MB beside the default stream's (traces/zero3-*)."""
     hi = ctx.timing.phases[ph][1]
-    for t, elements in _bucket_fills(_phase_gradients(ctx, ph), m):
+    for t, elements, _ in _bucket_fills(_phase_gradients(ctx, ph), m):
         at = hooks.ready(t) - 0.004 if t is not None else hi - 0.34
         g.add("communication", elements * m.grad_itemsize, at, at + 0.002,
               stream=REDUCE_SCATTER_STREAM)
@@ -485,7 +448,7 @@ def _bucket_times(ctx: _Context, m: _Model, hooks: _Hooks, ph: int
     if not grads:                              # accumulating into existing gradients
         return None, None
     first = hooks.ready(grads[0][0]) - 0.01
-    reduce_at = next((hooks.ready(t) - 0.005 for t, _ in _bucket_fills(grads, m)
+    reduce_at = next((hooks.ready(t) - 0.005 for t, _, _ in _bucket_fills(grads, m)
                       if t is not None), None)
     return first, reduce_at
 
@@ -498,17 +461,20 @@ def _phase_gradients(ctx: _Context, ph: int) -> list[tuple[float, int]]:
                   and tl.phase_index(s.t_alloc) == ph)
 
 
-def _bucket_fills(grads: list[tuple[float, int]], m: _Model) -> list[tuple[float | None, int]]:
+def _bucket_fills(grads: list[tuple[float, int]], m: _Model
+                  ) -> list[tuple[float | None, int, int]]:
     """Each reduce of a backward's bucket: (the allocation of the gradient whose hook finds it
-    full, None for the reduce at the backward's end; the elements reduced)."""
-    out, elements = [], 0
+    full, None for the reduce at the backward's end; the elements reduced; the largest
+    gradient's)."""
+    out, elements, largest = [], 0, 0
     for t, nbytes in grads:
         n = nbytes // max(1, m.grad_itemsize)
         if elements and elements + n > m.ds.reduce_bucket_size:
-            out.append((t, elements))
-            elements = 0
+            out.append((t, elements, largest))
+            elements = largest = 0
         elements += n
-    return out + [(None, elements)] if elements else out
+        largest = max(largest, n)
+    return out + [(None, elements, largest)] if elements else out
 
 
 def _gathers(ctx: _Context, g: _Gpu, m: _Model) -> None:
@@ -519,7 +485,7 @@ def _gathers(ctx: _Context, g: _Gpu, m: _Model) -> None:
     again within ``stage3_max_reuse_distance`` parameters of upcoming modules - its own
     backward, for the last blocks, or every block of a model smaller than that. One rank alone
     gathers nothing (``_no_gather_coalesced``: the partition is the parameter)."""
-    if m.world == 1:
+    if m.world == 1 and not m.offload_param:
         return
     tl = ctx.timing
     full = _block_bytes(ctx, m)
@@ -539,10 +505,19 @@ def _gathers(ctx: _Context, g: _Gpu, m: _Model) -> None:
         for b in order:
             lo, hi = spans[b]
             free = wins[b][1] - 0.3 if b in kept and b in wins else hi + 0.5
+            _copy_in(g, m, full[b], lo - 0.41)
             g.add("parameters", full[b], lo - 0.4, free)
         for b, (lo, hi) in wins.items():
             if b not in kept and full.get(b):
+                _copy_in(g, m, full[b], lo + 0.09)
                 g.add("parameters", full[b], lo + 0.1, hi - 0.3)
+
+
+def _copy_in(g: _Gpu, m: _Model, gathered: int, at: float) -> None:
+    """Offloaded parameters: a gather first copies this rank's partitions of the block to the
+    GPU, held through the all-gather (one GPU: the copy is the parameter)."""
+    if m.offload_param and m.world > 1:
+        g.add("communication", _shard(gathered, m.world), at, at + 0.015)
 
 
 def _block_bytes(ctx: _Context, m: _Model) -> dict[int, int]:
@@ -568,16 +543,3 @@ def _kept(order: list[int], full: dict[int, int], m: _Model) -> set[int]:
         if between < m.ds.max_reuse_distance:
             kept.add(b)
     return kept
-
-
-def model_state_floor(param_bytes: int, grad_bytes: int, optim_bytes: int, strategy: Strategy
-                      ) -> int:
-    """Parameters, gradients and optimizer state (with fp32 master weights in DeepSpeed's
-    fp16/bf16 mode) one GPU holds at least, from the traced 16-bit figures."""
-    n, stage = strategy.num_gpus, strategy.zero_stage
-    if strategy.mixed_precision:          # fp32 master weights + the optimizer state in fp32
-        optim_bytes = optim_bytes * MASTER_SCALE + param_bytes * MASTER_SCALE
-    params = param_bytes // n if stage == 3 else param_bytes
-    grads = grad_bytes // n if stage >= 2 else grad_bytes
-    optim = optim_bytes // n if stage >= 1 else optim_bytes
-    return params + grads + optim

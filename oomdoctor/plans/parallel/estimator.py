@@ -13,7 +13,8 @@ from oomdoctor.plans.parallel.data_parallel import _ddp, _dp, _zero
 from oomdoctor.plans.parallel.events import _Context, _Gpu, _single
 from oomdoctor.plans.parallel.layout import Layout
 from oomdoctor.plans.parallel.model_states import (deepspeed_zero2_gpu_bytes,
-                                             deepspeed_zero3_gpu_bytes, model_state_floor)
+                                             deepspeed_zero3_gpu_bytes,
+                                             deepspeed_state_floor, model_state_floor)
 from oomdoctor.plans.parallel.pipeline import _Pipeline
 from oomdoctor.plans.parallel.results import BREAKDOWN_KEYS, GpuMemory, Partition, StrategyEstimate
 from oomdoctor.plans.parallel.strategy import Strategy
@@ -141,19 +142,14 @@ def estimate_strategy(trace: Trace, layout: Layout, strategy: Strategy, budget: 
     cfg = trace.config
     master = strategy.state_scale                   # fp32 sharded state under a policy
     if strategy.is_deepspeed:
-        floor = ds_mod.model_state_floor(trace.parameter_bytes, trace.gradient_bytes,
+        floor = deepspeed_state_floor(trace.parameter_bytes, trace.gradient_bytes,
                                          trace.optimizer_state_bytes, strategy)
     else:
         floor = model_state_floor(trace.parameter_bytes * master, trace.gradient_bytes * master,
                                   trace.optimizer_state_bytes * master, strategy)
-    ds = None
-    if layout.num_trainable < layout.num_parameters:
-        pass        # DeepSpeed's estimators count every parameter trained: not a LoRA run's
-    elif strategy.name in ("zero2", "ds2"):
-        ds = deepspeed_zero2_gpu_bytes(layout.num_parameters, strategy.num_gpus)
-    elif strategy.name in ("zero3", "hsdp", "ds3"):
-        ds = deepspeed_zero3_gpu_bytes(layout.num_parameters, layout.largest_leaf_params,
-                                       strategy.shard_group)
+    if strategy.cpu_offload:
+        floor = 0                                   # every model state on the host
+    ds = _deepspeed_estimate(layout, strategy)
     d = strategy.data_parallel
     return StrategyEstimate(
         model=layout.model, strategy=strategy.name, num_gpus=strategy.num_gpus,
@@ -162,6 +158,23 @@ def estimate_strategy(trace: Trace, layout: Layout, strategy: Strategy, budget: 
         device_total_bytes=budget.gpu.total_bytes, budget_bytes=budget.limit_bytes,
         gpus=measured, fits=all(g.fits for g in measured), model_state_floor_bytes=floor,
         deepspeed_bytes=ds, partition=partition, notes=tuple(notes))
+
+
+def _deepspeed_estimate(layout: Layout, strategy: Strategy) -> int | None:
+    """DeepSpeed's own estimator of the model states per GPU, with the offload the strategy
+    runs (FSDP2's CPUOffloadPolicy offloads what ZeRO-3's optimizer and parameter offload do);
+    None for a LoRA run, whose frozen weights the estimators count as trained."""
+    if layout.num_trainable < layout.num_parameters:
+        return None
+    ds = strategy.deepspeed
+    opt = strategy.cpu_offload or bool(ds and ds.offload_optimizer)
+    params = strategy.cpu_offload or bool(ds and ds.offload_param)
+    if strategy.name in ("zero2", "ds2"):
+        return deepspeed_zero2_gpu_bytes(layout.num_parameters, strategy.num_gpus, opt)
+    if strategy.name in ("zero3", "hsdp", "ds3"):
+        return deepspeed_zero3_gpu_bytes(layout.num_parameters, layout.largest_leaf_params,
+                                         strategy.shard_group, opt, params)
+    return None
 
 
 def _rebatched(trace: Trace, b: int) -> Trace:

@@ -29,6 +29,14 @@ against a rank of a real run on the CPU (tests/test_fsdp.py):
   mesh, benchmarks/results/newpaths/traces): nine segments of that stream, a block's 43 MiB
   of fp32 gradients each and the root's 250 MiB, which the default stream never reuses.
 
+Under CPU offload (``CPUOffloadPolicy``, ``Strategy.cpu_offload``) the sharded parameters, their
+gradients and the optimizer live on the host (``_fsdp_param.py``: the padded shard is moved
+``.cpu()`` and pinned; the optimizer steps those host tensors). Each all-gather input is the
+shard copied to the GPU (``all_gather_inputs``: ``.to(self.device)``, then cast to
+``param_dtype``), one per parameter, held until the copy-in; each block's reduce output is freed
+as soon as its sharded gradient is copied to the host (``foreach_reduce``: "we can free it here
+by not keeping a ref"). The GPU keeps no model state between steps.
+
 Under a mixed-precision policy (``Strategy.mixed_precision``) the trace computes in pure bf16:
 trainable parameters that the trace holds in 16 bits are kept, reduced and stepped in fp32
 (``MASTER_SCALE``); frozen ones are kept in the dtype they were loaded in, as a LoRA base is.
@@ -47,6 +55,9 @@ AUTOCAST_NOTE = ("bf16 as torch.autocast over all-gathered fp32 weights (--no-mp
                  "block is gathered in fp32 and autocast keeps a bf16 copy of each weight until "
                  "the forward ends; FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
                  "gathers bf16 instead (--mp-policy, the default)")
+OFFLOAD_NOTE = ("FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the optimizer (its "
+                "step too) on the host, in pinned memory; the GPU holds only the blocks being "
+                "gathered, their gradients until reduced, and the activations")
 _POLICY_DTYPE = 2           # param_dtype=torch.bfloat16
 _REDUCE_DTYPE = 4           # reduce_dtype=torch.float32
 ALL_GATHER_STREAM, REDUCE_SCATTER_STREAM = 1, 2      # the allocator's stream ids
@@ -74,6 +85,7 @@ class _Params:
             self.traced[i] = ctx.trace.storages[h].nbytes / max(1, self.numel[i])
             self._units[self.owner[i]].append(i)
         self.policy = strategy.mixed_precision
+        self.offload = strategy.cpu_offload
 
     def stored(self, i: int) -> float:
         """Bytes per element of the sharded parameter (and of its gradient and AdamW state)."""
@@ -95,12 +107,21 @@ class _Params:
         return self._units.get(block, [])
 
     def gather_bytes(self, block: int) -> tuple[int, int, int]:
-        """(unsharded parameters, flat all-gather output, cast copy-in buffer) of a block."""
+        """(unsharded parameters, flat all-gather output, copy-in inputs) of a block: the
+        inputs are the shards cast to ``param_dtype``, or, offloaded, every shard copied to
+        the GPU (with the largest one's uncast copy while it is cast)."""
         ps = self.unit(block)
         full = sum(int(self.numel[i] * self.gathered(i)) for i in ps)
         out = sum(int(self.shard_numel(i) * self.gathered(i)) for i in ps) * self.world
-        cast = sum(int(self.shard_numel(i) * self.gathered(i)) for i in ps
-                   if self.gathered(i) != self.stored(i))
+        moved = [i for i in ps if self.offload or self.gathered(i) != self.stored(i)]
+        cast = sum(int(self.shard_numel(i) * self.gathered(i)) for i in moved)
+        if self.offload:
+            cast += max((int(self.shard_numel(i) * self.stored(i)) for i in moved
+                         if self.gathered(i) != self.stored(i)), default=0)
+        if self.offload and self.world == 1:    # one parameter at a time (wait_for_unshard)
+            cast = max((int(self.shard_numel(i) * (self.gathered(i) + self.stored(i)
+                                                     * (self.gathered(i) != self.stored(i))))
+                        for i in ps), default=0)
         return full, out, cast
 
     def reduce_bytes(self, i: int) -> tuple[int, int]:
@@ -136,6 +157,8 @@ def fsdp(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]:
     notes = ["FSDP/ZeRO-3: each block is all-gathered for its forward and again for its "
              "backward (the next one prefetched); wrap every block, e.g. fully_shard(block) for "
              "each, then fully_shard(model)"]
+    if strategy.cpu_offload:
+        notes.append(OFFLOAD_NOTE)
     if strategy.mixed_precision:
         notes.append(POLICY_NOTE)
     elif ctx.trace.config.precision == "bf16":
@@ -145,7 +168,8 @@ def fsdp(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]:
 
 def _states(ctx: _Context, g: _Gpu, ps: _Params) -> None:
     """The trace's storages: parameters and optimizer state sharded, each gradient full until its
-    block's post_backward and then a shard, the rest as traced."""
+    block's post_backward and then a shard, the rest as traced. Offloaded, the shards and the
+    optimizer's step are the host's, and each block's sharded gradients leave the GPU at once."""
     tl = ctx.timing
     world = ps.world
     kept = _uncast_inputs(ctx) if ps.policy else {}
@@ -156,8 +180,11 @@ def _states(ctx: _Context, g: _Gpu, ps: _Params) -> None:
         key = ctx.key(h)
         if s.phase is Phase.SETUP and s.category is Category.PARAMETERS:
             i = ctx.param_index[h]
-            g.add(key, int(_shard(size, world) * ps.scale(i)), s.t_alloc, s.t_free, h)
+            if not ps.offload:
+                g.add(key, int(_shard(size, world) * ps.scale(i)), s.t_alloc, s.t_free, h)
         elif s.phase is Phase.OPTIMIZER or s.category is Category.OPTIMIZER_STATE:
+            if ps.offload:
+                continue
             i = ctx.opt_param.get(h)
             scale = ps.scale(i) if i is not None else 1
             g.add(key, int(_shard(size, world) * scale), s.t_alloc, s.t_free, h)
@@ -180,8 +207,10 @@ def _states(ctx: _Context, g: _Gpu, ps: _Params) -> None:
     for ph, by_done in reduced.items():
         _reduce_scatter_inputs(ctx, g, ph, by_done)
     for (_, done), (nbytes, freed) in outputs.items():
-        # one flat reduce output per block; its sharded gradients are views of it
-        g.add("gradients", nbytes, done - 0.19, freed, stream=REDUCE_SCATTER_STREAM)
+        # one flat reduce output per block; its sharded gradients are views of it (offloaded:
+        # copied to the host, and the output dropped)
+        g.add("gradients", nbytes, done - 0.19, done - 0.185 if ps.offload else freed,
+              stream=REDUCE_SCATTER_STREAM)
 
 
 def _uncast_inputs(ctx: _Context) -> dict[int, float]:

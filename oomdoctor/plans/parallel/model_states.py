@@ -1,7 +1,7 @@
 """Model states per GPU in closed form: each strategy's lower bound, DeepSpeed's ZeRO estimators."""
 from __future__ import annotations
 
-from oomdoctor.plans.parallel.strategy import Strategy
+from oomdoctor.plans.parallel.strategy import MASTER_SCALE, Strategy
 
 
 def deepspeed_zero2_gpu_bytes(total_params: int, num_gpus: int,
@@ -44,3 +44,21 @@ def model_state_floor(param_bytes: int, grad_bytes: int, optim_bytes: int, strat
     if strategy.name in ("zero3", "hsdp"):         # hsdp: ZeRO-3 over one node's GPUs
         return (param_bytes + grad_bytes + optim_bytes) // n
     return (param_bytes + grad_bytes + optim_bytes) // 2      # pipeline2: at best half each
+
+
+def deepspeed_state_floor(param_bytes: int, grad_bytes: int, optim_bytes: int, strategy: Strategy
+                      ) -> int:
+    """Parameters, gradients and optimizer state (with fp32 master weights in DeepSpeed's
+    fp16/bf16 mode) one GPU holds at least, from the traced 16-bit figures."""
+    n, stage = strategy.num_gpus, strategy.zero_stage
+    ds = strategy.deepspeed
+    if strategy.mixed_precision:          # fp32 master weights + the optimizer state in fp32
+        optim_bytes = optim_bytes * MASTER_SCALE + param_bytes * MASTER_SCALE
+    params = param_bytes // n if stage == 3 else param_bytes
+    grads = grad_bytes // n if stage >= 2 else grad_bytes
+    optim = optim_bytes // n if stage >= 1 else optim_bytes
+    if ds is not None and ds.offload_optimizer:   # master, state and gradient partition: host
+        grads, optim = 0, 0
+    if ds is not None and ds.offload_param and stage == 3:
+        params = 0
+    return params + grads + optim

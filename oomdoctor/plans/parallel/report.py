@@ -86,17 +86,18 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
                         progress: Progress = lambda _: None,
                         mixed_precision: bool = False,
                         deepspeed: DeepSpeedConfig | None = None,
-                        fsdp_version: int = 2) -> ParallelReport:
+                        fsdp_version: int = 2, cpu_offload: bool = False) -> ParallelReport:
     """Trace ``cfg`` (its batch_size is the micro-batch per GPU) and estimate every strategy;
     ``mixed_precision``: zero3 under FSDP2's bf16 MixedPrecisionPolicy (strategy.py), traced
     apart in pure bf16; DeepSpeed's stages (ds0..ds3) run fp16/bf16 in DeepSpeed's own mode,
     traced in pure 16 bits, with ``deepspeed``'s buffer sizes; ``fsdp_version``: zero3 as FSDP2
-    (fully_shard) or FSDP1 (FullyShardedDataParallel, oomdoctor.plans.parallel.fsdp1)."""
+    (fully_shard) or FSDP1 (FullyShardedDataParallel, oomdoctor.plans.parallel.fsdp1);
+    ``cpu_offload``: zero3 under FSDP2's CPUOffloadPolicy."""
     if needs_bf16(cfg.precision) and not budget.gpu.bf16:
         raise ValueError(f"{budget.gpu.name} has no bf16 support; {no_bf16_fix(cfg.precision)}")
     names = [parse_strategy(s) for s in strategies]
     plans = {name: _strategy(name, num_gpus, cfg.precision, bucket_view, mixed_precision,
-                             deepspeed, fsdp_version) for name in names}
+                             deepspeed, fsdp_version, cpu_offload) for name in names}
     inputs = _Inputs(spec, cfg, budget, progress)
     if "dp" in names and num_gpus > 1:
         inputs.with_dataparallel(num_gpus)
@@ -124,13 +125,14 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
 
 def _strategy(name: str, num_gpus: int, precision: str, bucket_view: bool,
               mixed_precision: bool, deepspeed: DeepSpeedConfig | None,
-              fsdp_version: int = 2) -> Strategy:
-    """One named strategy as it runs ``precision``: FSDP2's policy where asked (zero3),
-    DeepSpeed's fp16/bf16 mode on its stages."""
+              fsdp_version: int = 2, cpu_offload: bool = False) -> Strategy:
+    """One named strategy as it runs ``precision``: FSDP2's policy and CPU offload where asked
+    (zero3), DeepSpeed's fp16/bf16 mode on its stages."""
     st = Strategy(name, 1 if name == "single" else num_gpus, bucket_view,
                   mixed_precision=mixed_precision and name == "zero3",
                   deepspeed=deepspeed if name in DEEPSPEED_STRATEGIES else None,
-                  fsdp_version=fsdp_version if name == "zero3" else 2)
+                  fsdp_version=fsdp_version if name == "zero3" else 2,
+                  cpu_offload=cpu_offload and name == "zero3")
     return default_policy(st, precision) if st.is_deepspeed else st
 
 

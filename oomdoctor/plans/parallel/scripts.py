@@ -323,14 +323,17 @@ def sharded_strategy(sharding, world: int) -> Strategy:
     mesh: replicas x shards); a 16-bit ``param_dtype`` is the mixed-precision policy."""
     mesh = sharding.mesh_shape or (world,)
     policy = sharding.param_dtype in (torch.bfloat16, torch.float16)
+    offload = getattr(sharding, "cpu_offload", False)
     if len(mesh) == 2:
-        return Strategy("hsdp", mesh[0] * mesh[1], nodes=mesh[0], mixed_precision=policy)
+        return Strategy("hsdp", mesh[0] * mesh[1], nodes=mesh[0], mixed_precision=policy,
+                        cpu_offload=offload)
     name = "zero3" if sharding.reshard_after_forward else "zero2"
-    if policy and name == "zero2":
-        raise ValueError("fully_shard(reshard_after_forward=False) with a MixedPrecisionPolicy "
-                         "is not modelled (with reshard_after_forward=True it is); estimate "
-                         "the script without the policy, or with resharding")
-    return Strategy(name, mesh[0], mixed_precision=policy, fsdp_version=sharding.version)
+    for what, used in (("a MixedPrecisionPolicy", policy), ("CPUOffloadPolicy", offload)):
+        if used and name == "zero2":
+            raise ValueError(f"fully_shard(reshard_after_forward=False) with {what} is not "
+                             "modelled (with reshard_after_forward=True it is); estimate the "
+                             "script with resharding")
+    return Strategy(name, mesh[0], mixed_precision=policy, cpu_offload=offload, fsdp_version=sharding.version)
 
 
 def _sharding_notes(trace: Trace, layout: Layout, st: Strategy) -> list[str]:

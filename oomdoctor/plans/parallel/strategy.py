@@ -64,6 +64,10 @@ class Strategy:
     # zero3's FSDP: 2 is fully_shard (oomdoctor.plans.parallel.fsdp), 1 FullyShardedDataParallel
     # as accelerate's FSDP plugin and the Trainer run it (oomdoctor.plans.parallel.fsdp1)
     fsdp_version: int = 2
+    # FSDP2's CPUOffloadPolicy (zero3/hsdp): sharded parameters, their gradients and the
+    # optimizer on the host; each block copied to the GPU to be gathered. DeepSpeed's offload is
+    # its config's (DeepSpeedConfig.offload_optimizer / offload_param).
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in ALL_STRATEGIES:
@@ -88,6 +92,10 @@ class Strategy:
             raise ValueError(f"--fsdp-version is 1 or 2, not {self.fsdp_version}")
         if self.fsdp_version == 1 and self.name != "zero3":
             raise ValueError("--fsdp-version 1 models FSDP1's FULL_SHARD: use it with zero3 (fsdp)")
+        if self.cpu_offload and (self.name not in ("zero3", "hsdp") or self.fsdp_version != 2):
+            raise ValueError("--cpu-offload is FSDP2's CPUOffloadPolicy: zero3 or hsdp with "
+                             "fully_shard; DeepSpeed's offload is set in its config "
+                             "(zero_optimization.offload_optimizer / offload_param)")
         if self.mixed_precision and self.name not in ("zero3", "hsdp") \
                 and not self.is_deepspeed:
             raise ValueError("a mixed-precision policy shards fp32 master weights: zero3 (FSDP), "
@@ -204,6 +212,10 @@ class DeepSpeedConfig:
     auto: tuple[str, ...] = ()                   # keys the config left "auto" (defaults used)
     release: str = ""                            # DeepSpeed's version; "" the installed one,
                                                  # else NEWEST_DEEPSPEED
+    # zero_optimization.offload_optimizer / offload_param with "device": "cpu" (ZeRO-Offload;
+    # stage 3's parameters too)
+    offload_optimizer: bool = False
+    offload_param: bool = False
 
     def overlap(self, stage: int) -> bool:
         return stage == 3 if self.overlap_comm is None else self.overlap_comm
@@ -268,18 +280,13 @@ class DeepSpeedRun:
 
 def read_deepspeed_config(doc: dict, source: str = "the DeepSpeed config") -> DeepSpeedRun:
     """A DeepSpeed JSON config (as ``deepspeed.initialize(config=...)`` or the Trainer's
-    ``--deepspeed`` takes it). Offload is refused: it moves state to the CPU, which this model
-    does not follow. ``"auto"`` (the Trainer fills it in) keeps DeepSpeed's default, and says so."""
+    ``--deepspeed`` takes it). CPU offload is followed; NVMe offload is refused. ``"auto"``
+    (the Trainer fills it in) keeps DeepSpeed's default, and says so."""
     zero = doc.get("zero_optimization", {}) or {}
     stage = zero.get("stage", 0)
     if stage == "auto" or stage not in (0, 1, 2, 3):
         raise ValueError(f"{source}: zero_optimization.stage is {stage!r}; give 0, 1, 2 or 3")
-    for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device", "none")
-        if device not in ("none", None):
-            raise ValueError(f"{source}: zero_optimization.{key} puts state on {device!r}, "
-                             "which oomdoctor does not model; estimate without offload (the "
-                             "GPU's share is then an upper bound)")
+    offload = _offload(zero, stage, source)
     # "bfloat16" is the old key of "bf16" (deepspeed/runtime/constants.py BFLOAT16_OLD)
     enabled = [p for p in ("fp16", "bf16") if any(
         (doc.get(k) or {}).get("enabled") in (True, "auto")
@@ -297,7 +304,26 @@ def read_deepspeed_config(doc: dict, source: str = "the DeepSpeed config") -> De
                     else int(float(zero[key]))
     return DeepSpeedRun(stage, enabled[0] if enabled else None,
                         DeepSpeedConfig(**values, fused_optimizer=_fused_optimizer(doc),
-                                        auto=tuple(auto)))
+                                        auto=tuple(auto), **offload))
+
+
+def _offload(zero: dict, stage: int, source: str) -> dict[str, bool]:
+    """The config's CPU offload, as DeepSpeed accepts it (zero/config.py, offload_config.py):
+    the optimizer from stage 1, the parameters at stage 3 only."""
+    out = {}
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device in ("none", None):
+            continue
+        if device != "cpu":
+            raise ValueError(f"{source}: zero_optimization.{key} puts state on {device!r}; "
+                             "oomdoctor follows CPU offload, not NVMe - estimate it with "
+                             '"device": "cpu" (the GPU holds the same)')
+        if stage < (3 if key == "offload_param" else 1):
+            raise ValueError(f"{source}: zero_optimization.{key} needs ZeRO stage "
+                             f"{3 if key == 'offload_param' else '1 or more'}, not {stage}")
+        out[key] = True
+    return out
 
 
 def _fused_optimizer(doc: dict) -> bool:

@@ -135,10 +135,12 @@ _FP16_EPS = ("for g in opt.param_groups: g['eps'] = 1e-4   # fp16 rounds 1e-8 to
 
 
 def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: bool = False,
-            adapters: Any = None, targets: tuple[str, ...] = ()) -> str:
+            adapters: Any = None, targets: tuple[str, ...] = (), cpu_offload: bool = False
+            ) -> str:
     """The training-loop changes for this configuration, as a short code sketch; ``adapters``
     (oomdoctor.models.adapters.Adapters): the model is built as LoRA/QLoRA trains it, with
-    LoRA on ``targets`` (what peft chose in the trace)."""
+    LoRA on ``targets`` (what peft chose in the trace); ``cpu_offload``: FSDP2 (zero3) with
+    CPUOffloadPolicy."""
     distributed = c.strategy in _DISTRIBUTED
     where = f"model.{blocks}" if blocks else "model.layers"
     if adapters is not None:
@@ -150,7 +152,7 @@ def snippet(c: Candidate, blocks: str = "", batchnorm: bool = False, no_p2p: boo
               else _model_lines(c, where))
     if distributed and batchnorm and c.num_gpus > 1:
         lines.append("model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # global BN")
-    lines += _wrap_lines(c, where, no_p2p)
+    lines += _wrap_lines(c, where, no_p2p, cpu_offload)
     if c.precision == "fp16-pure":
         lines.append(_FP16_EPS)
     if c.precision == "fp16":
@@ -178,11 +180,16 @@ def _model_lines(c: Candidate, where: str) -> list[str]:
         lines.append("model = model.to(torch.bfloat16)             # pure bf16: weights too")
     elif c.precision == "fp16-pure":
         lines.append("model = model.half()              # pure fp16: weights too, no GradScaler")
-    if c.checkpointing:
-        lines += [*_CHECKPOINTED,
-                  f"for i, block in enumerate({where}):",
-                  f"    {where}[i] = Checkpointed(block)"]
-    return lines
+    return lines + checkpointing_lines(c.checkpointing, where)
+
+
+def checkpointing_lines(checkpointing: bool, where: str) -> list[str]:
+    """Each block of ``where`` wrapped to recompute in the backward (none without
+    ``checkpointing``)."""
+    if not checkpointing:
+        return []
+    return [*_CHECKPOINTED, f"for i, block in enumerate({where}):",
+            f"    {where}[i] = Checkpointed(block)"]
 
 
 def _adapter_lines(c: Candidate, adapters: Any, targets: tuple[str, ...], distributed: bool
@@ -238,22 +245,28 @@ def _adapter_lines(c: Candidate, adapters: Any, targets: tuple[str, ...], distri
     return lines
 
 
-def _wrap_lines(c: Candidate, where: str, no_p2p: bool) -> list[str]:
+def _wrap_lines(c: Candidate, where: str, no_p2p: bool, cpu_offload: bool = False
+                ) -> list[str]:
     """The strategy's wrapper around the model, and the optimizer."""
     if c.strategy == "hsdp":
         return hsdp_lines(c.nodes, c.num_gpus // c.nodes, where, uses_policy(c))
     if c.strategy in ("zero2", "zero3"):
         reshard = "True" if c.strategy == "zero3" else "False"
         policy = uses_policy(c)
-        mp = ", mp_policy=mp" if policy else ""
-        return ["from torch.distributed.fsdp import fully_shard"
-                + (", MixedPrecisionPolicy" if policy else "") + "   # FSDP2, torch >= 2.6",
-                *(_POLICY if policy else []),
-                "# the model stays on the CPU: fully_shard moves each block to the GPU as it",
-                "# shards it, so no GPU ever holds the whole model",
+        kw = (", mp_policy=mp" if policy else "") + (", offload_policy=offload"
+                                                     if cpu_offload else "")
+        names = ["fully_shard", *(["MixedPrecisionPolicy"] if policy else []),
+                 *(["CPUOffloadPolicy"] if cpu_offload else [])]
+        place = (["# the model stays on the CPU, where CPUOffloadPolicy keeps its shards;",
+                  "# each block is copied to the GPU when it runs, and AdamW steps on the CPU",
+                  "offload = CPUOffloadPolicy()"] if cpu_offload else
+                 ["# the model stays on the CPU: fully_shard moves each block to the GPU as it",
+                  "# shards it, so no GPU ever holds the whole model"])
+        return [f"from torch.distributed.fsdp import {', '.join(names)}   # FSDP2, torch >= 2.6",
+                *(_POLICY if policy else []), *place,
                 f"for block in {where}:         # each block; embeddings and head too",
-                f"    fully_shard(block, reshard_after_forward={reshard}{mp})",
-                f"fully_shard(model, reshard_after_forward={reshard}{mp})",
+                f"    fully_shard(block, reshard_after_forward={reshard}{kw})",
+                f"fully_shard(model, reshard_after_forward={reshard}{kw})",
                 _ADAMW]
     if c.strategy == "dp":
         return _data_parallel_lines(no_p2p)

@@ -27,10 +27,18 @@ from __future__ import annotations
 
 import os
 
-from oomdoctor.plans.estimate import Budget
+from dataclasses import replace
+
+from oomdoctor.models.spec import ModelSpec
+from oomdoctor.plans.estimate import Budget, trace_for
+from oomdoctor.plans.parallel import (Strategy, default_policy, estimate_strategy, model_layout,
+                                      read_deepspeed_config, trace_precision)
 from oomdoctor.plans.recommend.facts import _Facts
 from oomdoctor.plans.recommend.machine import Hardware, link_gbps
+from oomdoctor.plans.recommend.offload_code import OffloadSetting, ds_config, how_to_run
 from oomdoctor.plans.recommend.records import OffloadPlan
+from oomdoctor.sim.allocator import AllocatorConfig
+from oomdoctor.sim.trace import TraceConfig
 
 
 BUFFER_FACTOR = 1.5            # DeepSpeed's additional_buffer_factor in both estimators
@@ -74,89 +82,82 @@ def local_host_ram() -> int | None:
         return None
 
 
-def _ds_config(stage: int, params_too: bool, micro_batch: int, accumulation: int) -> str:
-    """The DeepSpeed JSON of one offload plan: CPU Adam needs the optimizer named in the
-    config (DeepSpeed builds DeepSpeedCPUAdam for "AdamW" with offload_optimizer)."""
-    zero = ('{"stage": %d, "offload_optimizer": {"device": "cpu", "pin_memory": true}%s}'
-            % (stage, ', "offload_param": {"device": "cpu", "pin_memory": true}'
-               if params_too else ""))
-    return ('{"train_micro_batch_size_per_gpu": %d, "gradient_accumulation_steps": %d, '
-            '"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": true}, '
-            '"zero_optimization": %s}' % (micro_batch, accumulation, zero))
-
-
-# The training loop under DeepSpeed's engine, which owns backward, accumulation and the step.
-_DS_SKETCH = """import deepspeed
-model = build_model()
-engine, _, loader, _ = deepspeed.initialize(
-    model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-    training_data=dataset, config="ds_config.json")   # the JSON above
-for batch in loader:
-    loss = loss_fn(engine, batch)
-    engine.backward(loss)
-    engine.step()             # steps the optimizer every gradient_accumulation_steps"""
-# FSDP2's CPU offload: parameters, gradients and optimizer state on the host, each block
-# moved to the GPU when it runs (torch/distributed/fsdp/_fully_shard/_fsdp_api.py).
-_FSDP_SKETCH = """from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard   # FSDP2, torch >= 2.6
-model = build_model()
-for block in model.layers:    # each repeated block, then the root
-    fully_shard(block, offload_policy=CPUOffloadPolicy())
-fully_shard(model, offload_policy=CPUOffloadPolicy())
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)   # steps on the CPU"""
-
-
 _DESCRIPTIONS = {
     "zero2-offload": "ZeRO-Offload: ZeRO-2, optimizer state + fp32 weights and gradients on "
                      "the CPU, 16-bit weights on every GPU",
     "zero3-offload": "ZeRO-3 with the optimizer on the CPU: 16-bit weights sharded over the "
                      "GPUs",
-    "zero3-offload-all": "ZeRO-3 with optimizer and parameters on the CPU (FSDP CPU offload): "
-                         "each layer fetched when it runs",
+    "zero3-offload-all": "ZeRO-3 with optimizer and parameters on the CPU: each layer fetched "
+                         "when it runs",
+    "fsdp-offload": "FSDP2 with CPUOffloadPolicy: parameters, gradients and optimizer on the "
+                    "CPU, each block fetched when it runs (PyTorch alone, no DeepSpeed)",
 }
+OFFLOAD_NAMES = tuple(_DESCRIPTIONS)
 
 
-def offload_plans(facts: _Facts, hw: Hardware, budget: Budget, other_bytes: int | None,
-                  host_ram: int | None, compute_seconds: float | None = None,
-                  target_batch: int = 1) -> tuple[OffloadPlan, ...]:
-    """The three offload plans for ``hw`` (G GPUs on each of N nodes). ``other_bytes``:
-    activations and temporaries per GPU from a trace (None: not traced); ``compute_seconds``:
-    the GPUs' compute per optimizer step (None: unknown, no slowdown ratio); each plan runs
-    micro-batch 1 with accumulation to ``target_batch``."""
+def offload_strategy(name: str, hw: Hardware, s: OffloadSetting) -> Strategy:
+    """The strategy an offload plan's code runs, as the replay models it."""
+    world = hw.num_gpus * hw.nodes
+    if name == "fsdp-offload":
+        return Strategy("zero3", world, nodes=hw.nodes, cpu_offload=True,
+                        mixed_precision=s.fsdp_precision == "bf16")
+    # the config the plan prints, read as `parallel --ds-config` reads it
+    run = read_deepspeed_config(ds_config(2 if name == "zero2-offload" else 3,
+                                          name.endswith("all"), s))
+    st = Strategy(run.strategy, world, nodes=hw.nodes, deepspeed=run.config)
+    return default_policy(st, run.precision or "fp32")
+
+
+def replay_offload(spec: ModelSpec, cfg: TraceConfig, hw: Hardware, budget: Budget,
+                   alloc: AllocatorConfig, s: OffloadSetting) -> dict[str, int]:
+    """Each offload plan's per-GPU peak (reserved + CUDA context), its step traced at
+    micro-batch 1 as its code runs it and replayed as its strategy: name -> bytes (a plan
+    the replay refuses is left out)."""
+    out = {}
+    for name in OFFLOAD_NAMES:
+        st = offload_strategy(name, hw, s)
+        p = s.fsdp_precision if name == "fsdp-offload" else (s.deepspeed_mode or "fp32")
+        traced = replace(cfg, batch_size=1, checkpointing=s.checkpointing,
+                         grad_accum=min(2, s.accumulation), precision=trace_precision(st, p))
+        try:
+            trace = trace_for(spec, traced, budget.gpu)
+            e = estimate_strategy(trace, model_layout(spec, traced.precision), st, budget, alloc,
+                                  grad_accum=traced.grad_accum)
+        except ValueError:
+            continue
+        out[name] = max(g.device_peak_bytes for g in e.gpus)
+    return out
+
+
+def offload_plans(facts: _Facts, hw: Hardware, budget: Budget, setting: OffloadSetting,
+                  host_ram: int | None, replayed: dict[str, int] | None = None,
+                  compute_seconds: float | None = None) -> tuple[OffloadPlan, ...]:
+    """The offload plans for ``hw`` (G GPUs on each of N nodes), each run at micro-batch 1 with
+    ``setting``'s accumulation. ``replayed``: each plan's per-GPU peak from
+    :func:`replay_offload` (None, or a plan missing: DeepSpeed's estimator of the model states
+    alone); ``compute_seconds``: the GPUs' compute per optimizer step (None: unknown, no
+    slowdown ratio)."""
     p, g, n = facts.num_parameters, hw.num_gpus, hw.nodes
     world = g * n
     pcie = link_gbps(hw.gpu, "pcie") * 1e9       # host <-> one GPU, per direction
     adam = CPU_ADAM_BYTES_PER_PARAM * p / n / (CPU_MEMORY_GBPS * 1e9)
     shard_16bit = 2 * p / world
     plans = []
-    for name in ("zero2-offload", "zero3-offload", "zero3-offload-all"):
+    for name in OFFLOAD_NAMES:
         if name == "zero2-offload":
             gpu, host = zero2_offload_bytes(p, g, n)
         else:
             gpu, host = zero3_offload_bytes(p, facts.largest_leaf_params, g, n,
-                                            params_too=name.endswith("all"))
-        moved = 2 * shard_16bit + (2 * shard_16bit if name.endswith("all") else 0)
-        t_pcie = moved / pcie
-        total = gpu + (other_bytes or 0)
+                                            params_too=name != "zero3-offload")
+        if name == "fsdp-offload":                 # every process builds the fp32 model first,
+            host = max(4 * p * g, 16 * p * g // world)   # then the node holds its 16 B/param
+        all_off = name != "zero2-offload" and name != "zero3-offload"
+        t_pcie = (2 * shard_16bit + (2 * shard_16bit if all_off else 0)) / pcie
+        total = (replayed or {}).get(name)
         slowdown = ((compute_seconds + t_pcie + adam) / compute_seconds
                     if compute_seconds else None)
         plans.append(OffloadPlan(
-            name, _DESCRIPTIONS[name], gpu, other_bytes, total <= budget.limit_bytes, host,
-            None if host_ram is None else host <= host_ram, t_pcie, adam, slowdown,
-            *_how_to_run(name, hw, max(1, target_batch // world))))
+            name, _DESCRIPTIONS[name], gpu, total, (total if total is not None else gpu)
+            <= budget.limit_bytes, host, None if host_ram is None else host <= host_ram,
+            t_pcie, adam, slowdown, *how_to_run(name, hw, setting)))
     return tuple(plans)
-
-
-def _how_to_run(name: str, hw: Hardware, accumulation: int) -> tuple[str, str, str]:
-    """(config, launch line, code sketch) of an offload plan, at micro-batch 1 with
-    ``accumulation`` steps (the reference point the plan was sized at). The all-offload plan
-    is FSDP2's CPUOffloadPolicy as well; its config line says both."""
-    stage = 2 if name == "zero2-offload" else 3
-    config = _ds_config(stage, name.endswith("all"), 1, accumulation)
-    nodes = f" --num_nodes {hw.nodes} --hostfile hostfile" if hw.nodes > 1 else ""
-    launch = f"deepspeed{nodes} --num_gpus {hw.num_gpus} train.py   # with ds_config.json"
-    if name.endswith("all"):
-        return (config + "; or FSDP2: fully_shard(block, offload_policy=CPUOffloadPolicy()) "
-                "per block", launch + f"; FSDP2: torchrun --standalone --nproc_per_node="
-                f"{hw.num_gpus} train.py", _DS_SKETCH + "\n# or, with FSDP2 instead of "
-                "DeepSpeed:\n" + _FSDP_SKETCH)
-    return config, launch, _DS_SKETCH

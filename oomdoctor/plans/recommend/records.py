@@ -1,7 +1,7 @@
 """The records a recommendation is made of: candidates, lower bounds, the launch, the result."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from oomdoctor.plans.parallel import StrategyEstimate
@@ -122,12 +122,12 @@ class TensorParallelPlan:
 @dataclass(frozen=True)
 class OffloadPlan:
     """A CPU offload configuration: what stays on each GPU, what each node's host RAM holds,
-    and what it costs per optimizer step (a rough estimate)."""
+    what it costs per optimizer step (a rough estimate), and how to run it."""
 
-    name: str                                  # zero2-offload | zero3-offload | zero3-offload-all
+    name: str                # zero2-offload | zero3-offload | zero3-offload-all | fsdp-offload
     description: str
-    gpu_model_state_bytes: int
-    gpu_other_bytes: int | None                # activations + temporaries (traced), else None
+    gpu_model_state_bytes: int                 # DeepSpeed's estimator: model states per GPU
+    gpu_replayed_bytes: int | None             # the plan's step replayed: reserved + context
     fits_gpu: bool
     host_bytes_per_node: int                   # incl. DeepSpeed's 1.5x buffer factor
     host_fits: bool | None                     # None: host RAM unknown
@@ -136,8 +136,12 @@ class OffloadPlan:
     slowdown: float | None                     # step time over the GPU-only compute (traced)
     config: str                                # the DeepSpeed (or FSDP) settings to use
     launch: str = ""                           # the command that runs it
-    sketch: str = ""                           # the training-loop code it needs
+    env: dict[str, str] = field(default_factory=dict)   # ... with this environment
+    sketch: str = ""                           # its training loop, complete but build_model,
+                                               # dataset, loss_fn and epochs
 
     @property
     def gpu_bytes(self) -> int:
-        return self.gpu_model_state_bytes + (self.gpu_other_bytes or 0)
+        """Per GPU: the replayed peak, else the estimator's model states alone."""
+        return (self.gpu_replayed_bytes if self.gpu_replayed_bytes is not None
+                else self.gpu_model_state_bytes)

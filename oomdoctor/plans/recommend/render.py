@@ -177,10 +177,10 @@ def _offload(r: Recommendation) -> list[str]:
     rows = []
     for o in r.offload:
         host_ok = {None: "?", True: "yes", False: "NO"}[o.host_fits]
+        replayed = o.gpu_replayed_bytes is not None
         rows.append((o.name, gib(o.gpu_model_state_bytes),
-                     "-" if o.gpu_other_bytes is None else gib(o.gpu_bytes),
-                     ("yes" if o.fits_gpu else "NO") + ("?" if o.gpu_other_bytes is None
-                                                       else ""),
+                     gib(o.gpu_bytes) if replayed else "-",
+                     ("yes" if o.fits_gpu else "NO") + ("" if replayed else "?"),
                      gib(o.host_bytes_per_node), host_ok,
                      _duration(o.pcie_seconds + o.cpu_optimizer_seconds),
                      "-" if o.slowdown is None else f"{o.slowdown:.1f}x"))
@@ -191,13 +191,14 @@ def _offload(r: Recommendation) -> list[str]:
         here = local_host_ram()
         ram = "unknown: pass --host-ram SIZE" + (
             f"; this machine has {here / 2**30:.0f} GiB" if here else "")
-    out = [f"CPU offload plans (DeepSpeed's estimators; host RAM {ram}):",
+    out = [f"CPU offload plans (micro-batch 1 per GPU; host RAM {ram}):",
            tabulate(rows, headers=("plan", "states GiB/GPU", "total GiB/GPU", "fits GPU",
                                    "host GiB/node", "fits host", "+ per step", "slowdown"),
                     colalign=("left", "right", "right", "left", "right", "left", "right",
                               "right")),
-           "(total: + activations and temporaries traced for ZeRO-3; '-' and '?': not traced, "
-           "model states only; "
+           "(states: DeepSpeed's estimators of the model states; total: the plan's own step "
+           "replayed as its code runs it (reserved + CUDA context); '-' and '?': not traced, "
+           "model states only; host: DeepSpeed's estimators; "
            "'+ per step' is a rough estimate: 16-bit gradients and weights over PCIe, Adam on "
            "the CPU at 20 GB/s of host memory bandwidth; slowdown against the GPUs' compute at "
            "the target batch)"]
@@ -205,8 +206,11 @@ def _offload(r: Recommendation) -> list[str]:
     for o in r.offload:
         out.append(f"- {o.name}: {o.description}")
     if fit:
-        out += [f"offload plan that fits: {fit[0].name}, DeepSpeed config (ds_config.json): "
-                f"{fit[0].config}", f"  launch: {fit[0].launch}", "  code:",
+        env = " ".join(f"{k}={v}" for k, v in fit[0].env.items())
+        out += [f"offload plan that fits: {fit[0].name}, "
+                + ("DeepSpeed config (ds_config.json): " if fit[0].name != "fsdp-offload"
+                   else "") + fit[0].config,
+                f"  launch: {env + ' ' if env else ''}{fit[0].launch}", "  code:",
                 *[f"    {line}" for line in fit[0].sketch.splitlines()]]
     return out + [""]
 

@@ -13,7 +13,7 @@ from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.parallel import (STRATEGIES, Layout, StrategyEstimate, Strategy,
                                       default_policy, estimate_strategy, model_layout,
                                       trace_precision)
-from oomdoctor.plans.recommend.alternatives import what_would_fit, zero3_extra
+from oomdoctor.plans.recommend.alternatives import what_would_fit
 from oomdoctor.plans.recommend.config_search import NUMERICS, _search_config
 from oomdoctor.plans.recommend.cost import throughput
 from oomdoctor.plans.recommend.facts import (_Facts, floor_bytes, model_facts,
@@ -21,7 +21,8 @@ from oomdoctor.plans.recommend.facts import (_Facts, floor_bytes, model_facts,
 from oomdoctor.plans.recommend.finetune import adapter_alternative
 from oomdoctor.plans.recommend.launch import _launch
 from oomdoctor.plans.recommend.machine import Hardware
-from oomdoctor.plans.recommend.offload import offload_plans
+from oomdoctor.plans.recommend.offload import offload_plans, replay_offload
+from oomdoctor.plans.recommend.offload_code import OffloadSetting
 from oomdoctor.plans.recommend.records import (Candidate, Floor, OffloadPlan, Recommendation,
                                          TensorParallelPlan)
 from oomdoctor.plans.recommend.sharing import other_process_note
@@ -113,10 +114,10 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         if spec.adapters is None:
             alternatives.append(adapter_alternative(spec, facts, hw, budget, base, alloc,
                                                     progress))
-        world = hw.num_gpus * hw.nodes
-        offload = offload_plans(facts, hw, budget, zero3_extra(by_strategy), host_ram,
-                                per_sample * target_batch / world if per_sample else None,
-                                target_batch)
+        if spec.adapters is None:       # an adapter's optimizer state is too small to move
+            offload = _offload(spec, facts, hw, budget, alloc, reference, host_ram,
+                               per_sample * target_batch if per_sample else None, target_batch,
+                               progress)
     return Recommendation(
         spec.name, gpu.name, hw.num_gpus, hw.link, hw.link_gbps, target_batch, gpu.total_bytes,
         budget.limit_bytes, facts.num_parameters, tuple(candidates[:top]), best,
@@ -131,6 +132,28 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
         _speedup(best, candidates), hw.nodes, hw.inter_node, hw.inter_node_gbps,
         _tensor_parallel(facts, hw, budget, allowed) if hw.nodes > 1 else (), offload,
         host_ram, host_ram_source, allocator_conf_string(alloc))
+
+
+def _offload(spec: ModelSpec, facts: _Facts, hw: Hardware, budget: Budget,
+             alloc: AllocatorConfig, reference: tuple[Trace, Layout] | None,
+             host_ram: int | None, compute: float | None, target_batch: int,
+             progress: Progress) -> tuple[OffloadPlan, ...]:
+    """The CPU offload plans at the reference point's precision and checkpointing, micro-batch 1
+    accumulated to the target batch; their per-GPU figures replayed from traces of their own
+    step where the reference point was traced (``compute``: GPU seconds of a step's work)."""
+    world = hw.num_gpus * hw.nodes
+    cfg = reference[0].config if reference is not None else None
+    setting = OffloadSetting(cfg.precision if cfg else "bf16",
+                             cfg.checkpointing if cfg else facts.has_blocks,
+                             max(1, target_batch // world), facts.blocks_parent,
+                             allocator_conf_string(alloc), facts.num_parameters)
+    replayed = None
+    if cfg is not None:
+        progress("replaying the CPU offload plans (DeepSpeed ZeRO-Offload, FSDP2 "
+                 "CPUOffloadPolicy) at micro-batch 1")
+        replayed = replay_offload(spec, cfg, hw, budget, alloc, setting)
+    return offload_plans(facts, hw, budget, setting, host_ram, replayed,
+                         compute / world if compute else None)
 
 
 FP16_SKIPPED = ("fp16 AMP not searched: on this card bf16 AMP takes the same memory, steps as "
