@@ -29,6 +29,8 @@ def commands(model: str) -> list[tuple[str, float, list[str]]]:
     return [
         ("recommend-lora", 30, ["recommend", model, *two, "--link", "pcie-no-p2p", "--lora",
                                 "16", *CARD]),
+        # the full fine-tune fits nowhere: what would fit, and the four offload plans replayed
+        ("recommend-full", 30, ["recommend", model, *two, "--link", "pcie-no-p2p", *CARD]),
         ("recommend-qlora", 30, ["recommend", model, *two, "--link", "pcie-no-p2p", "--lora",
                                  "16", "--quantize", "nf4", *CARD]),
         ("probe-qlora-2gpus", 30, ["probe", model, "--lora", "16", "--quantize", "nf4", *two,

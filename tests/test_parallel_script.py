@@ -119,3 +119,12 @@ def test_a_scripts_split_shares_the_compute_as_the_model_files():
     a, b = json.loads(by_script.stdout), json.loads(by_file.stdout)
     assert a["device_map"] == b["device_map"]
     assert a["stages"][0]["utilisation"] == pytest.approx(b["stages"][0]["utilisation"], abs=0.05)
+
+
+def test_cpu_offload_is_for_a_model_file_and_fsdp():
+    script = ["--", sys.executable, LOOP, "--model", TINY, "--batch-size", "4"]
+    r = CliRunner().invoke(cli, ["parallel", "--gpus", "2", "--cpu-offload", *script])
+    assert r.exit_code == 2 and "a script decides its own" in r.output
+    r = CliRunner().invoke(cli, ["parallel", TINY, "--gpus", "2", "--cpu-offload",
+                                 "--strategy", "ddp"])
+    assert r.exit_code == 2 and "CPUOffloadPolicy" in r.output

@@ -143,8 +143,8 @@ def _planned_script(ctx, words, debug, ds_config, mp_policy):
     script_cli.refuse_loop_options(ctx, allowed=("strategy", "strategies"))
     if ds_config or mp_policy is not None:
         raise click.UsageError(f"--{'ds-config' if ds_config else 'mp-policy/--cpu-offload'} "
-                               "describes how a framework runs a model; a script decides it "
-                               "in its own code")
+                               "describes how a framework runs a model; a script decides its "
+                               "own in its code")
     return script
 
 
