@@ -1,6 +1,7 @@
 """oomdoctor against published multi-GPU runs (tests/published_multi.py): FSDP2 under its bf16
-mixed-precision policy with full and per-op checkpointing (torchtitan), and FSDP full fine-tuning
-of a 7B model on two A100s (fms-acceleration), DeepSpeed's ZeRO-3 in its bf16 mode
+mixed-precision policy with full, every-second-block and per-op checkpointing and without
+(torchtitan, torchao's float8nocompile baseline), and FSDP full fine-tuning of a 7B model on two
+A100s (fms-acceleration), DeepSpeed's ZeRO-3 in its bf16 mode
 (DeepSpeedExamples), each typed as a user would and within 5% of the published peak."""
 import json
 
