@@ -166,11 +166,14 @@ def fsdp(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]:
     return [g], notes
 
 
-def _states(ctx: _Context, g: _Gpu, ps: _Params) -> None:
+def _states(ctx: _Context, g: _Gpu, ps: _Params, at_inputs: bool = True) -> None:
     """The trace's storages: parameters and optimizer state sharded, each gradient full until its
     block's post_backward and then a shard, the rest as traced. Offloaded, the shards and the
-    optimizer's step are the host's, and each block's sharded gradients leave the GPU at once."""
+    optimizer's step are the host's, and each block's sharded gradients leave the GPU at once.
+    ``at_inputs``: post_backward runs when the block's input gradients are done (FSDP2), else
+    at its last parameter gradient (FSDP1's hook on the flat parameter)."""
     tl = ctx.timing
+    post = _PostBackward(ctx, at_inputs)
     world = ps.world
     kept = _uncast_inputs(ctx) if ps.policy else {}
     reduced: dict[int, dict[float, int]] = defaultdict(lambda: defaultdict(int))
@@ -192,7 +195,7 @@ def _states(ctx: _Context, g: _Gpu, ps: _Params) -> None:
                 and tl.grad_owner.get(h) is not None:
             i = tl.grad_owner[h]
             ph = tl.phase_index(s.t_alloc)
-            done = _post_backward(ctx, ph, ps.owner[i])
+            done = post.at(ph, ps.owner[i])
             if s.t_free is not None and s.t_free <= done:
                 g.add(key, size, s.t_alloc, s.t_free, h)
                 continue
@@ -233,12 +236,71 @@ def _uncast_inputs(ctx: _Context) -> dict[int, float]:
     return kept
 
 
-def _post_backward(ctx: _Context, ph: int, block: int) -> float:
-    """Where a block's post_backward runs in backward phase ``ph``: the end of its window; the
-    root's at the end of the backward (its hook is the backward's final callback)."""
+class _PostBackward:
+    """Where each block's post_backward runs in a backward phase. FSDP2 registers it on the
+    block's forward inputs (``RegisterPostBackwardFunction``, _fsdp_state.py): it runs when their
+    gradients are done, after the input gradients of the block's first ops - which, frozen,
+    come after its last parameter gradient. A trace names no module in the backward; the block's
+    input being released (its first ops' saved tensors dropped) marks it, where that falls
+    before the next block's window ends. Else (and for FSDP1, whose hook is the flat
+    parameter's gradient) the end of the block's window; the root's at the end of the backward
+    (its hook is the backward's final callback)."""
+
+    def __init__(self, ctx: _Context, at_inputs: bool) -> None:
+        self.ctx, self.at_inputs = ctx, at_inputs
+        self._cache: dict[tuple[int, int], float] = {}
+
+    def at(self, ph: int, block: int) -> float:
+        key = (ph, block)
+        if key not in self._cache:
+            self._cache[key] = self._find(ph, block)
+        return self._cache[key]
+
+    def _find(self, ph: int, block: int) -> float:
+        tl = self.ctx.timing
+        wins = tl.bwd_windows.get(ph, [])
+        k = next((j for j, w in enumerate(wins) if w[2] == block), None)
+        if block == MAIN or k is None:
+            return tl.phases[ph][1]
+        end = wins[k][1]
+        if self.at_inputs and k + 1 < len(wins):
+            freed = self._input_freed(ph, block)
+            if freed is not None and end < freed < wins[k + 1][1]:
+                return freed + 0.45
+        return end
+
+    def _input_freed(self, ph: int, block: int) -> float | None:
+        fwd = next((f for f in self.ctx.timing.marks_of(Phase.FORWARD)
+                    if self.ctx.timing.backward_of(f) == ph), None)
+        if fwd is None:
+            return None
+        if ("inputs", fwd) not in self._cache:
+            spans = self.ctx.timing.fwd_spans.get(fwd, {})
+            order = sorted(spans, key=lambda b: spans[b][0])
+            self._cache[("inputs", fwd)] = block_inputs(self.ctx, fwd, order)
+        return self._cache[("inputs", fwd)].get(block, (0, None))[1]
+
+
+def block_inputs(ctx: _Context, ph: int, order: list[int]) -> dict[int, tuple[int, float | None]]:
+    """(bytes, where the trace frees it) of each block's input in forward phase ``ph``: the
+    latest storage allocated before the block starts that outlives the forward (the previous
+    block's kept output, or the embedding's)."""
     tl = ctx.timing
-    win = tl.block_window(ph, block) if block != MAIN else None
-    return win[1] if win else tl.phases[ph][1]
+    spans = tl.fwd_spans.get(ph, {})
+    fstart, fstop, _ = tl.phases[ph]
+    kept = sorted((s.t_alloc, ctx.size[s.handle], s.t_free) for s in ctx.storages
+                  if fstart <= s.t_alloc < fstop and (s.t_free is None or s.t_free > fstop))
+    out: dict[int, tuple[int, float | None]] = {}
+    i = 0
+    last: tuple[int, float | None] = (0, None)
+    for b in order:
+        if b not in spans:
+            continue
+        while i < len(kept) and kept[i][0] < spans[b][0]:
+            last = kept[i][1:]
+            i += 1
+        out[b] = last
+    return out
 
 
 def _reduce_scatter_inputs(ctx: _Context, g: _Gpu, ph: int, by_done: dict[float, int]) -> None:

@@ -33,7 +33,7 @@ hooks, the next block is prefetched as in FSDP2, and the inputs are not leaves (
 from __future__ import annotations
 
 from oomdoctor.plans.parallel.events import _Context, _Gpu
-from oomdoctor.plans.parallel.fsdp import AUTOCAST_NOTE, _Params, _states, step_span
+from oomdoctor.plans.parallel.fsdp import AUTOCAST_NOTE, _Params, _states, block_inputs, step_span
 from oomdoctor.plans.parallel.layout import MAIN
 from oomdoctor.plans.parallel.strategy import POLICY_NOTE, Strategy
 from oomdoctor.sim.trace import Phase
@@ -53,7 +53,7 @@ def fsdp1(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]:
     g = _Gpu("each GPU", ctx.first_handle)
     ctx.workspaces(g)
     ps = _Params(ctx, strategy)
-    _states(ctx, g, ps)
+    _states(ctx, g, ps, at_inputs=False)
     reentrant = bool(ctx.trace.config.checkpointing)
     for ph in ctx.timing.marks_of(Phase.FORWARD):
         _forward(ctx, g, ps, ph, reentrant)
@@ -108,7 +108,7 @@ def _kept_input_grads(ctx: _Context, g: _Gpu, ps: _Params, ph: int, bw: int,
     it); the gradient is counted from the end of the previous block's backward window, where the
     trace frees the gradient that flowed through it."""
     tl = ctx.timing
-    inputs = _block_inputs(ctx, ph, order)
+    inputs = block_inputs(ctx, ph, order)
     bstart, bstop, _ = tl.phases[bw]
     for k, b in enumerate(order):
         size, freed = inputs.get(b, (0, None))
@@ -119,23 +119,3 @@ def _kept_input_grads(ctx: _Context, g: _Gpu, ps: _Params, ph: int, bw: int,
         win = tl.block_window(bw, order[k - 1]) if k else None
         if win:
             g.add("activations", size, win[1] - 0.05, bstop - 0.08)
-
-
-def _block_inputs(ctx: _Context, ph: int, order: list[int]) -> dict[int, tuple[int, float | None]]:
-    """(bytes, where the trace frees it) of each block's input in forward phase ``ph``: the
-    latest storage allocated before the block starts that outlives the forward (the previous
-    block's kept output, or the embedding's)."""
-    tl = ctx.timing
-    spans = tl.fwd_spans.get(ph, {})
-    fstart, fstop, _ = tl.phases[ph]
-    kept = sorted((s.t_alloc, ctx.size[s.handle], s.t_free) for s in ctx.storages
-                  if fstart <= s.t_alloc < fstop and (s.t_free is None or s.t_free > fstop))
-    out: dict[int, tuple[int, float | None]] = {}
-    i = 0
-    last: tuple[int, float | None] = (0, None)
-    for b in order:
-        while i < len(kept) and kept[i][0] < spans[b][0]:
-            last = kept[i][1:]
-            i += 1
-        out[b] = last
-    return out
