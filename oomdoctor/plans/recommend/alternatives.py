@@ -7,7 +7,7 @@ from typing import Callable
 from oomdoctor.configs import leanest_precision
 from oomdoctor.plans.estimate import Budget
 from oomdoctor.plans.parallel import (Layout, StrategyEstimate, Strategy,
-                                      deepspeed_zero3_gpu_bytes, estimate_strategy)
+                                      estimate_strategy)
 from oomdoctor.plans.recommend.facts import _Facts, floor_bytes
 from oomdoctor.plans.recommend.machine import Hardware
 from oomdoctor.sim.allocator import AllocatorConfig
@@ -114,11 +114,4 @@ def what_would_fit(facts: _Facts, hw: Hardware, budget: Budget, alloc: Allocator
         out.append(f"a fused optimizer: torch.optim.AdamW(..., fused=True) steps without the "
                    f"foreach implementation's temporaries ({temps / 2**30:.1f} GiB per GPU at "
                    "ZeRO-3's peak here)")
-    ds = deepspeed_zero3_gpu_bytes(facts.num_parameters, facts.largest_leaf_params, world,
-                                   offload_optimizer=True)
-    cpu = int(facts.num_parameters * 16 / hw.nodes * 1.5)
-    out.append(f"CPU offload (the plans above): DeepSpeed ZeRO-3 with offload_optimizer=cpu "
-               f"keeps about {ds / 2**30:.1f} GiB of model states per GPU (its estimator: "
-               f"4L + 2P/N) but needs about {cpu / 2**30:.0f} GiB of host RAM per node "
-               "(16P x 1.5) and runs the optimizer on the CPU (slow)")
     return out

@@ -161,3 +161,15 @@ def offload_plans(facts: _Facts, hw: Hardware, budget: Budget, setting: OffloadS
             <= budget.limit_bytes, host, None if host_ram is None else host <= host_ram,
             t_pcie, adam, slowdown, *how_to_run(name, hw, setting)))
     return tuple(plans)
+
+
+def offload_summary(plans: tuple[OffloadPlan, ...]) -> str:
+    """The offload plans in "what would fit": the one that holds least on each GPU, with the
+    host RAM it needs - the figures of the table above, not another estimate."""
+    best = min(plans, key=lambda o: o.gpu_bytes)
+    figure = (f"needs {best.gpu_bytes / 2**30:.1f} GiB per GPU" if best.gpu_replayed_bytes
+              is not None else f"keeps {best.gpu_bytes / 2**30:.1f} GiB of model states per GPU "
+              "(DeepSpeed's estimator; not traced)")
+    return (f"CPU offload (the plans above): {best.name} {figure} and about "
+            f"{best.host_bytes_per_node / 2**30:.0f} GiB of host RAM per node; the optimizer "
+            "steps on the CPU (slower per step)")

@@ -21,7 +21,7 @@ from oomdoctor.plans.recommend.facts import (_Facts, floor_bytes, model_facts,
 from oomdoctor.plans.recommend.finetune import adapter_alternative
 from oomdoctor.plans.recommend.launch import _launch
 from oomdoctor.plans.recommend.machine import Hardware
-from oomdoctor.plans.recommend.offload import offload_plans, replay_offload
+from oomdoctor.plans.recommend.offload import offload_plans, offload_summary, replay_offload
 from oomdoctor.plans.recommend.offload_code import OffloadSetting
 from oomdoctor.plans.recommend.records import (Candidate, Floor, OffloadPlan, Recommendation,
                                          TensorParallelPlan)
@@ -111,13 +111,13 @@ def recommend(spec: ModelSpec, hw: Hardware, target_batch: int, budget: Budget,
     if best is None:
         alternatives = what_would_fit(facts, hw, budget, alloc, allowed, by_strategy, reference,
                                        progress)
-        if spec.adapters is None:
-            alternatives.append(adapter_alternative(spec, facts, hw, budget, base, alloc,
-                                                    progress))
         if spec.adapters is None:       # an adapter's optimizer state is too small to move
             offload = _offload(spec, facts, hw, budget, alloc, reference, host_ram,
                                per_sample * target_batch if per_sample else None, target_batch,
                                progress)
+            alternatives.append(offload_summary(offload))
+            alternatives.append(adapter_alternative(spec, facts, hw, budget, base, alloc,
+                                                    progress))
     return Recommendation(
         spec.name, gpu.name, hw.num_gpus, hw.link, hw.link_gbps, target_batch, gpu.total_bytes,
         budget.limit_bytes, facts.num_parameters, tuple(candidates[:top]), best,
