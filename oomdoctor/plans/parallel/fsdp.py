@@ -15,7 +15,9 @@ against a rank of a real run on the CPU (tests/test_fsdp.py):
   copy-out, and the next block's all-gather is issued at once (``backward_prefetch``).
 - ``post_forward`` frees a block's unsharded parameters; the root keeps its own gathered to the
   end of the backward (``reshard_after_forward`` is False for the root).
-- ``post_backward`` frees the unsharded parameters, then ``foreach_reduce`` copies the block's
+- ``post_backward`` runs when the block's input gradients are done (``RegisterPostBackward
+  Function`` on its forward inputs), after its frozen layers' input gradients too. It frees the
+  unsharded parameters, then ``foreach_reduce`` copies the block's
   gradients into one reduce-scatter input in ``reduce_dtype`` and makes the sharded gradient.
   That input is held (``reduce_scatter_states``, one in flight by default) until the next
   block's ``post_backward`` (``post_backward_rs_wait``), or the end of the backward.
