@@ -11,7 +11,8 @@ from oomdoctor.cli.group import EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE, c
 from oomdoctor.cli.deepspeed_options import (_deepspeed_defaults, _deepspeed_run,
                                              _ds_config_option)
 from oomdoctor.cli.options import (_alloc_config, _bucket_view_option, _budget_options,
-                                   _check_plot_file, _checkpoint_config, _die, _fsdp_version,
+                                   _check_plot_file, _checkpoint_config, _cpu_offload,
+                                   _cpu_offload_option, _die, _fsdp_version,
                                    _fsdp_version_option, _load_model, _make_budget,
                                    _modelled_torch, _mp_policy, _mp_policy_option, _progress,
                                    _slow_trace_progress)
@@ -48,12 +49,14 @@ from oomdoctor.configs import DEEPSPEED_CHOICES, MODEL_PROTOCOL, PRECISIONS, STR
               help="Optimizer steps to trace (the second holds the optimizer's state).")
 @_mp_policy_option
 @_fsdp_version_option
+@_cpu_offload_option
 @script_input_options
 @_budget_options
 @click.pass_context
 def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, ds_config, ds_release,
              bucket_view,
-             num_gpus, snapshot_file, plot_file, steps, mp_policy, fsdp_version, cpus, skip_input, gpu_name,
+             num_gpus, snapshot_file, plot_file, steps, mp_policy, fsdp_version, cpu_offload, cpus,
+             skip_input, gpu_name,
              memory,
              overhead,
              other_mem, margin, alloc_conf, checkpoint_class, grad_accum, optimizer, zero_grad,
@@ -82,6 +85,7 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
     if bucket_view and strategy != "ddp":
         raise click.UsageError("--bucket-view is DDP's gradient_as_bucket_view: give it with "
                                "--strategy ddp")
+    _cpu_offload(cpu_offload, [strategy])
 
     def _cfg():
         return TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
@@ -110,7 +114,8 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
         elif strategy != "single":
             report = _estimate_strategy(model_file, _cfg(), budget, num_gpus, strategy, alloc,
                                         bucket_view, _mp_policy(mp_policy, precision, [strategy]),
-                                        ds, _fsdp_version(fsdp_version, [strategy]))
+                                        ds, _fsdp_version(fsdp_version, [strategy]),
+                                        _cpu_offload(cpu_offload, [strategy]))
         else:
             result = estimate_mod.estimate(_load_model(model_file), _cfg(), budget, alloc,
                                            progress=_slow_trace_progress())
@@ -130,14 +135,14 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
 
 
 def _estimate_strategy(model_file, cfg, budget, num_gpus, strategy, alloc, bucket_view,
-                       mixed_precision, ds, fsdp_version):
+                       mixed_precision, ds, fsdp_version, cpu_offload=False):
     """`estimate --strategy`: the one strategy's per-GPU report (its error raised)."""
     from oomdoctor.plans import parallel as par
     report = par.estimate_strategies(_load_model(model_file), cfg, budget, num_gpus, [strategy],
                                      alloc, bucket_view,
                                      progress=lambda m: click.echo(m, err=True),
                                      mixed_precision=mixed_precision, deepspeed=ds,
-                                     fsdp_version=fsdp_version)
+                                     fsdp_version=fsdp_version, cpu_offload=cpu_offload)
     if report.errors:
         raise ValueError(report.errors[0][1])
     return report

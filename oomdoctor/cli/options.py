@@ -514,6 +514,24 @@ def _mp_policy_option(f):
              "computed in bf16. --no-mp-policy: torch.autocast over gathered fp32 weights.")(f)
 
 
+def _cpu_offload_option(f):
+    """--cpu-offload: FSDP2's CPUOffloadPolicy, on every command that plans FSDP."""
+    return click.option(
+        "--cpu-offload", is_flag=True,
+        help="FSDP (zero3) under FSDP2's CPUOffloadPolicy: parameters, gradients and the "
+             "optimizer on the host, each block copied to the GPU as it runs. DeepSpeed's "
+             "offload: its config's offload_optimizer/offload_param (--ds-config).")(f)
+
+
+def _cpu_offload(cpu_offload: bool, strategies) -> bool:
+    """--cpu-offload is FSDP's: it needs zero3 among ``strategies`` (empty: all)."""
+    if cpu_offload and strategies and not {"zero3", "fsdp"} & set(strategies):
+        raise click.UsageError("--cpu-offload is FSDP2's CPUOffloadPolicy: use it with "
+                               "--strategy fsdp (zero3); DeepSpeed's offload is set in "
+                               "--ds-config")
+    return cpu_offload
+
+
 def _mp_policy(mp_policy: bool | None, precision: str, strategies) -> bool:
     """Whether zero3 (fsdp) runs bf16 under FSDP2's MixedPrecisionPolicy: by default wherever
     bf16 meets zero3, as the frameworks do; ``strategies``: those the command estimates (empty:

@@ -12,8 +12,8 @@ from oomdoctor.cli.group import (EXIT_MODEL, EXIT_OK, EXIT_PROBLEM, EXIT_USAGE,
 from oomdoctor.cli.script import model_or_script
 from oomdoctor.cli.deepspeed_options import (_deepspeed_defaults, _deepspeed_run,
                                              _ds_config_option)
-from oomdoctor.cli.options import (_bucket_view_option, _fsdp_version, _fsdp_version_option,
-                                   _alloc_config, _card_options, _check_plot_file, _detect_gpus,
+from oomdoctor.cli.options import (_bucket_view_option, _cpu_offload, _cpu_offload_option,
+                                   _fsdp_version, _fsdp_version_option, _alloc_config, _card_options, _check_plot_file, _detect_gpus,
                                    _die, _load_model, _make_budget, _mp_policy,
                                    _mp_policy_option, _num_gpus, _progress, _torch_config,
                                    _checkpoint_config,
@@ -51,10 +51,7 @@ _NODES = click.option("--nodes", type=click.IntRange(1), default=1, show_default
 @_bucket_view_option
 @_mp_policy_option
 @_fsdp_version_option
-@click.option("--cpu-offload", is_flag=True,
-              help="FSDP (zero3) under FSDP2's CPUOffloadPolicy: parameters, gradients and "
-                   "the optimizer on the host. DeepSpeed's offload: its config's "
-                   "offload_optimizer/offload_param (--ds-config).")
+@_cpu_offload_option
 @_link_option
 @_card_options
 @click.pass_context
@@ -83,8 +80,7 @@ def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad
     budget = _make_budget(gpu_name, memory, overhead, other_mem, margin)
     alloc = _alloc_config(alloc_conf)
     n = _num_gpus(num_gpus)
-    script = _planned_script(ctx, model_file, debug, ds_config,
-                             True if cpu_offload else mp_policy)
+    script = _planned_script(ctx, model_file, debug, ds_config, mp_policy)
     if script is not None:
         report = _parallel_script(ctx, script, budget, n, strategies, alloc, bucket_view, debug,
                                   _fsdp_version(fsdp_version, strategies))
@@ -111,15 +107,6 @@ def parallel_command(ctx, model_file, batch_size, precision, checkpointing, grad
     _print_parallel(report, link, budget, gpu_name, memory, n, as_json)
 
 
-def _cpu_offload(cpu_offload: bool, strategies) -> bool:
-    """--cpu-offload is FSDP's: it needs zero3 among ``strategies`` (empty: all)."""
-    if cpu_offload and strategies and not {"zero3", "fsdp"} & set(strategies):
-        raise click.UsageError("--cpu-offload is FSDP2's CPUOffloadPolicy: use it with "
-                               "--strategy fsdp (zero3); DeepSpeed's offload is set in "
-                               "--ds-config")
-    return cpu_offload
-
-
 def _print_parallel(report, link, budget, gpu_name, memory, num_gpus, as_json):
     """Print parallel's report, with the link it assumed, and exit with its verdict."""
     from oomdoctor.plans import parallel as par
@@ -142,9 +129,8 @@ def _planned_script(ctx, words, debug, ds_config, mp_policy):
         return None
     script_cli.refuse_loop_options(ctx, allowed=("strategy", "strategies"))
     if ds_config or mp_policy is not None:
-        raise click.UsageError(f"--{'ds-config' if ds_config else 'mp-policy/--cpu-offload'} "
-                               "describes how a framework runs a model; a script decides its "
-                               "own in its code")
+        raise click.UsageError(f"--{'ds-config' if ds_config else 'mp-policy'} describes how a "
+                               "framework runs a model's precision; a script decides its own")
     return script
 
 

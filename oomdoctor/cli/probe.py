@@ -10,7 +10,8 @@ from oomdoctor.cli.estimate import _write_snapshots
 from oomdoctor.cli.group import (EXIT_INTERNAL, EXIT_MODEL, EXIT_NO_GPU, EXIT_OK, EXIT_PROBLEM,
                                  EXIT_USAGE, cli)
 from oomdoctor.cli.options import (_alloc_config, _budget_options, _check_plot_file,
-                                   _checkpoint_config, _detect_gpus, _die, _link_option,
+                                   _checkpoint_config, _cpu_offload, _cpu_offload_option,
+                                   _detect_gpus, _die, _link_option,
                                    _load_model, _make_budget, _modelled_torch, _mp_policy,
                                    _mp_policy_option, _progress, _wants_longest_context,
                                    _write_bar_plot)
@@ -61,12 +62,14 @@ from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_C
                    "against the budget, labelled with that batch: FILE.png, .svg or .html "
                    "(needs matplotlib: the plot extra).")
 @_mp_policy_option
+@_cpu_offload_option
 @_link_option
 @script_input_options
 @_budget_options
 def probe(model_words, precisions, checkpointing, max_batch_size, context_batch, jobs, strategy,
           num_gpus,
-          target_batch, run_smoke, device, snapshot_file, plot_file, mp_policy, link, cpus,
+          target_batch, run_smoke, device, snapshot_file, plot_file, mp_policy, cpu_offload, link,
+          cpus,
           skip_input, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
@@ -119,7 +122,8 @@ def probe(model_words, precisions, checkpointing, max_batch_size, context_batch,
                                        jobs, strategy, num_gpus, budget, alloc,
                                        checkpoint_class, grad_accum, optimizer, zero_grad,
                                        no_cuda_emulation, debug,
-                                       _mp_policy(mp_policy, "bf16", [strategy]))
+                                       _mp_policy(mp_policy, "bf16", [strategy]),
+                                       _cpu_offload(cpu_offload, [strategy]))
     if device:     # measures, prints and exits: the plan below would be thrown away
         _measure_probe(spec, base, result, device, max_batch_size, as_json, debug)
     best = probe_mod.recommended(result) if strategy == "single" else None
@@ -190,7 +194,7 @@ def _check_device(device, debug):
 
 def _probe_matrix(model_file, precisions, checkpointing, max_batch_size, jobs, strategy,
                   num_gpus, budget, alloc, checkpoint_class, grad_accum, optimizer, zero_grad,
-                  no_cuda_emulation, debug, mixed_precision=False):
+                  no_cuda_emulation, debug, mixed_precision=False, cpu_offload=False):
     """The probe itself (probe.probe over the configuration matrix): the spec, the base
     configuration and the result."""
     from oomdoctor.plans import probe as probe_mod
@@ -210,7 +214,7 @@ def _probe_matrix(model_file, precisions, checkpointing, max_batch_size, jobs, s
                                  max_batch=max_batch_size,
                                  jobs=jobs or probe_mod.default_jobs(),
                                  strategy=strategy, num_gpus=num_gpus or 2,
-                                 mixed_precision=mixed_precision)
+                                 mixed_precision=mixed_precision, cpu_offload=cpu_offload)
     except ModelFileError as e:
         _die(e, debug, EXIT_MODEL)
     except ValueError as e:

@@ -21,6 +21,7 @@ _LOOP_OPTIONS = {
     "optimizer": "(its optimizer)", "zero_grad": "(its zero_grad calls)",
     "no_cuda_emulation": "(a script always runs on the fake CUDA device)",
     "strategy": "(multi-GPU scripts are not simulated yet: oomdoctor runs one process)",
+    "cpu_offload": "(its fully_shard offload_policy, or its DeepSpeed config's offload)",
 }
 # Model-source options of _model_source_options (remembered in ctx.meta, not parameters).
 _SOURCE_OPTIONS = ("task", "image_size", "num_classes", "lora_rank", "quantize",

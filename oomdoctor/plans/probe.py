@@ -275,16 +275,18 @@ def matrix(gpu: GpuProfile, precisions: Sequence[str] = (),
 def probe_strategy(spec: ModelSpec, cfg: TraceConfig, budget: Budget, strategy: str,
                    num_gpus: int, alloc: AllocatorConfig = AllocatorConfig(),
                    progress: Progress = lambda _: None, max_batch: int = MAX_BATCH,
-                   mixed_precision: bool = False) -> ConfigResult:
+                   mixed_precision: bool = False, cpu_offload: bool = False) -> ConfigResult:
     """Largest micro-batch per GPU of a multi-GPU strategy: traces at batch 2 and 3 give every
     storage's size at any batch (parallel.Sizes.affine); each trial replays the strategy's
     per-GPU event lists; the answer is checked with a trace of its own. ``mixed_precision``:
-    FSDP2's bf16 MixedPrecisionPolicy (zero3), traced as it computes, in pure bf16."""
+    FSDP2's bf16 MixedPrecisionPolicy (zero3), traced as it computes, in pure bf16;
+    ``cpu_offload``: FSDP2's CPUOffloadPolicy (zero3)."""
     from oomdoctor.plans import parallel as par
     label = f"{strategy} x{num_gpus}, {cfg.precision}{' + checkpointing' if cfg.checkpointing else ''}"
     # the policy is bf16's: the other rows of a probe's matrix run as they are
     st = par.Strategy(par.parse_strategy(strategy), num_gpus,
-                      mixed_precision=mixed_precision and cfg.precision == "bf16")
+                      mixed_precision=mixed_precision and cfg.precision == "bf16",
+                      cpu_offload=cpu_offload)
     precision = cfg.precision
     cfg = replace(cfg, precision=par.trace_precision(st, cfg.precision))
     layout = par.model_layout(spec, cfg.precision)
@@ -324,11 +326,12 @@ def probe_strategy(spec: ModelSpec, cfg: TraceConfig, budget: Budget, strategy: 
 
 def _probe_one(spec: ModelSpec, cfg: TraceConfig, budget: Budget, alloc: AllocatorConfig,
                progress: Progress, max_batch: int, strategy: str = "single",
-               num_gpus: int = 1, mixed_precision: bool = False) -> ConfigResult:
+               num_gpus: int = 1, mixed_precision: bool = False,
+               cpu_offload: bool = False) -> ConfigResult:
     try:
         if strategy != "single":
             return probe_strategy(spec, cfg, budget, strategy, num_gpus, alloc, progress,
-                                  max_batch, mixed_precision)
+                                  max_batch, mixed_precision, cpu_offload)
         return probe_config(spec, cfg, budget, alloc, progress, max_batch)
     except ValueError as e:   # e.g. no repeated blocks to checkpoint
         return ConfigResult(cfg.precision, cfg.checkpointing, None, None, (), error=str(e))
@@ -341,10 +344,10 @@ _WORKER_SPEC: ModelSpec | None = None
 
 def _worker(cfg: TraceConfig, budget: Budget, alloc: AllocatorConfig, max_batch: int,
             strategy: str = "single", num_gpus: int = 1,
-            mixed_precision: bool = False) -> ConfigResult:
+            mixed_precision: bool = False, cpu_offload: bool = False) -> ConfigResult:
     assert _WORKER_SPEC is not None
     return _probe_one(_WORKER_SPEC, cfg, budget, alloc, lambda _: None, max_batch, strategy,
-                      num_gpus, mixed_precision)
+                      num_gpus, mixed_precision, cpu_offload)
 
 
 def default_jobs() -> int:
@@ -357,9 +360,10 @@ def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
           configs: list[tuple[str, bool]], alloc: AllocatorConfig = AllocatorConfig(),
           progress: Progress = lambda _: None, max_batch: int = MAX_BATCH,
           jobs: int = 1, strategy: str = "single", num_gpus: int = 1,
-          mixed_precision: bool = False) -> ProbeResult:
+          mixed_precision: bool = False, cpu_offload: bool = False) -> ProbeResult:
     """Probe every (precision, checkpointing) configuration, in ``jobs`` processes
-    (``mixed_precision``: zero3 under FSDP2's bf16 policy, probe_strategy)."""
+    (``mixed_precision``, ``cpu_offload``: zero3 under FSDP2's bf16 policy, CPU offload;
+    probe_strategy)."""
     global _WORKER_SPEC
     cfgs = [replace(base, precision=p, checkpointing=ck, batch_size=1) for p, ck in configs]
     results: list[ConfigResult | None] = [None] * len(cfgs)
@@ -368,7 +372,7 @@ def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
         try:
             with forked_pool(min(jobs, len(cfgs))) as pool:
                 futures = {pool.submit(_worker, c, budget, alloc, max_batch, strategy,
-                                       num_gpus, mixed_precision): i
+                                       num_gpus, mixed_precision, cpu_offload): i
                            for i, c in enumerate(cfgs)}
                 progress(f"probing {len(cfgs)} configurations in {min(jobs, len(cfgs))} "
                          "processes")
@@ -384,7 +388,7 @@ def probe(spec: ModelSpec, base: TraceConfig, budget: Budget,
     else:
         for i, c in enumerate(cfgs):
             results[i] = _probe_one(spec, c, budget, alloc, progress, max_batch, strategy,
-                                    num_gpus, mixed_precision)
+                                    num_gpus, mixed_precision, cpu_offload)
     result = ProbeResult(spec.name, budget.gpu.name, budget.gpu.total_bytes,
                          budget.limit_bytes, budget.margin, base.grad_accum, tuple(results),
                          allocator_conf_string(alloc))

@@ -51,10 +51,14 @@ def render_report(r: ParallelReport) -> str:
     for e in r.estimates:
         if e.deepspeed_bytes is not None:
             rest = max(g.resting_state_bytes for g in e.gpus)
+            offloaded = any("CPUOffloadPolicy" in n or "ZeRO-Offload" in n for n in e.notes)
             lines.append(f"{e.strategy}: parameters + gradients + optimizer state per GPU "
                          f"{prose_size(rest)} after the step (this model's dtypes); DeepSpeed's "
-                         f"estimator {prose_size(e.deepspeed_bytes)} (it assumes 16-bit weights plus "
-                         "fp32 master weights and gradients: 18 B/param sharded)")
+                         f"estimator {prose_size(e.deepspeed_bytes)} " + (
+                             "(with offload: ZeRO-2 2P; ZeRO-3 4L + 2P/N, 4L with the parameters "
+                             "offloaded too - L the largest layer)" if offloaded else
+                             "(it assumes 16-bit weights plus fp32 master weights and gradients: "
+                             "18 B/param sharded)"))
         for note in e.notes:
             lines.append(f"{e.strategy}: {note}")
         if e.partition is not None:
