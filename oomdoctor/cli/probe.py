@@ -69,8 +69,7 @@ from oomdoctor.configs import (MAX_BATCH, MODEL_PROTOCOL, PRECISIONS, STRATEGY_C
 def probe(model_words, precisions, checkpointing, max_batch_size, context_batch, jobs, strategy,
           num_gpus,
           target_batch, run_smoke, device, snapshot_file, plot_file, mp_policy, cpu_offload, link,
-          cpus,
-          skip_input, gpu_name,
+          cpus, skip_input, gpu_name,
           memory, overhead, other_mem, margin, alloc_conf, checkpoint_class, grad_accum,
           optimizer, zero_grad, no_cuda_emulation, as_json, debug):
     """The largest batch size that fits, for each precision x checkpointing configuration.
