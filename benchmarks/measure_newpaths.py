@@ -85,6 +85,12 @@ SETUPS = {
         "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) "
         "for each decoder layer, then the root, which moves the parameters to the GPU; AdamW over "
         "the adapters (fp32 DTensors); no autocast."),
+    "fsdp2-offload-bf16-mp": (
+        "FSDP2 with CPU offload on a one-GPU mesh: fsdp2-bf16-mp with offload_policy="
+        "CPUOffloadPolicy() (pin_memory=True) on every fully_shard call, so the sharded fp32 "
+        "parameters, their gradients and AdamW (foreach, on the CPU) stay on the host and each "
+        "block is copied to the GPU when it runs; the model is never moved to the GPU. "
+        "oomdoctor's `--strategy fsdp --cpu-offload`, bf16."),
     "qlora-nf4-dq-bf16-amp": (
         "QLoRA: from_config(dtype=bfloat16) on the CPU; every nn.Linear except lm_head replaced "
         "by bitsandbytes.nn.Linear4bit(in, out, bias=False, compute_dtype=torch.bfloat16, "
@@ -297,10 +303,10 @@ def _build(job: dict, dev, rec: dict):
         params = [p for p in model.parameters() if p.requires_grad]
         rec["parameter_dtypes"] = _dtypes(model)
         return model, params, setup == "lora-bf16-amp"
-    if setup in ("fsdp2-bf16-mp", "fsdp2-lora-bf16-mp"):
+    if setup in ("fsdp2-bf16-mp", "fsdp2-lora-bf16-mp", "fsdp2-offload-bf16-mp"):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(job["port"])
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -314,11 +320,14 @@ def _build(job: dict, dev, rec: dict):
             _ckpt(model)
         if lora:
             model = _lora(model)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                              reduce_dtype=torch.float32)}
+        if setup == "fsdp2-offload-bf16-mp":     # pinned host memory needs CUDA
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=cuda)
         layers = model.base_model.model.model.layers if lora else model.model.layers
         for layer in layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
         model.train()
         rec["use_cache"] = model.config.use_cache
         rec["parameter_dtypes"] = _dtypes(model)

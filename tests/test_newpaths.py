@@ -81,12 +81,13 @@ def test_grouped_query_lora_and_qlora(tmp_path, setup, adapters, precision, batc
     _close(e.peak_reserved_bytes, measured["max_memory_reserved"], 0.01)
 
 
-def _fsdp2(tmp_path, batch: int, ckpt: bool, adapters: Adapters | None):
-    """`parallel CONFIG --strategy fsdp --gpus 1 --precision bf16 [--lora 16 ...]` (the policy
-    is bf16's default under FSDP): one GPU's figures."""
+def _fsdp2(tmp_path, batch: int, ckpt: bool, adapters: Adapters | None,
+           cpu_offload: bool = False):
+    """`parallel CONFIG --strategy fsdp --gpus 1 --precision bf16 [--lora 16 ...]
+    [--cpu-offload]` (the policy is bf16's default under FSDP): one GPU's figures."""
     spec = load_model(_config_dir(tmp_path, "bfloat16" if adapters else None), seq_len=4096,
                       adapters=adapters)
-    st = par.Strategy("zero3", 1, mixed_precision=True)
+    st = par.Strategy("zero3", 1, mixed_precision=True, cpu_offload=cpu_offload)
     cast = par.trace_precision(st, "bf16")
     trace = trace_for(spec, TraceConfig(batch, cast, ckpt), H200.gpu)
     return par.estimate_strategy(trace, par.model_layout(spec, cast), st, H200).gpus[0]
@@ -135,3 +136,26 @@ def test_the_measuring_script_itself(setup, batch, ckpt):
     got = out["strategies"][0]["gpus"][0] if "strategies" in out else out
     _close(got["peak_allocated_bytes"], rec["max_memory_allocated"], 0.015)
     _close(got["peak_reserved_bytes"], rec["max_memory_reserved"], 0.01)
+
+
+def test_the_offload_measurement_runs_as_its_plan(tmp_path):
+    """FSDP2 with CPUOffloadPolicy, the setup that waits for a GPU (no record yet): its code
+    (measure_newpaths.py --child) run through `estimate -- python` needs what `--strategy fsdp
+    --cpu-offload` of the same config gives, so the measurement will check both routes."""
+    from click.testing import CliRunner
+    from oomdoctor.cli import cli
+    rec = _record("fsdp2-bf16-mp", 1, False)
+    job = {"setup": "fsdp2-offload-bf16-mp", "model_config": rec["model_config"],
+           "seq_len": rec["seq_len"], "batch_size": 1, "checkpointing": False,
+           "dry_run": False, "port": 29512}
+    r = CliRunner().invoke(cli, ["estimate", "--gpu", "h200", "--torch", "2.11", "--json", "--",
+                                 "python", SCRIPT, "--child", json.dumps(job)])
+    assert r.exit_code == 0, r.output[-3000:]
+    out = json.loads("\n".join(line for line in r.stdout.splitlines()
+                               if not line.startswith("RESULT ")))
+    [strategy] = out["strategies"]
+    got = strategy["gpus"][0]
+    assert any("CPUOffloadPolicy" in n for n in strategy["notes"])
+    want = _fsdp2(tmp_path, 1, False, None, cpu_offload=True)
+    _close(got["peak_allocated_bytes"], want.peak_allocated_bytes, 0.01)
+    _close(got["peak_reserved_bytes"], want.peak_reserved_bytes, 0.01)
