@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from oomdoctor.cli import cli
-from test_deepspeed_gpu import (ALLOCATED_TOL, RECORDS, RESERVED_TOL, _name, _skips_steps,
-                                record_setup)
+from test_deepspeed_gpu import (ALLOCATED_TOL, RECORDS, RESERVED_TOL, _estimate, _name,
+                                _skips_steps, record_setup)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "ds_train.py")
@@ -61,6 +61,24 @@ def test_a_deepspeed_script_matches_the_gpu(env, rec, tmp_path, monkeypatch,
                                                         rel=ALLOCATED_TOL)
     assert gpu["peak_reserved_bytes"] == pytest.approx(rec["max_memory_reserved"],
                                                        rel=RESERVED_TOL)
+
+
+@pytest.mark.parametrize("setup", ["zero2-bf16-offload", "zero3-bf16-offload",
+                                   "zero3-bf16-offload-all"])
+def test_the_offload_measurements_run_as_their_model_file(setup, tmp_path, monkeypatch,
+                                                          deepspeed_importable):
+    """measure_deepspeed.py's ZeRO-Offload setups, which wait for a GPU (no record yet): the
+    script's route (its train.py under the engine's stand-in) needs what `parallel --ds-config`
+    of the same config gives, so the measurement will check both routes."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+    from measure_deepspeed import ds_config
+    rec = {"hidden": 256, "layers": 4, "heads": 4, "batch_size": 4, "checkpointing": False,
+           "ds_config": ds_config(setup, 4)}
+    env = {"deepspeed": "0.19.8"}
+    want = _estimate(rec, env, tmp_path, monkeypatch)
+    got = _script_estimate(rec, env, tmp_path, monkeypatch)
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes"):
+        assert got[key] == pytest.approx(want[key], rel=0.01), key
 
 
 INLINE = """import torch, deepspeed
