@@ -15,7 +15,14 @@ parameters, L those of the largest layer, W GPUs in all, G per node, N nodes:
   states; 1.5 is DeepSpeed's ``additional_buffer_factor`` (pinned buffers);
 - ZeRO-3 + offload_optimizer: GPU 4L + 2P/W; host per node 16P/N x 1.5;
 - ZeRO-3 + offload_optimizer + offload_param (FSDP2's CPUOffloadPolicy alike): GPU 4L; host per
-  node 18P/N x 1.5.
+  node 18P/N x 1.5;
+- FSDP2 with CPUOffloadPolicy (its own plan): host per node max(4P x G, 16P x G/W), no buffer
+  factor (FSDP pins exactly its shards, their gradients and AdamW's state).
+
+Those estimators count model states only. Each plan's per-GPU figure is its step replayed
+(:func:`replay_offload`): traced at micro-batch 1 as its printed code runs it, and replayed as
+the strategy - DeepSpeed's stage with the very config the plan prints, read as `parallel
+--ds-config` reads it, or FSDP2 under the policy (oomdoctor.plans.parallel.deepspeed, fsdp).
 
 The time it costs is a rough estimate, stated as such: every step each GPU sends its 16-bit
 gradient shard to the host and receives its updated 16-bit parameters (2 x 2P/W bytes over its
@@ -26,7 +33,6 @@ backward gather), and the node's CPUs run Adam over P/N parameters, which is mem
 from __future__ import annotations
 
 import os
-
 from dataclasses import replace
 
 from oomdoctor.models.spec import ModelSpec
