@@ -192,11 +192,12 @@ def test_adapter_plan_runs_as_printed(saved_llama, strategy, precision, adapters
 
 
 
-@pytest.fixture(scope="module")
-def offload_plans():
-    """Nothing fits two 0.5 GiB cards, so recommend prints its CPU offload plans."""
-    doc = _invoke(["recommend", MODEL, "--memory", "0.5GiB", "--num-gpus", "2",
-                   "--target-batch", "8", "--json"])
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-node", "2-nodes"])
+def offload_plans(request):
+    """Nothing fits two 0.5 GiB cards (on each of one or two nodes), so recommend prints its
+    CPU offload plans."""
+    doc = _invoke(["recommend", MODEL, "--memory", "0.5GiB", "--num-gpus", "2", "--nodes",
+                   str(request.param), "--target-batch", "8", "--json"])
     assert doc["best"] is None
     return {o["name"]: o for o in doc["offload"]}
 
@@ -205,10 +206,11 @@ def offload_plans():
                                   "fsdp-offload"])
 def test_offload_plan_runs_as_printed(offload_plans, name, tmp_path, monkeypatch):
     """Each CPU offload plan's code (DeepSpeed's engine with the config inline, or FSDP2 with
-    CPUOffloadPolicy) run by its launch line needs the plan's per-GPU figure: the script's
-    run reads the ZeRO stage, the offload, the 16-bit mode, the accumulation and the
-    checkpointing from the printed lines. Where DeepSpeed is not installed, the stand-in
-    package gives the import. Measured: 0.00% for all four."""
+    CPUOffloadPolicy) run by its launch line (on two nodes, one node's: DeepSpeed's hostfile
+    launch, torchrun's rendezvous) needs the plan's per-GPU figure: the script's run reads the
+    ZeRO stage, the offload, the 16-bit mode, the accumulation and the checkpointing from the
+    printed lines. Where DeepSpeed is not installed, the stand-in package gives the import.
+    Measured: 0.00% for all eight."""
     import importlib.util
     import sys
     if importlib.util.find_spec("deepspeed") is None:
@@ -216,7 +218,7 @@ def test_offload_plan_runs_as_printed(offload_plans, name, tmp_path, monkeypatch
         monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
     plan = offload_plans[name]
     assert plan["gpu_replayed_bytes"] is not None
-    got = _run_as_printed({"snippet": plan["sketch"], "command": plan["launch"],
+    got = _run_as_printed({"snippet": plan["sketch"], "command": plan["launch"].split("#")[0],
                            "env": plan["env"]}, tmp_path, ["--memory", "0.5GiB"])
     want = plan["gpu_replayed_bytes"]
     assert abs(got - want) <= TOLERANCE * want, (got, want)
