@@ -24,10 +24,10 @@ Those estimators count model states only. Each plan's per-GPU figure is its step
 the strategy - DeepSpeed's stage with the very config the plan prints, read as `parallel
 --ds-config` reads it, or FSDP2 under the policy (oomdoctor.plans.parallel.deepspeed, fsdp).
 
-The time it costs is a rough estimate, stated as such: every step each GPU sends its 16-bit
-gradient shard to the host and receives its updated 16-bit parameters (2 x 2P/W bytes over its
-PCIe link; with the parameters offloaded, 2 x 2P/W more per micro-batch for the forward and the
-backward gather), and the node's CPUs run Adam over P/N parameters, which is memory-bound:
+The time it costs is a rough estimate, stated as such: every micro-batch each GPU sends its
+gradient shard to the host, and receives its updated 16-bit parameters once per step - or, with
+the parameters offloaded, its shard for every gather, forward and backward (:func:`host_traffic`,
+over its PCIe link); and the node's CPUs run Adam over P/N parameters, which is memory-bound:
 :data:`CPU_ADAM_BYTES_PER_PARAM` bytes moved per parameter at :data:`CPU_MEMORY_GBPS`.
 """
 from __future__ import annotations
@@ -147,7 +147,6 @@ def offload_plans(facts: _Facts, hw: Hardware, budget: Budget, setting: OffloadS
     world = g * n
     pcie = link_gbps(hw.gpu, "pcie") * 1e9       # host <-> one GPU, per direction
     adam = CPU_ADAM_BYTES_PER_PARAM * p / n / (CPU_MEMORY_GBPS * 1e9)
-    shard_16bit = 2 * p / world
     plans = []
     for name in OFFLOAD_NAMES:
         if name == "zero2-offload":
@@ -157,8 +156,7 @@ def offload_plans(facts: _Facts, hw: Hardware, budget: Budget, setting: OffloadS
                                             params_too=name != "zero3-offload")
         if name == "fsdp-offload":                 # every process builds the fp32 model first,
             host = max(4 * p * g, 16 * p * g // world)   # then the node holds its 16 B/param
-        all_off = name != "zero2-offload" and name != "zero3-offload"
-        t_pcie = (2 * shard_16bit + (2 * shard_16bit if all_off else 0)) / pcie
+        t_pcie = host_traffic(name, p / world, setting) / pcie
         total = (replayed or {}).get(name)
         slowdown = ((compute_seconds + t_pcie + adam) / compute_seconds
                     if compute_seconds else None)
@@ -167,6 +165,20 @@ def offload_plans(facts: _Facts, hw: Hardware, budget: Budget, setting: OffloadS
             <= budget.limit_bytes, host, None if host_ram is None else host <= host_ram,
             t_pcie, adam, slowdown, *how_to_run(name, hw, setting)))
     return tuple(plans)
+
+
+def host_traffic(name: str, shard: float, s: OffloadSetting) -> float:
+    """Bytes one GPU moves over its host link per optimizer step (``shard``: its parameters,
+    P/W). Every micro-batch's gradients go to the host (DeepSpeed accumulates them there:
+    ``async_accumulate_grad_in_cpu_via_gpu``; FSDP2 copies each reduced shard, in fp32 under
+    its policy); offloaded parameters come in for every gather, the forward's and the
+    backward's (FSDP2's fp32 shards are cast on the GPU); a GPU-resident 16-bit partition takes
+    the updated weights once per step."""
+    k = s.accumulation
+    if name == "fsdp-offload":
+        return k * 4 * shard + k * 2 * 4 * shard
+    weights = k * 2 * 2 * shard if name == "zero3-offload-all" else 2 * shard
+    return k * 2 * shard + weights
 
 
 def offload_summary(plans: tuple[OffloadPlan, ...]) -> str:

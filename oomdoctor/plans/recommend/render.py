@@ -199,7 +199,8 @@ def _offload(r: Recommendation) -> list[str]:
            "(states: DeepSpeed's estimators of the model states; total: the plan's own step "
            "replayed as its code runs it (reserved + CUDA context); '-' and '?': not traced, "
            "model states only; host: DeepSpeed's estimators; "
-           "'+ per step' is a rough estimate: 16-bit gradients and weights over PCIe, Adam on "
+           "'+ per step' is a rough estimate: gradients to the host every micro-batch, weights "
+           "back every step or, offloaded, every gather, over PCIe; Adam on "
            "the CPU at 20 GB/s of host memory bandwidth; slowdown against the GPUs' compute at "
            "the target batch)"]
     fit = _offload_fitting(r)
