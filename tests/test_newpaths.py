@@ -108,11 +108,14 @@ def test_fsdp2_bf16_mixed_precision_policy(tmp_path, batch, ckpt):
 def test_fsdp2_lora_under_the_policy(tmp_path, batch, ckpt):
     """LoRA on the bf16 model, fully_shard per layer under the policy (-traced.json, measured
     2026-11-27 with the allocator's events). The adapters compute in bf16 as FSDP casts them
-    (configs.WRAPPER_CASTS; traced with peft's fp32 adapters it was 8% high). Allocated +0.4%
-    to +1.1%: 22 MiB more than measured at every batch, not found yet; reserved within 0.3%."""
+    (configs.WRAPPER_CASTS; traced with peft's fp32 adapters it was 8% high). Allocated within
+    0.1% (+0.02% to +0.07%), reserved within 0.3%. It was 22 MiB over at every batch (+0.4% to
+    +1.1%): the events showed no layer gathered while the loss's backward peaks, where the
+    replay gathered the last one at the backward's start; its pre_backward waits for its
+    output's gradient (fsdp._pre_backwards)."""
     g = _fsdp2(tmp_path, batch, ckpt, LORA)
     measured = _record("fsdp2-lora-bf16-mp", batch, ckpt, TRACED)
-    _close(g.peak_allocated_bytes, measured["max_memory_allocated"], 0.015)
+    _close(g.peak_allocated_bytes, measured["max_memory_allocated"], 0.002)
     _close(g.peak_reserved_bytes, measured["max_memory_reserved"], 0.01)
 
 
