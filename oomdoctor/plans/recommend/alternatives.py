@@ -56,11 +56,14 @@ def _more_gpus(trace: Trace, layout: Layout, hw: Hardware, budget: Budget,
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if at(mid).fits else (mid, hi)
     fit, short = at(hi), at(hi - 1)
+    # device peaks (reserved + CUDA context), against what a GPU may hold in the same terms
+    most = budget.limit_bytes + budget.cuda_context_bytes
     return (f"more GPUs: ZeRO-3/FSDP over {hi} x {hw.gpu.name} fits: "
             f"{fit.peak_device_bytes / gib:.1f} GiB on the fullest GPU ({label}, micro-batch "
             f"{cfg.batch_size}, estimated as the tables are); over {hi - 1} it needs "
-            f"{short.peak_device_bytes / gib:.1f} GiB, over the {budget.limit_bytes / gib:.1f} "
-            "GiB budget")
+            f"{short.peak_device_bytes / gib:.1f} GiB, more than the {most / gib:.1f} GiB a GPU "
+            f"may hold (the {budget.limit_bytes / gib:.1f} GiB allocator budget and the CUDA "
+            "context)")
 
 
 def _more_gpus_by_model_states(facts: _Facts, hw: Hardware, limit: int, precision: str
