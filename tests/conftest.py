@@ -43,3 +43,17 @@ def _no_leaked_process_group():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("this test left a default torch.distributed process group initialized")
+
+
+@pytest.fixture
+def deepspeed_importable(monkeypatch):
+    """``import deepspeed`` works: the real one where installed, else tests/stand_ins/' package
+    (the import alone: a script's run replaces deepspeed.initialize either way)."""
+    import importlib.util
+    if importlib.util.find_spec("deepspeed") is None:
+        monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "stand_ins"))
+        yield
+        sys.modules.pop("deepspeed", None)
+    else:
+        yield

@@ -13,7 +13,6 @@ provides the import; the stand-in replaces initialize in the run either way.
 import importlib.util
 import json
 import os
-import sys
 
 import pytest
 from click.testing import CliRunner
@@ -24,16 +23,6 @@ from test_deepspeed_gpu import (ALLOCATED_TOL, RECORDS, RESERVED_TOL, _estimate,
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "ds_train.py")
-
-
-@pytest.fixture
-def deepspeed_importable(monkeypatch):
-    if importlib.util.find_spec("deepspeed") is None:
-        monkeypatch.syspath_prepend(os.path.join(HERE, "stand_ins"))
-        yield
-        sys.modules.pop("deepspeed", None)
-    else:
-        yield
 
 
 def _script_estimate(rec: dict, env: dict, tmp_path, monkeypatch) -> dict:
@@ -70,7 +59,7 @@ def test_the_offload_measurements_run_as_their_model_file(setup, tmp_path, monke
     """measure_deepspeed.py's ZeRO-Offload setups, which wait for a GPU (no record yet): the
     script's route (its train.py under the engine's stand-in) needs what `parallel --ds-config`
     of the same config gives, so the measurement will check both routes."""
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(HERE), "benchmarks"))
     from measure_deepspeed import ds_config
     rec = {"hidden": 256, "layers": 4, "heads": 4, "batch_size": 4, "checkpointing": False,
            "ds_config": ds_config(setup, 4)}

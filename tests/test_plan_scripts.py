@@ -204,18 +204,13 @@ def offload_plans(request):
 
 @pytest.mark.parametrize("name", ["zero2-offload", "zero3-offload", "zero3-offload-all",
                                   "fsdp-offload"])
-def test_offload_plan_runs_as_printed(offload_plans, name, tmp_path, monkeypatch):
+def test_offload_plan_runs_as_printed(offload_plans, name, tmp_path, deepspeed_importable):
     """Each CPU offload plan's code (DeepSpeed's engine with the config inline, or FSDP2 with
     CPUOffloadPolicy) run by its launch line (on two nodes, one node's: DeepSpeed's hostfile
     launch, torchrun's rendezvous) needs the plan's per-GPU figure: the script's run reads the
     ZeRO stage, the offload, the 16-bit mode, the accumulation and the checkpointing from the
     printed lines. Where DeepSpeed is not installed, the stand-in package gives the import.
     Measured: 0.00% for all eight."""
-    import importlib.util
-    import sys
-    if importlib.util.find_spec("deepspeed") is None:
-        monkeypatch.syspath_prepend(os.path.join(HERE, "stand_ins"))
-        monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
     plan = offload_plans[name]
     assert plan["gpu_replayed_bytes"] is not None
     got = _run_as_printed({"snippet": plan["sketch"], "command": plan["launch"].split("#")[0],

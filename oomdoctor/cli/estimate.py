@@ -85,7 +85,7 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
     if bucket_view and strategy != "ddp":
         raise click.UsageError("--bucket-view is DDP's gradient_as_bucket_view: give it with "
                                "--strategy ddp")
-    _cpu_offload(cpu_offload, [strategy])
+    cpu_offload = _cpu_offload(cpu_offload, [strategy])
 
     def _cfg():
         return TraceConfig(batch_size, precision, checkpointing, checkpoint_class, grad_accum,
@@ -115,7 +115,7 @@ def estimate(ctx, model_words, batch_size, precision, checkpointing, strategy, d
             report = _estimate_strategy(model_file, _cfg(), budget, num_gpus, strategy, alloc,
                                         bucket_view, _mp_policy(mp_policy, precision, [strategy]),
                                         ds, _fsdp_version(fsdp_version, [strategy]),
-                                        _cpu_offload(cpu_offload, [strategy]))
+                                        cpu_offload)
         else:
             result = estimate_mod.estimate(_load_model(model_file), _cfg(), budget, alloc,
                                            progress=_slow_trace_progress())

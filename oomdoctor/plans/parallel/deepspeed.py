@@ -190,7 +190,7 @@ def _flattens_on_host(ctx: _Context, m: _Model) -> bool:
         return False
     if m.ds.version < (0, 19, 0):
         return True
-    params = sum(m.numels) * m.grad_itemsize
+    params = m.numel * m.grad_itemsize
     return ctx.gpu.total_bytes - ctx.gpu.context_bytes - params < params
 
 

@@ -116,16 +116,23 @@ class _Params:
         ps = self.unit(block)
         full = sum(int(self.numel[i] * self.gathered(i)) for i in ps)
         out = sum(int(self.shard_numel(i) * self.gathered(i)) for i in ps) * self.world
-        moved = [i for i in ps if self.offload or self.gathered(i) != self.stored(i)]
-        cast = sum(int(self.shard_numel(i) * self.gathered(i)) for i in moved)
-        if self.offload:
-            cast += max((int(self.shard_numel(i) * self.stored(i)) for i in moved
-                         if self.gathered(i) != self.stored(i)), default=0)
-        if self.offload and self.world == 1:    # one parameter at a time (wait_for_unshard)
-            cast = max((int(self.shard_numel(i) * (self.gathered(i) + self.stored(i)
-                                                     * (self.gathered(i) != self.stored(i))))
-                        for i in ps), default=0)
-        return full, out, cast
+        return full, out, self._copy_in(ps)
+
+    def _copy_in(self, ps: list[int]) -> int:
+        """Bytes of a block's all-gather inputs while they are made: each cast shard; offloaded,
+        every shard copied to the GPU, and the uncast copy of the one being cast (on one GPU,
+        one parameter at a time: ``wait_for_unshard``)."""
+        def uncast(i: int) -> int:
+            return int(self.shard_numel(i) * self.stored(i)) \
+                if self.gathered(i) != self.stored(i) else 0
+
+        def cast(i: int) -> int:
+            return int(self.shard_numel(i) * self.gathered(i))
+        if not self.offload:
+            return sum(cast(i) for i in ps if self.gathered(i) != self.stored(i))
+        if self.world == 1:
+            return max((cast(i) + uncast(i) for i in ps), default=0)
+        return sum(cast(i) for i in ps) + max((uncast(i) for i in ps), default=0)
 
     def reduce_bytes(self, i: int) -> tuple[int, int]:
         """(reduce-scatter input, sharded gradient) of one trainable parameter."""
@@ -251,7 +258,8 @@ class _PostBackward:
 
     def __init__(self, ctx: _Context, at_inputs: bool) -> None:
         self.ctx, self.at_inputs = ctx, at_inputs
-        self._cache: dict[tuple[int, int], float] = {}
+        self._cache: dict[tuple[int, int], float] = {}       # (phase, block) -> position
+        self._inputs: dict[int, dict[int, tuple[int, float | None]]] = {}   # by forward
 
     def at(self, ph: int, block: int) -> float:
         key = (ph, block)
@@ -277,22 +285,27 @@ class _PostBackward:
                     if self.ctx.timing.backward_of(f) == ph), None)
         if fwd is None:
             return None
-        if ("inputs", fwd) not in self._cache:
+        if fwd not in self._inputs:
             spans = self.ctx.timing.fwd_spans.get(fwd, {})
             order = sorted(spans, key=lambda b: spans[b][0])
-            self._cache[("inputs", fwd)] = block_inputs(self.ctx, fwd, order)
-        return self._cache[("inputs", fwd)].get(block, (0, None))[1]
+            self._inputs[fwd] = block_inputs(self.ctx, fwd, order)
+        return self._inputs[fwd].get(block, (0, None))[1]
+
+
+def forward_kept(ctx: _Context, ph: int) -> list[tuple[float, int, float | None]]:
+    """(allocation, bytes, free) of each storage forward phase ``ph`` makes that outlives it -
+    what the backward needs, and each block's output - in allocation order."""
+    fstart, fstop, _ = ctx.timing.phases[ph]
+    return sorted((s.t_alloc, ctx.size[s.handle], s.t_free) for s in ctx.storages
+                  if fstart <= s.t_alloc < fstop and (s.t_free is None or s.t_free > fstop))
 
 
 def block_inputs(ctx: _Context, ph: int, order: list[int]) -> dict[int, tuple[int, float | None]]:
     """(bytes, where the trace frees it) of each block's input in forward phase ``ph``: the
     latest storage allocated before the block starts that outlives the forward (the previous
     block's kept output, or the embedding's)."""
-    tl = ctx.timing
-    spans = tl.fwd_spans.get(ph, {})
-    fstart, fstop, _ = tl.phases[ph]
-    kept = sorted((s.t_alloc, ctx.size[s.handle], s.t_free) for s in ctx.storages
-                  if fstart <= s.t_alloc < fstop and (s.t_free is None or s.t_free > fstop))
+    spans = ctx.timing.fwd_spans.get(ph, {})
+    kept = forward_kept(ctx, ph)
     out: dict[int, tuple[int, float | None]] = {}
     i = 0
     last: tuple[int, float | None] = (0, None)
@@ -412,11 +425,8 @@ def _pre_backwards(ctx: _Context, ph: int, bw: int, wins: list[tuple[float, floa
     window's start, the last block was, 22 MiB over at every batch."""
     tl = ctx.timing
     spans = tl.fwd_spans.get(ph, {})
-    fstop = tl.phases[ph][1]
-    kept = sorted((s.t_alloc, s.t_free) for s in ctx.storages
-                  if tl.phases[ph][0] <= s.t_alloc < fstop
-                  and (s.t_free is None or s.t_free > fstop))
-    allocs = [a for a, _ in kept]
+    kept = forward_kept(ctx, ph)
+    allocs = [a for a, _, _ in kept]
     recomputed: dict[int, float] = {}
     for s in ctx.storages:
         b = tl.block.get(s.handle)
@@ -427,8 +437,8 @@ def _pre_backwards(ctx: _Context, ph: int, bw: int, wins: list[tuple[float, floa
         marks = [recomputed[b] - 0.5] if b in recomputed else []
         span = spans.get(b) if k == 0 else None
         i = bisect.bisect_right(allocs, span[1]) - 1 if span else -1
-        if i >= 0 and kept[i][0] >= span[0] and kept[i][1] is not None:
-            marks.append(kept[i][1])
+        if i >= 0 and kept[i][0] >= span[0] and kept[i][2] is not None:
+            marks.append(kept[i][2])
         marks = [m for m in marks if lo <= m < hi - 0.5]
         if marks:
             out[b] = min(marks)

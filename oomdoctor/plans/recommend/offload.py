@@ -101,17 +101,18 @@ _DESCRIPTIONS = {
 OFFLOAD_NAMES = tuple(_DESCRIPTIONS)
 
 
-def offload_strategy(name: str, hw: Hardware, s: OffloadSetting) -> Strategy:
-    """The strategy an offload plan's code runs, as the replay models it."""
+def offload_strategy(name: str, hw: Hardware, s: OffloadSetting) -> tuple[Strategy, str]:
+    """The strategy an offload plan's code runs, as the replay models it, and its precision."""
     world = hw.num_gpus * hw.nodes
     if name == "fsdp-offload":
         return Strategy("zero3", world, nodes=hw.nodes, cpu_offload=True,
-                        mixed_precision=s.fsdp_precision == "bf16")
+                        mixed_precision=s.fsdp_precision == "bf16"), s.fsdp_precision
     # the config the plan prints, read as `parallel --ds-config` reads it
     run = read_deepspeed_config(ds_config(2 if name == "zero2-offload" else 3,
                                           name.endswith("all"), s))
+    precision = run.precision or "fp32"
     st = Strategy(run.strategy, world, nodes=hw.nodes, deepspeed=run.config)
-    return default_policy(st, run.precision or "fp32")
+    return default_policy(st, precision), precision
 
 
 def replay_offload(spec: ModelSpec, cfg: TraceConfig, hw: Hardware, budget: Budget,
@@ -121,8 +122,7 @@ def replay_offload(spec: ModelSpec, cfg: TraceConfig, hw: Hardware, budget: Budg
     the replay refuses is left out)."""
     out = {}
     for name in OFFLOAD_NAMES:
-        st = offload_strategy(name, hw, s)
-        p = s.fsdp_precision if name == "fsdp-offload" else (s.deepspeed_mode or "fp32")
+        st, p = offload_strategy(name, hw, s)
         traced = replace(cfg, batch_size=1, checkpointing=s.checkpointing,
                          grad_accum=min(2, s.accumulation), precision=trace_precision(st, p))
         try:
