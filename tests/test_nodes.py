@@ -255,6 +255,20 @@ def test_seed_case_offload_plan_next_to_zero3_and_lora():
     assert "in GPU memory alone; with CPU offload it does (zero2-offload, below)" in head
 
 
+def test_an_offload_plans_verdict_is_its_replays():
+    """A replayed peak counts the CUDA context, the allocator's budget does not: a plan whose
+    peak is over the budget by less than the context fits, as its replay's own verdict says
+    (the plan had compared the two and said NO)."""
+    from oomdoctor.plans.recommend.offload_code import OffloadSetting
+    facts = rec.model_facts(load_model_file(LLAMA))
+    budget = Budget(RTX3090)
+    peak = budget.limit_bytes + budget.cuda_context_bytes // 2
+    plans = {o.name: o for o in rec.offload_plans(
+        facts, rec.hardware(RTX3090, 2), budget, OffloadSetting("bf16", True, 4), None,
+        {"zero3-offload": (peak, True)})}
+    assert plans["zero3-offload"].fits_gpu and plans["zero3-offload"].gpu_bytes == peak
+
+
 def test_tensor_parallel_model_states_by_hand():
     """TP 2 inside a node: the three Linear weights split in two, their biases whole, each with
     an fp32 gradient and two AdamW moments (16 B per parameter)."""

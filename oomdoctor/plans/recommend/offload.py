@@ -116,10 +116,10 @@ def offload_strategy(name: str, hw: Hardware, s: OffloadSetting) -> tuple[Strate
 
 
 def replay_offload(spec: ModelSpec, cfg: TraceConfig, hw: Hardware, budget: Budget,
-                   alloc: AllocatorConfig, s: OffloadSetting) -> dict[str, int]:
-    """Each offload plan's per-GPU peak (reserved + CUDA context), its step traced at
-    micro-batch 1 as its code runs it and replayed as its strategy: name -> bytes (a plan
-    the replay refuses is left out)."""
+                   alloc: AllocatorConfig, s: OffloadSetting) -> dict[str, tuple[int, bool]]:
+    """Each offload plan's per-GPU peak (reserved + CUDA context) and whether every GPU fits,
+    its step traced at micro-batch 1 as its code runs it and replayed as its strategy: name ->
+    (bytes, fits); a plan the replay refuses is left out."""
     out = {}
     for name in OFFLOAD_NAMES:
         st, p = offload_strategy(name, hw, s)
@@ -131,17 +131,17 @@ def replay_offload(spec: ModelSpec, cfg: TraceConfig, hw: Hardware, budget: Budg
                                   grad_accum=traced.grad_accum)
         except ValueError:
             continue
-        out[name] = max(g.device_peak_bytes for g in e.gpus)
+        out[name] = max(g.device_peak_bytes for g in e.gpus), e.fits
     return out
 
 
 def offload_plans(facts: _Facts, hw: Hardware, budget: Budget, setting: OffloadSetting,
-                  host_ram: int | None, replayed: dict[str, int] | None = None,
+                  host_ram: int | None, replayed: dict[str, tuple[int, bool]] | None = None,
                   compute_seconds: float | None = None) -> tuple[OffloadPlan, ...]:
     """The offload plans for ``hw`` (G GPUs on each of N nodes), each run at micro-batch 1 with
-    ``setting``'s accumulation. ``replayed``: each plan's per-GPU peak from
+    ``setting``'s accumulation. ``replayed``: each plan's per-GPU peak and verdict from
     :func:`replay_offload` (None, or a plan missing: DeepSpeed's estimator of the model states
-    alone); ``compute_seconds``: the GPUs' compute per optimizer step (None: unknown, no
+    alone, against the allocator's budget); ``compute_seconds``: the GPUs' compute per optimizer step (None: unknown, no
     slowdown ratio)."""
     p, g, n = facts.num_parameters, hw.num_gpus, hw.nodes
     world = g * n
@@ -157,12 +157,13 @@ def offload_plans(facts: _Facts, hw: Hardware, budget: Budget, setting: OffloadS
         if name == "fsdp-offload":                 # every process builds the fp32 model first,
             host = max(4 * p * g, 16 * p * g // world)   # then the node holds its 16 B/param
         t_pcie = host_traffic(name, p / world, setting) / pcie
-        total = (replayed or {}).get(name)
+        # the replay's own verdict (reserved against the budget); its peak has the context too
+        total, fits = (replayed or {}).get(name, (None, gpu <= budget.limit_bytes))
         slowdown = ((compute_seconds + t_pcie + adam) / compute_seconds
                     if compute_seconds else None)
         plans.append(OffloadPlan(
-            name, _DESCRIPTIONS[name], gpu, total, (total if total is not None else gpu)
-            <= budget.limit_bytes, host, None if host_ram is None else host <= host_ram,
+            name, _DESCRIPTIONS[name], gpu, total, fits, host,
+            None if host_ram is None else host <= host_ram,
             t_pcie, adam, slowdown, *how_to_run(name, hw, setting)))
     return tuple(plans)
 
