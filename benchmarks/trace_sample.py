@@ -3,11 +3,17 @@
 deviations (issue 34: ResNet's convolution workspaces).
 
     python benchmarks/trace_sample.py resnet_cnn fp32 4 --out DIR [--checkpointing]
+        [--moved] [--before 1 2 4]
 
-Writes DIR/<model>-<precision>-ck<0|1>-b<batch>.json.gz (benchmarks/alloc_trace.py) and prints
-one JSON line with the peaks, the OOM's first line if the run went out of memory (its events up
+Writes DIR/<model>-<precision>-ck<0|1>-b<batch>[-moved][-after].json.gz
+(benchmarks/alloc_trace.py) and prints one JSON line with the peaks, the OOM's first line if the run went out of memory (its events up
 to the OOM are written too), what the card holds outside the allocator, cuDNN's version and
 benchmark flag. Needs CUDA (exit 2 without).
+
+``--moved``: the model is built on the host and moved, as a training script does and as
+``oomdoctor probe`` places it (the harness builds it on the GPU). ``--before B ...``: train
+these batches first in the same process, each as calibrate.py's trials run (the cache emptied
+around each), then the traced one: a long-lived process's history, not a fresh one's.
 """
 from __future__ import annotations
 
@@ -30,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("batch", type=int)
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--moved", action="store_true", help="build on the host, then .to(cuda)")
+    ap.add_argument("--before", type=int, nargs="*", default=[],
+                    help="batches trained first in this process (untraced)")
     args = ap.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
@@ -40,9 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     from oomdoctor.sim.trace import TraceConfig
     spec = load_model_file(os.path.join(ROOT, "sample_models", f"{args.model}.py"))
     cfg = TraceConfig(args.batch, precision=args.precision, checkpointing=args.checkpointing)
-    runner = TorchRunner("cuda:0")
+    runner = TorchRunner("cuda:0", build_on_device=not args.moved)
     torch.zeros(1, device="cuda:0")
     runner.cleanup()
+    before = [_untraced(runner, spec, cfg, b) for b in args.before]
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, context="alloc",
                                              stacks="python")
     oom = None
@@ -53,19 +63,37 @@ def main(argv: list[str] | None = None) -> int:
         traceback.clear_frames(e.__traceback__)   # its frames hold the run's tensors
     free, total = torch.cuda.mem_get_info()
     os.makedirs(args.out, exist_ok=True)
-    name = f"{args.model}-{args.precision}-ck{int(args.checkpointing)}-b{args.batch}.json.gz"
+    name = (f"{args.model}-{args.precision}-ck{int(args.checkpointing)}-b{args.batch}"
+            f"{'-moved' if args.moved else ''}{'-after' if args.before else ''}.json.gz")
     err = write_trace(os.path.join(args.out, name))
     alloc, reserved = runner.peaks()
     print(json.dumps({"file": name, "model": args.model, "precision": args.precision,
                       "checkpointing": args.checkpointing, "batch_size": args.batch,
                       "max_memory_allocated": alloc, "max_memory_reserved": reserved,
-                      "oom": oom,
+                      "oom": oom, "moved": args.moved, "before": before,
                       # what the card holds outside the allocator at the end (CUDA context)
                       "outside_allocator_bytes": total - free - torch.cuda.memory_reserved(),
                       "cudnn": torch.backends.cudnn.version(),
                       "cudnn_benchmark": torch.backends.cudnn.benchmark,
                       "torch": torch.__version__, "trace_error": err}), flush=True)
     return 0
+
+
+def _untraced(runner, spec, cfg, batch: int) -> dict:
+    """One earlier run in this process, as measured_probe's trial runs it."""
+    import torch
+    from dataclasses import replace
+    runner.cleanup()
+    oom = None
+    try:
+        runner.train(spec, replace(cfg, batch_size=batch))
+    except torch.OutOfMemoryError as e:
+        oom = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
+        traceback.clear_frames(e.__traceback__)
+    alloc, reserved = runner.peaks()
+    runner.cleanup()
+    return {"batch_size": batch, "max_memory_allocated": alloc, "max_memory_reserved": reserved,
+            "oom": oom}
 
 
 if __name__ == "__main__":

@@ -253,3 +253,18 @@ def test_profile_for_device(name, total, cc, key):
     assert p.name == key
     assert p.total_bytes == total
     assert p.compute_capability == cc
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_runner_builds_where_asked(spec, monkeypatch, on_device):
+    """The calibration harness builds under ``with device:``; ``build_on_device=False`` builds
+    on the host and moves the model, as a training script (and the simulator) does."""
+    moved = []
+    orig = torch.nn.Module.to
+
+    def recording(self, *a, **k):
+        moved.append(a)
+        return orig(self, *a, **k)
+    monkeypatch.setattr(torch.nn.Module, "to", recording)
+    TorchRunner("cpu", build_on_device=on_device).train(spec, TraceConfig(2))
+    assert (torch.device("cpu"),) in moved if not on_device else (torch.device("cpu"),) not in moved

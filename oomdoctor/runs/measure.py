@@ -127,9 +127,13 @@ class Runner(Protocol):
 
 
 class TorchRunner:
-    """Real training on ``cuda[:N]`` (or ``cpu`` for tests: no CUDA call is made then)."""
+    """Real training on ``cuda[:N]`` (or ``cpu`` for tests: no CUDA call is made then).
 
-    def __init__(self, device: str = "cuda:0") -> None:
+    ``build_on_device``: build the model under ``with device:`` (the calibration harness's
+    way, replayed by oomdoctor.runs.onbuild), or on the host and then ``.to(device)``, as a
+    training script usually does and as the simulator places it."""
+
+    def __init__(self, device: str = "cuda:0", build_on_device: bool = True) -> None:
         try:
             dev = torch.device(device)
         except RuntimeError as e:
@@ -152,6 +156,7 @@ class TorchRunner:
         self.dev = dev
         self.device = str(dev)
         self.cuda = dev.type == "cuda"
+        self.build_on_device = build_on_device
 
     def device_name(self) -> str:
         return torch.cuda.get_device_name(self.dev) if self.cuda else "cpu"
@@ -172,7 +177,7 @@ class TorchRunner:
         return torch.cuda.max_memory_allocated(self.dev), torch.cuda.max_memory_reserved(self.dev)
 
     def train(self, spec: ModelSpec, cfg: TraceConfig) -> None:
-        _train(spec, cfg, self.dev)
+        _train(spec, cfg, self.dev, self.build_on_device)
         if self.cuda:
             torch.cuda.synchronize(self.dev)   # an asynchronous kernel's failure belongs here
 
@@ -191,17 +196,21 @@ class TorchRunner:
         torch.cuda.reset_peak_memory_stats(self.dev)
 
 
-def _train(spec: ModelSpec, cfg: TraceConfig, dev: torch.device) -> None:
+def _train(spec: ModelSpec, cfg: TraceConfig, dev: torch.device,
+           build_on_device: bool = True) -> None:
     """The simulator's training loop (oomdoctor/sim/trace.py trace_training) on real tensors.
-    Everything lives in this frame, so it is all unreferenced when the function exits."""
+    Everything lives in this frame, so it is all unreferenced when the function exits.
+    ``build_on_device=False``: the model is built (and cast) on the host, then moved."""
     from oomdoctor.models.training import (build_for_training, compute_loss, make_configured_batch,
                                            make_configured_optimizer)
 
     torch.manual_seed(0)
-    with dev:
+    with dev if build_on_device else torch.device("cpu"):
         model, _ = build_for_training(spec, cfg.precision, cfg.checkpointing, cfg.checkpoint_class,
                                       checkpoint_every=cfg.checkpoint_every,
                                       checkpoint_policy=cfg.checkpoint_policy)
+    if not build_on_device:
+        model.to(dev)
     optimizer = make_configured_optimizer(spec, model, cfg.optimizer)
     amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.precision)
     scaler = torch.amp.GradScaler(dev.type) if cfg.precision == "fp16" else None

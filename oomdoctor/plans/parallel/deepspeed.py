@@ -275,6 +275,13 @@ def _optimizer_buffers(ctx: _Context, g: _Gpu, m: _Model) -> None:
         return
     if m.offload_opt:
         if m.stage < 3:
+            # the master partition is cloned on the GPU, then moved to the host in fp32
+            # (stage_1_and_2.py: ``...[partition_id].detach().clone().to(device=self.device,
+            # dtype=...)``, the device the host's): a transient 16-bit copy whose segment stays
+            # cached (measured: 486 MB at start-up, deepspeed/traces/zero2-bf16-offload-*)
+            t0 = ctx.setup_end - 0.44
+            for n in m.chunks():
+                g.add("optimizer_state", n * m.grad_itemsize, t0, t0 + 0.01)
             g.add("gradients", max(m.numels) * m.grad_itemsize, ctx.setup_end - 0.36, None)
         return
     local = m.local_numel()
@@ -429,13 +436,32 @@ def _offloaded_reduces(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks, ph: int
 def _reduce_scatters(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks, ph: int) -> None:
     """Stage 3's reduce-scatter of each full bucket: ``reduce_scatter_coalesced``
     (zero/coalesced_collectives.py) flattens the bucket's gradients into one buffer on the
-    reduce stream and drops it once reduced. The stream's blocks are its own: measured, two
+    reduce stream and drops it once reduced; a bucket of one gradient whose elements split
+    evenly across the ranks is reduced in place (measured: no buffer for the output
+    projection's bucket, traces/zero3-bf16-offload-*). The stream's blocks are its own: measured, two
     cached segments of 92-101 MB beside the default stream's (traces/zero3-*)."""
     hi = ctx.timing.phases[ph][1]
-    for t, elements, _ in _bucket_fills(_phase_gradients(ctx, ph), m):
+    for t, elements, largest in _bucket_fills(_phase_gradients(ctx, ph), m):
         at = hooks.ready(t) - 0.004 if t is not None else hi - 0.34
-        g.add("communication", elements * m.grad_itemsize, at, at + 0.002,
-              stream=REDUCE_SCATTER_STREAM)
+        if elements != largest or elements % m.world:   # one gradient that splits evenly is
+            g.add("communication", elements * m.grad_itemsize, at, at + 0.002,   # its own
+                  stream=REDUCE_SCATTER_STREAM)                                  # buffer
+        if m.offload_opt:
+            _offloaded_partition(g, m, _shard(largest, m.world), at)
+
+
+def _offloaded_partition(g: _Gpu, m: _Model, n: int, at: float) -> None:
+    """Stage 3 offloaded, each gradient partition of a reduced bucket in turn, on the reduce
+    stream while the bucket's flat buffer lives (stage3.py ``partition_grads``): the host
+    buffer's copy back on the GPU (``grad_buffer.to(grad_partition.device)``), its float64
+    copy for the norm (``_constant_buffered_norm2``), then its fp32 copy for the host
+    (``_offload_grad_partition_at_boundary``). The largest partition's set stands for the
+    bucket's (measured: 97.7 + 390.6 MiB, then 195.3 MiB, for the 51.2M-element output
+    projection, each segment cached on that stream; deepspeed/traces/zero3-bf16-offload-*)."""
+    g.add("temporaries", n * m.grad_itemsize, at + 0.0004, at + 0.0016,
+          stream=REDUCE_SCATTER_STREAM)
+    g.add("temporaries", n * 8, at + 0.0006, at + 0.0008, stream=REDUCE_SCATTER_STREAM)
+    g.add("temporaries", n * _FP32, at + 0.001, at + 0.0012, stream=REDUCE_SCATTER_STREAM)
 
 
 def _bucket_times(ctx: _Context, m: _Model, hooks: _Hooks, ph: int

@@ -109,6 +109,10 @@ class _Params:
     def unit(self, block: int) -> list[int]:
         return self._units.get(block, [])
 
+    def units(self) -> list[int]:
+        """The blocks that own parameters."""
+        return [b for b, members in self._units.items() if members]
+
     def gather_bytes(self, block: int) -> tuple[int, int, int]:
         """(unsharded parameters, flat all-gather output, copy-in inputs) of a block: the
         inputs are the shards cast to ``param_dtype``, or, offloaded, every shard copied to
@@ -219,6 +223,8 @@ def _states(ctx: _Context, g: _Gpu, ps: _Params, at_inputs: bool = True) -> None
             g.add(key, size, s.t_alloc, kept.get(h, s.t_free), h)
     for ph, by_done in reduced.items():
         _reduce_scatter_inputs(ctx, g, ph, by_done)
+    if ps.offload:
+        _offload_setup(ctx, g, ps)
     for (_, done), (nbytes, freed) in outputs.items():
         # one flat reduce output per block; its sharded gradients are views of it (offloaded:
         # copied to the host, and the output dropped)
@@ -371,6 +377,11 @@ def _gather(g: _Gpu, ps: _Params, block: int, at: float, free: float,
     freed by the caller unless ``keep`` is False), the unsharded parameters until ``free``; the
     previous flat output ``held`` is freed after the copy-out."""
     full, out, cast = ps.gather_bytes(block)
+    if ps.world == 1 and ps.offload:
+        _unshard_offloaded(g, ps, block, at, free)
+        if held is not None:
+            g.free(held, at + 0.04)
+        return None
     if ps.world == 1:
         # One-GPU mesh: unshard() returns early and wait_for_unshard casts each parameter and
         # copies it out, with no flat output (FSDPParamGroup, world_size == 1)
@@ -388,6 +399,54 @@ def _gather(g: _Gpu, ps: _Params, block: int, at: float, free: float,
     if held is not None:
         g.free(held, at + 0.04)
     return flat
+
+
+def _unshard_offloaded(g: _Gpu, ps: _Params, block: int, at: float, free: float) -> None:
+    """A one-GPU mesh's unshard of an offloaded block, one parameter after another
+    (FSDPParamGroup.wait_for_unshard, world_size 1): its shard copied to the GPU, cast to
+    ``param_dtype`` (the copy dropped), the cast copied into the parameter's own new tensor
+    (``init_all_gather_outputs``), the previous parameter's cast dropped only then. Measured,
+    the three 126 MiB segments this leaves on an H200 decide where the backward's cuBLAS
+    workspace goes (newpaths/traces/fsdp2-offload-*: with one gathered block the replay had
+    it split a loss segment, 16% over at batch 1 with checkpointing)."""
+    unit = ps.unit(block)
+    step = 0.03 / max(1, len(unit))
+    previous = None
+    for k, i in enumerate(unit):
+        t = at + k * step
+        n = ps.shard_numel(i)
+        if ps.gathered(i) != ps.stored(i):
+            g.add("communication", int(n * ps.stored(i)), t, t + 0.4 * step)
+            cast = g.add("communication", int(n * ps.gathered(i)), t + 0.2 * step, None)
+        else:                                   # uncast: the copy is the all-gather input
+            cast = g.add("communication", int(n * ps.stored(i)), t, None)
+        if previous is not None:
+            g.free(previous, t + 0.6 * step)
+        g.add("parameters", int(ps.numel[i] * ps.gathered(i)), t + 0.8 * step, free)
+        previous = cast
+    if previous is not None:
+        g.free(previous, at + 0.031)
+
+
+def _offload_setup(ctx: _Context, g: _Gpu, ps: _Params) -> None:
+    """``fully_shard`` under CPUOffloadPolicy, call by call (the blocks, then the root):
+    the module's parameters moved to the GPU whole (``_move_states_to_device``), then each
+    parameter's padded shard made there and copied to pinned host memory (FSDPParam
+    ``_init_sharded_param``), then the moved copies dropped. Measured: 458 MiB of segments,
+    all free when the first step starts, that the step's blocks then fill
+    (newpaths/traces/fsdp2-offload-*)."""
+    units = sorted(b for b in ps.units() if b != MAIN) + ([MAIN] if ps.unit(MAIN) else [])
+    if not units:
+        return
+    t0, width = ctx.setup_end - 0.9, 0.4 / len(units)
+    for k, b in enumerate(units):
+        unit, t = ps.unit(b), t0 + k * width
+        step = width / (3 * len(unit) + 3)
+        for j, i in enumerate(unit):
+            g.add("parameters", int(ps.numel[i] * ps.stored(i)), t + j * step, t + 0.9 * width)
+        for j, i in enumerate(unit):
+            at = t + (len(unit) + 2 * j + 1) * step
+            g.add("parameters", int(ps.shard_numel(i) * ps.stored(i)), at, at + step / 2)
 
 
 def _backward_gathers(ctx: _Context, g: _Gpu, ps: _Params, ph: int, bw: int) -> None:
