@@ -56,18 +56,26 @@ def torch_of(gpu: dict):
     return parse_version(gpu["torch"]) if gpu.get("torch") else None
 
 
-def estimate_record(spec, rec: dict, budget, torch_version=None):
+def built_on_device(doc: dict) -> bool:
+    """Whether a results file's runs built the model on the GPU (the harness's ``with dev:``,
+    every file but those whose ``build`` is "host": built on the host, then moved, as a
+    training script does and as ``oomdoctor estimate`` and ``probe`` place it)."""
+    return doc.get("build", "device") == "device"
+
+
+def estimate_record(spec, rec: dict, budget, torch_version=None, on_device: bool = True):
     """oomdoctor's estimate of the configuration one record measured, with the CUDA facts of
-    ``torch_version`` (:func:`torch_of`; None: the installed torch's). The harness built the
-    model on the GPU (oomdoctor/runs/measure.py ``_train``), so its construction is replayed
-    ahead of the step (oomdoctor.runs.onbuild): under pure bf16 at small batches its fp32
-    weights are the measured peak."""
+    ``torch_version`` (:func:`torch_of`; None: the installed torch's). Where the harness built
+    the model on the GPU (oomdoctor/runs/measure.py ``_train``; ``on_device``), its
+    construction is replayed ahead of the step (oomdoctor.runs.onbuild): under pure bf16 at
+    small batches its fp32 weights are the measured peak."""
     from oomdoctor.plans.estimate import estimate
     from oomdoctor.runs.onbuild import harness_peaks
     from oomdoctor.sim.trace import TraceConfig
     cfg = TraceConfig(rec["batch_size"], precision=rec["precision"],
                       checkpointing=rec["checkpointing"], torch=torch_version)
-    return harness_peaks(spec, cfg, budget, estimate(spec, cfg, budget))
+    e = estimate(spec, cfg, budget)
+    return harness_peaks(spec, cfg, budget, e) if on_device else e
 
 
 def report(path: str) -> list[float]:
@@ -89,7 +97,7 @@ def report(path: str) -> list[float]:
         name = rec["model"]
         if name not in specs:
             specs[name] = load_model_file(os.path.join(ROOT, "sample_models", f"{name}.py"))
-        e = estimate_record(specs[name], rec, budget, torch_of(gpu))
+        e = estimate_record(specs[name], rec, budget, torch_of(gpu), built_on_device(doc))
         row = f"{name:<11} {rec['precision']:<9} {'y' if rec['checkpointing'] else 'n':>2} " \
               f"{rec['batch_size']:>5}"
         if rec["oom"]:
