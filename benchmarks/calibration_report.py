@@ -56,6 +56,15 @@ def torch_of(gpu: dict):
     return parse_version(gpu["torch"]) if gpu.get("torch") else None
 
 
+def load_record_model(name: str, models_dir: str = os.path.join(ROOT, "sample_models")):
+    """A record's model: a sample model's name, or a source `oomdoctor` takes by name
+    (``torchvision:resnet50``, ``timm:NAME``): models outside sample_models, never tuned on."""
+    from oomdoctor.models.loader import load_model, load_model_file
+    if ":" in name:
+        return load_model(name)
+    return load_model_file(os.path.join(models_dir, f"{name}.py"))
+
+
 def built_on_device(doc: dict) -> bool:
     """Whether a results file's runs built the model on the GPU (the harness's ``with dev:``,
     every file but those whose ``build`` is "host": built on the host, then moved, as a
@@ -81,7 +90,6 @@ def estimate_record(spec, rec: dict, budget, torch_version=None, on_device: bool
 def report(path: str) -> list[float]:
     import torch
 
-    from oomdoctor.models.loader import load_model_file
 
     with open(path) as f:
         doc = json.load(f)
@@ -96,7 +104,7 @@ def report(path: str) -> list[float]:
     for rec in doc["records"]:
         name = rec["model"]
         if name not in specs:
-            specs[name] = load_model_file(os.path.join(ROOT, "sample_models", f"{name}.py"))
+            specs[name] = load_record_model(name)
         e = estimate_record(specs[name], rec, budget, torch_of(gpu), built_on_device(doc))
         row = f"{name:<11} {rec['precision']:<9} {'y' if rec['checkpointing'] else 'n':>2} " \
               f"{rec['batch_size']:>5}"

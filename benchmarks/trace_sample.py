@@ -4,11 +4,13 @@ deviations (issue 34: ResNet's convolution workspaces).
 
     python benchmarks/trace_sample.py resnet_cnn fp32 4 --out DIR [--checkpointing]
         [--moved] [--before 1 2 4]
+    python benchmarks/trace_sample.py torchvision:resnet50 bf16 64 --moved --out DIR
 
-Writes DIR/<model>-<precision>-ck<0|1>-b<batch>[-moved][-after].json.gz
-(benchmarks/alloc_trace.py) and prints one JSON line with the peaks, the OOM's first line if the run went out of memory (its events up
-to the OOM are written too), what the card holds outside the allocator, cuDNN's version and
-benchmark flag. Needs CUDA (exit 2 without).
+MODEL is a sample model's name or a ``timm:NAME`` / ``torchvision:NAME`` source. Writes
+DIR/<model>-<precision>-ck<0|1>-b<batch>[-moved][-after].json.gz (benchmarks/alloc_trace.py)
+and prints one JSON line with the peaks, the OOM's first line if the run went out of memory
+(its events up to the OOM are written too), what the card holds outside the allocator,
+cuDNN's version and benchmark flag. Needs CUDA (exit 2 without).
 
 ``--moved``: the model is built on the host and moved, as a training script does and as
 ``oomdoctor probe`` places it (the harness builds it on the GPU). ``--before B ...``: train
@@ -44,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("trace_sample.py: no CUDA GPU visible", file=sys.stderr)
         return 2
-    from oomdoctor.models.loader import load_model_file
+    from oomdoctor.models.loader import load_model, load_model_file
     from oomdoctor.runs.measure import TorchRunner
     from oomdoctor.sim.trace import TraceConfig
-    spec = load_model_file(os.path.join(ROOT, "sample_models", f"{args.model}.py"))
+    spec = (load_model(args.model) if ":" in args.model else
+            load_model_file(os.path.join(ROOT, "sample_models", f"{args.model}.py")))
     cfg = TraceConfig(args.batch, precision=args.precision, checkpointing=args.checkpointing)
     runner = TorchRunner("cuda:0", build_on_device=not args.moved)
     torch.zeros(1, device="cuda:0")
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.clear_frames(e.__traceback__)   # its frames hold the run's tensors
     free, total = torch.cuda.mem_get_info()
     os.makedirs(args.out, exist_ok=True)
-    name = (f"{args.model}-{args.precision}-ck{int(args.checkpointing)}-b{args.batch}"
+    name = (f"{args.model.replace(':', '_')}-{args.precision}-ck{int(args.checkpointing)}-b{args.batch}"
             f"{'-moved' if args.moved else ''}{'-after' if args.before else ''}.json.gz")
     err = write_trace(os.path.join(args.out, name))
     alloc, reserved = runner.peaks()

@@ -23,8 +23,8 @@ from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError, ModelSpec, kept_for
 from oomdoctor.sim.trace import Category, Trace, TraceConfig, trace_training
 from oomdoctor.sim.versions import TorchVersion
-from oomdoctor.sim.workspaces import (CUBLASLT_WORKSPACE_BYTES, reduction_scratch,
-                                      workspace_points)
+from oomdoctor.sim.workspaces import (CUBLASLT_WORKSPACE_BYTES, conv_workspaces,
+                                      reduction_scratch, workspace_points)
 
 # The JSON contract's breakdown keys, in display order.
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
@@ -138,19 +138,23 @@ class DeviceEvents:
     scratch_handles: frozenset[int] = field(default_factory=frozenset)
 
 
-def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None) -> DeviceEvents:
+def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None,
+                  batch: int | None = None) -> DeviceEvents:
     """Insert one BLAS workspace in the first forward and one in the first backward that run
     a matmul, after that matmul's output (each thread's handle gets its own, kept; see
     :mod:`oomdoctor.sim.workspaces` and :func:`blas_workspaces`), and after each reduction
     whose CUDA kernel stages partial sums in global memory its buffer and semaphores, allocated
-    and freed (semaphores first: gpu_reduce_kernel's DataPtr locals, Reduce.cuh). ``sizes`` replaces the trace's event sizes
-    (the probe's extrapolation; the scratch keeps the traced batch's geometry)."""
+    and freed (semaphores first: gpu_reduce_kernel's DataPtr locals, Reduce.cuh), and after
+    each convolution pass its cuDNN workspace, allocated and freed. ``sizes`` replaces the
+    trace's event sizes (the probe's extrapolation to ``batch``: the scratch keeps the traced
+    batch's geometry, the convolutions' workspaces are sized at ``batch``)."""
     insert_at: dict[int, list[tuple[int, int]]] = {}
     next_handle = max((h for _, h, _ in trace.events), default=-1) + 1
     for start, size in blas_workspaces(trace, gpu):
         insert_at.setdefault(start, []).append((next_handle, size))
         next_handle += 1
     scratch = reduction_scratch(trace, gpu)
+    conv = conv_workspaces(trace, gpu, batch)
     scratch_handles: list[int] = []
     events: list[tuple[bool, int, int]] = []
     index: list[int] = []
@@ -167,6 +171,11 @@ def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None)
             events += [(True, buf, scratch[i][0]), (True, sem, scratch[i][1]),
                        (False, sem, scratch[i][1]), (False, buf, scratch[i][0])]
             index += [i] * 4
+        if i in conv:
+            scratch_handles.append(next_handle)
+            events += [(True, next_handle, conv[i]), (False, next_handle, conv[i])]
+            index += [i] * 2
+            next_handle += 1
     return DeviceEvents(events, index, frozenset(h for hs in insert_at.values() for h, _ in hs),
                         frozenset(scratch_handles))
 
@@ -194,9 +203,11 @@ def workspace_bytes(gpu: GpuProfile, torch_version: TorchVersion | None) -> int:
 
 
 def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = AllocatorConfig(),
-                   model: str = "", sizes: list[int] | None = None) -> Estimate:
-    """Replay a trace under the budget and explain the peak."""
-    dev = device_events(trace, budget.gpu, sizes)
+                   model: str = "", sizes: list[int] | None = None,
+                   batch: int | None = None) -> Estimate:
+    """Replay a trace under the budget and explain the peak (``sizes``: its events' sizes at
+    ``batch``, the probe's extrapolation)."""
+    dev = device_events(trace, budget.gpu, sizes, batch)
     limited = replay(dev.events, alloc, budget.limit_bytes)
     fits = limited.oom is None
     # When it does not fit, report what it would need: replay without the limit.

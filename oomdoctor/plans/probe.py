@@ -181,7 +181,8 @@ def probe_config(spec: ModelSpec, cfg: TraceConfig, budget: Budget,
         ext = _Extrapolation(traces[BASE], traces[lo], BASE)
 
         def fits(b: int) -> bool:
-            e = estimate_trace(traces[BASE], budget, alloc, spec.name, sizes=ext.sizes(b))
+            e = estimate_trace(traces[BASE], budget, alloc, spec.name, sizes=ext.sizes(b),
+                               batch=b)
             trials.append(Trial(b, e.fits, e.peak_allocated_bytes, e.peak_reserved_bytes,
                                 "extrapolated"))
             return e.fits

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from oomdoctor.sim import reductions, values
+from oomdoctor.sim import convolution, reductions, values
 from oomdoctor.sim.flops import op_flops
 from oomdoctor.sim.fusion import Fusion
 
@@ -58,6 +58,8 @@ class Storage:
     # caching allocator, sized per card at replay (oomdoctor.sim.reductions)
     reduce: Any = None
     blas_lt: bool = False        # a GEMM through cuBLASLt (see cublaslt_call)
+    # A convolution pass's geometry: cuDNN's workspace follows this output (sim.convolution)
+    conv: Any = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,7 @@ class Recorder(TorchDispatchMode):
             self.fusion.note(func, args, kwargs or {}, len(self.raw), self.handle_of)
         fresh = self._fresh_outputs(func)
         shape = reductions.reduce_shape(func.__name__, args, kwargs or {})
+        convs = convolution.conv_calls(func.__name__, args, kwargs or {})
         outs = out if isinstance(out, (tuple, list)) else (out,)
         order = CUDA_ALLOCATION_ORDER.get(func.__name__)
         if order is None or len(order) != len(outs):
@@ -210,6 +213,7 @@ class Recorder(TorchDispatchMode):
                 if is_fresh:
                     h = self.add(st, None, func.__name__)
                     self.storages[h].reduce = shape
+                    self.storages[h].conv = convs.get(i)
                     self.storages[h].blas_lt = cublaslt_call(func.__name__, args, kwargs or {})
                 else:
                     # A view of a storage made before tracing began (not ours to count).

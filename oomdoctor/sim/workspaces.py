@@ -10,13 +10,16 @@ A network of convolutions, norms and activations calls cuDNN/MIOpen and elementw
 never creates one. The size per handle is :attr:`oomdoctor.sim.gpus.GpuProfile.cublas_workspace_bytes`.
 
 Reductions take scratch memory from the caching allocator too, for the length of one kernel:
-:func:`reduction_scratch` says where and how much (:mod:`oomdoctor.sim.reductions`).
+:func:`reduction_scratch` says where and how much (:mod:`oomdoctor.sim.reductions`); so do
+cuDNN's convolutions, for the length of each pass (:func:`conv_workspaces`,
+:mod:`oomdoctor.sim.convolution`).
 
 Known limitation: only the ATen ops below are recognised; a GEMM inside a library's own kernel
 (cuDNN's, a Triton kernel) uses that library's memory, which no trace sees.
 """
 from __future__ import annotations
 
+from oomdoctor.sim import convolution
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.sim.reductions import scratch_bytes
 from oomdoctor.sim.trace import Phase, Trace
@@ -71,4 +74,23 @@ def reduction_scratch(trace: Trace, gpu: GpuProfile) -> dict[int, tuple[int, int
             scratch = scratch_bytes(s.reduce, mps, threads)
             if scratch is not None:
                 out[i] = scratch
+    return out
+
+
+def conv_workspaces(trace: Trace, gpu: GpuProfile, batch: int | None = None) -> dict[int, int]:
+    """Trace event index of each convolution pass's output allocation -> the bytes of the
+    workspace cuDNN then allocates and frees on ``gpu`` at ``batch`` (the traced one by
+    default). None on ROCm and on NVIDIA cards before compute capability 8.0, whose kernels
+    the rule was not measured on (oomdoctor.sim.convolution)."""
+    if gpu.is_rocm or gpu.compute_capability < (8, 0):
+        return {}
+    scale = None if batch is None else batch / trace.config.batch_size
+    out = {}
+    for i, (is_alloc, handle, _) in enumerate(trace.events):
+        s = trace.storages.get(handle) if is_alloc else None
+        if s is not None and s.conv is not None:
+            b = None if scale is None else max(1, round(s.conv.batch * scale))
+            ws = convolution.workspace_bytes(s.conv, b)
+            if ws:
+                out[i] = ws
     return out
