@@ -2,6 +2,7 @@
 
     python benchmarks/cudnn_conv.py --out FILE            # the grid below, on cuda:0
     python benchmarks/cudnn_conv.py --dry-run --out FILE  # CPU: check the plumbing
+    python benchmarks/cudnn_conv.py --set pointwise --out FILE   # ResNet-50's 1x1 shapes
 
 A convolution's forward and backward take transient workspaces from the caching allocator
 (``cudnn_convolution`` in aten/src/ATen/native/cudnn/Conv_v8.cpp: the plan's workspace is
@@ -40,6 +41,15 @@ SHAPES = [
     ("3x3-512-7", 512, 512, 3, 1, 1, 7, False),
 ]
 BATCHES = [2, 16, 128, 1024]
+# --set pointwise: the 1x1 convolutions of a ResNet-50 bottleneck, stride 1 and 2, at the
+# plane sizes they run at (torchvision's resnet50 staged some where the grid's one 1x1 of
+# stride 1 did not)
+POINTWISE = [(f"1x1-{ci}-{co}-{hw}" + ("-s2" if s == 2 else ""), ci, co, 1, s, 0, hw, False)
+             for ci, co, hw, s in ((64, 256, 56, 1), (256, 64, 56, 1), (128, 512, 28, 1),
+                                   (512, 128, 28, 1), (1024, 256, 14, 1), (256, 1024, 14, 1),
+                                   (1024, 512, 14, 1), (512, 2048, 7, 1), (2048, 512, 7, 1),
+                                   (256, 512, 56, 2), (512, 1024, 28, 2), (1024, 2048, 14, 2))]
+SETS = {"grid": (SHAPES, BATCHES, (False, True)), "pointwise": (POINTWISE, [64, 512], (False,))}
 MARK = 97 * 2**20 + 512          # a marker allocation's base size: each marker adds 512 bytes
 
 
@@ -91,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="CPU, two shapes, no events")
+    ap.add_argument("--set", choices=list(SETS), default="grid", help="which shapes")
     args = ap.parse_args(argv)
     import torch
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -106,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
             torch.empty(marks[-1], dtype=torch.uint8, device=dev)
 
-    grid = [(sh, b, dt, bm) for dt in (torch.float32, torch.bfloat16) for sh in SHAPES
-            for b in BATCHES for bm in (False, True)]
+    shapes, batches, flags = SETS[args.set]
+    grid = [(sh, b, dt, bm) for dt in (torch.float32, torch.bfloat16) for sh in shapes
+            for b in batches for bm in flags]
     if args.dry_run:
         grid = grid[:2]
     if cuda:

@@ -69,37 +69,47 @@ GRID = _grid()
 
 
 def test_the_grid_is_there():
-    assert len(GRID) >= 80, FILES
+    assert len(GRID) >= 128, FILES
     assert {r["dtype"] for r in GRID} == {"float32", "bfloat16"}
 
 
+def _pairs(role: str, records: list[dict]) -> list[tuple[int, int]]:
+    return [(_measured(r)[role], _predicted(r)[role]) for r in records
+            if role in _predicted(r)]
+
+
 def test_forward_and_data_pass_against_the_grid():
-    """Exact (the same 512-byte block) for 47 of 80 forwards and 50 of 56 data passes, never
-    more than 8.7 MB low (a plan's extra scratch); where cuDNN picked a plan that stages fewer
-    operands (first layers, 1x1 of stride 2 in bf16, fp32 3x3 at small batches) it errs high."""
-    for role, exact_min, count in (("forward", 47, 80), ("data", 50, 56)):
-        pairs = [(_measured(r)[role], _predicted(r)[role]) for r in GRID
-                 if role in _predicted(r)]
+    """Exact (the same 512-byte block, or a few hundred bytes where the rule takes none) for
+    94 of 128 forwards and 98 of 104 data passes, never more than 8.7 MB low (a plan's extra
+    scratch); where cuDNN picked a plan that stages fewer operands (first layers, fp32 3x3 at
+    small batches, some 1x1 of stride 2) it errs high."""
+    for role, exact_min, count in (("forward", 94, 128), ("data", 98, 104)):
+        pairs = _pairs(role, GRID)
         assert len(pairs) == count
-        exact = sum(_blocks(m) == _blocks(p) for m, p in pairs)
+        exact = sum(_blocks(m) == _blocks(p) or abs(m - p) <= 4096 for m, p in pairs)
         assert exact >= exact_min, (role, exact)
         assert min(p - m for m, p in pairs) > -8.7 * MB, role
 
 
 def test_weight_pass_against_the_grid():
-    """The weight pass stages the same operands and adds split-K partial sums the rule leaves
-    out (0 to 25 MB, per plan): low by a median of 2 MB, never more than 26 MB."""
-    errors = [_predicted(r)["weight"] - _measured(r)["weight"] for r in GRID]
-    assert abs(statistics.median(errors)) < 3 * MB
+    """The weight pass stages the same operands (a 1x1 plan that stages none keeps a partial
+    filter per sample) and leaves out split-K partial sums (0 to 25 MB, per plan): a median
+    within 2 MB, never more than 26 MB low."""
+    errors = [p - m for m, p in _pairs("weight", GRID)]
+    assert abs(statistics.median(errors)) < 2 * MB
     assert min(errors) > -26 * MB
 
 
-def test_pointwise_convolutions_take_no_forward_workspace():
-    """1x1 of stride 1: none in any grid record, forward or data pass."""
-    ones = [r for r in GRID if r["kernel"] == 1 and r["stride"] == 1]
-    assert ones
-    for r in ones:
-        assert _measured(r)["forward"] < 1024 and _predicted(r)["forward"] == 0
+def test_which_pointwise_convolutions_stage():
+    """ResNet-50's 1x1 shapes (the -pointwise file): cuDNN stages input and output at stride 2,
+    on a 7x7 output plane, and in 16 bits at 1024 x 512 channels on 14x14; elsewhere it takes
+    a few hundred bytes. The rule's choice is the measured one in all 48 records, forward and
+    data pass."""
+    ones = [r for r in GRID if r["shape"].startswith("1x1-") and r["batch"] in (64, 512)]
+    assert len(ones) == 48
+    for role in ("forward", "data"):
+        for m, p in _pairs(role, ones):
+            assert _blocks(m) == _blocks(p) or (m < 1024 and p == 0), (role, m, p)
 
 
 def test_a_large_batch_is_staged_in_pieces():

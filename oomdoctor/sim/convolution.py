@@ -11,21 +11,23 @@ activations - 10 GiB in a ResNet stem's forward at batch 4096 on an H200 - and i
 segment decides the reserved peak.
 
 The size is the plan's, which cuDNN chooses at run time; :func:`workspace_bytes` is the rule
-measured on an H200 (cuDNN 9.19, torch 2.11; benchmarks/cudnn_conv.py over ten shapes, batches
-2 to 1024, fp32 and bf16: benchmarks/results/cudnn_conv/). On tensor-core cards cuDNN's
-kernels are channels-last, and a channels-first convolution stages its operands in the
-workspace: the input with its channels padded to the kernel's vector width (4 for TF32, 8 for
-16 bits; only a 3-channel image is short of it), the output (or the output's gradient) and the
-filter, plus a 16-byte tail (a KiB in the weight pass). A 1x1 convolution of stride 1 takes
-none, nor does an fp32 1x1 one; a 16-bit 1x1 of stride 2 stages input and output only. One
-operand holds at most 2**31 - 1 elements, so a large batch is staged in pieces (a ResNet stem
-at batch 4096 stages 2674 samples). On the grid the rule is exact for 47 of 80 forwards and 50
-of 56 data passes and never more than 8.4 MB low; where cuDNN picked a plan that stages less
-(some first layers, fp32 3x3 at small batches) it errs high. The weight pass's split-K partial
-sums (0 to 25 MB, per plan) are left out: a median 2 MB low. Held out, the ResNet-18 and
-ViT-B/16 training runs of the calibration (tests/test_calibration.py) agree to 0.0-2.5%
-reserved at batches 1-4 and for ViT at 4096; at a ResNet's batch 4096 some layers' plans differ
-(-11% to +19% reserved).
+measured on an H200 (cuDNN 9.19, torch 2.11; benchmarks/cudnn_conv.py: ten shapes at batches 2
+to 1024 and ResNet-50's twelve 1x1 shapes at 64 and 512, fp32 and bf16:
+benchmarks/results/cudnn_conv/). On tensor-core cards cuDNN's kernels are channels-last, and a
+channels-first convolution stages its operands in the workspace: the input with its channels
+padded to the kernel's vector width (4 for TF32, 8 for 16 bits; only a 3-channel image is
+short of it), the output (or the output's gradient) and the filter, plus a 16-byte tail (a
+KiB in the weight pass). A 1x1 convolution stages input and output only, and only where its
+plan is the channels-last one (:func:`_pointwise`). One operand holds at most 2**31 - 1
+elements, so a large batch is staged in pieces (a ResNet stem at batch 4096 stages 2674
+samples). On the measurements the rule is exact for 94 of 128 forwards and 98 of 104 data
+passes and never more than 8.4 MB low; where cuDNN picked a plan that stages less (some first
+layers, fp32 3x3 at small batches) it errs high. The weight pass's split-K partial sums (0 to
+25 MB, per plan) are left out. Held out, the calibration's ResNet-18 and ViT-B/16 training
+runs agree to 0.0-2.5% reserved at batches 1-4 and ViT's at 4096, and torchvision's
+ResNet-50 runs out of memory where the probe says it does not fit (batch 3312 in bf16, 1712
+in fp32; without the 1x1 rule it said both fit); at a ResNet-18's batch 4096 some layers' plans
+differ (-11% to +19% reserved).
 
 Known limitations: measured on Hopper only and applied to NVIDIA cards of compute capability
 8.0 and newer (TF32 and 16-bit tensor cores); older cards and ROCm's MIOpen get none. Only 2-D
@@ -103,15 +105,33 @@ def _pair(v) -> tuple[int, int]:
 def workspace_bytes(call: ConvCall, batch: int | None = None) -> int:
     """The workspace of one pass at ``batch`` (the traced one by default; the probe
     extrapolates): 0 where the rule takes none."""
-    one = call.kernel == 1
-    if one and call.role != "weight" and (call.pointwise or call.itemsize == 4):
-        return 0                 # measured: none, or a few hundred bytes
     width = 4 if call.itemsize == 4 else 8           # TF32 / 16-bit vector width
     padded = -(-call.in_channels // width) * width
     x_sample, y_sample = padded * call.in_plane, call.out_channels * call.out_plane
     n = call.batch if batch is None else batch
     staged = min(n, max(1, _MAX_ELEMENTS // max(x_sample, y_sample, 1)))
+    if call.kernel == 1:
+        return _pointwise(call, staged, x_sample, y_sample)
     x = staged * (x_sample if call.role != "data" else call.in_channels * call.in_plane)
-    w = 0 if one and call.role != "weight" else call.out_channels * padded * call.kernel
-    ws = (x + staged * y_sample + w) * call.itemsize
+    ws = (x + staged * y_sample + call.out_channels * padded * call.kernel) * call.itemsize
     return ws + (_WEIGHT_TAIL if call.role == "weight" else _TAIL)
+
+
+def _pointwise(call: ConvCall, staged: int, x_sample: int, y_sample: int) -> int:
+    """A 1x1 convolution (benchmarks/results/cudnn_conv/*-pointwise.json, ResNet-50's shapes):
+    input and output staged, no filter, where cuDNN's plan is the channels-last one - stride 2,
+    a 7x7 output plane, or a 16-bit one with at least 1024 x 512 channels on a 14x14 plane - and
+    a few hundred bytes otherwise; at stride 2 an fp32 56x56 input stages the filter instead of
+    the output. The weight pass of a plan that stages none keeps one partial filter per sample
+    in fp32."""
+    strided = not call.pointwise
+    stages = strided or call.out_plane <= 49 or (
+        call.itemsize == 2 and call.out_plane <= 196
+        and call.in_channels * call.out_channels >= 1 << 19)
+    if not stages:
+        return staged * call.in_channels * call.out_channels * 4 if call.role == "weight" else 0
+    second = staged * y_sample
+    if strided and call.role == "forward" and call.itemsize == 4 and call.in_plane >= 3136:
+        second = call.out_channels * call.in_channels           # the filter
+    return ((staged * x_sample + second) * call.itemsize
+            + (_WEIGHT_TAIL if call.role == "weight" else _TAIL))
