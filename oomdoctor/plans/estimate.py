@@ -23,7 +23,7 @@ from oomdoctor.models.script import ScriptSpec
 from oomdoctor.models.spec import ModelFileError, ModelSpec, kept_for
 from oomdoctor.sim.trace import Category, Trace, TraceConfig, trace_training
 from oomdoctor.sim.versions import TorchVersion
-from oomdoctor.sim.workspaces import (CUBLASLT_WORKSPACE_BYTES, conv_workspaces,
+from oomdoctor.sim.workspaces import (CUBLASLT_WORKSPACE_BYTES, conv_note, conv_workspaces,
                                       reduction_scratch, workspace_points)
 
 # The JSON contract's breakdown keys, in display order.
@@ -246,8 +246,7 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
                      "allocator, one per thread that runs a matmul (PyTorch's default BLAS "
                      "library on this target)")
     modelled = versions.modelled_note(cfg.torch, gpu.is_rocm)
-    if modelled:
-        notes.append(modelled)
+    notes += [n for n in (conv_note(trace, gpu, batch), modelled) if n]
     if not fits and limited.oom is not None:
         notes.append(f"out of memory in the {trace.phase_at(dev.trace_index[limited.oom_index]).phase.value}"
                      f" of step {trace.phase_at(dev.trace_index[limited.oom_index]).iteration + 1}")
