@@ -31,6 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
+from oomdoctor.sim import zero3
 from oomdoctor.sim.fakecuda import patched
 from oomdoctor.sim.sharding import UnsupportedParallel
 
@@ -151,6 +152,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.config: dict | None = None
+        self.stack: contextlib.ExitStack | None = None    # what the run's end undoes
 
     def initialize(self, args: Any = None, model: torch.nn.Module | None = None,
                    optimizer: Any = None, model_parameters: Any = None,
@@ -171,6 +173,10 @@ class Recorder:
                 if p.is_floating_point():
                     p.data = p.data.to(dtype)
         model.to(torch.device("cuda", torch.cuda.current_device()))
+        if int((cfg.get("zero_optimization") or {}).get("stage", 0)) == 3:
+            zero3.input_hooks(model)        # stage 3's hooks and F.linear (oomdoctor.sim.zero3)
+            if self.stack is not None:
+                self.stack.enter_context(zero3.linear_patched())
         params = list(model_parameters) if model_parameters is not None else \
             list(model.parameters())
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
@@ -268,6 +274,7 @@ def stand_ins(source: str, words: tuple[str, ...]) -> Iterator[Recorder]:
     block, where DeepSpeed is installed and the script may use it."""
     rec = Recorder()
     with contextlib.ExitStack() as stack:
+        rec.stack = stack
         if _uses_deepspeed(source, words) and importlib.util.find_spec("deepspeed") is not None:
             import deepspeed
             stack.enter_context(patched(deepspeed, {"initialize": rec.initialize,

@@ -16,10 +16,9 @@ bytes) events that :mod:`oomdoctor.sim.allocator` replays, plus what each storag
 gradient, ...), when (phase, iteration) and where (module).
 
 Known limitations:
-- Memory a kernel allocates internally (cuDNN/cuBLAS workspaces, CPU oneDNN scratch) is not an
-  ATen output and is invisible; cuBLAS workspaces are added by :mod:`oomdoctor.plans.estimate`.
-- Tensors created inside custom C++/CUDA extensions that bypass the dispatcher are not seen.
-- Only one stream is modelled.
+- Memory a kernel allocates internally is no ATen output: :mod:`oomdoctor.plans.estimate` adds
+  the BLAS and cuDNN convolution workspaces and reductions' scratch; CPU oneDNN scratch and
+  tensors of C++/CUDA extensions that bypass the dispatcher are not seen. One stream.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from oomdoctor.models import adapters
-from oomdoctor.sim import cudaoptim, emulate, repeat, rnn, values, versions
+from oomdoctor.sim import cudaoptim, emulate, repeat, rnn, values, versions, zero3
 # Category, Phase and PhaseMark are the plans' too: they import them from here.
 from oomdoctor.sim.recorder import (Category, Phase, PhaseMark, Recorder, Storage, in_phase,
                                     module_hooks)
@@ -74,6 +73,7 @@ class TraceConfig:
     # oomdoctor.models.checkpointing
     checkpoint_every: int = 1
     checkpoint_policy: str = "full"
+    zero3_hooks: bool = False          # DeepSpeed ZeRO-3's module hooks, F.linear (sim.zero3)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -446,6 +446,7 @@ def _run_steps(loop: _Loop, notes: list[str]) -> list[torch.optim.Optimizer]:
                     if cfg.emulate_cuda else None)
     try:
         with rec, values.active(rec.shadows), \
+                zero3.applied(loop.model, cfg.zero3_hooks), \
                 (emulate.autocast_on_meta() if cfg.emulate_cuda else contextlib.nullcontext()), \
                 every_step(lambda opt: label_state(rec, cfg.emulate_cuda, opt)) as stepped:
             if loop.scaler is not None:

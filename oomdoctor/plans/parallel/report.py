@@ -14,7 +14,7 @@ from oomdoctor.plans.parallel.layout import model_layout
 from oomdoctor.plans.parallel.results import Partition, StrategyEstimate
 from oomdoctor.plans.parallel.strategy import (DEEPSPEED_STRATEGIES, STRATEGIES,
                                               DeepSpeedConfig, Strategy, default_policy,
-                                              parse_strategy, trace_precision)
+                                              parse_strategy, trace_precision, zero3_hooks)
 from oomdoctor.plans.parallel.timeline import Sizes
 from oomdoctor.sim.trace import TraceConfig
 
@@ -107,7 +107,7 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
             errors.append((name, "the naive split uses exactly 2 GPUs"))
             continue
         try:
-            trace, layout, sizes = inputs.of(trace_precision(st, cfg.precision))
+            trace, layout, sizes = inputs.of(trace_precision(st, cfg.precision), zero3_hooks(st))
             progress(f"{name}: replaying {st.num_gpus} GPU(s)")
             out.append(estimate_strategy(trace, layout, st, budget, alloc, sizes,
                                          grad_accum=cfg.grad_accum))
@@ -150,9 +150,11 @@ class _Inputs:
         """DataParallel's GPU 0 carries the whole batch: sizes from a second trace."""
         self.dataparallel = num_gpus
 
-    def of(self, precision: str) -> tuple:
-        if precision not in self.done:
-            cfg = replace(self.cfg, precision=precision)
+    def of(self, precision: str, hooks: bool = False) -> tuple:
+        """(trace, layout, sizes) at ``precision``; ``hooks``: under ZeRO-3's module hooks."""
+        key = (precision, hooks)
+        if key not in self.done:
+            cfg = replace(self.cfg, precision=precision, zero3_hooks=hooks)
             self.progress(f"tracing {self.spec.name} at micro-batch {cfg.batch_size} "
                           f"({precision}{', checkpointing' if cfg.checkpointing else ''})")
             trace = trace_for(self.spec, cfg, self.budget.gpu)
@@ -164,8 +166,8 @@ class _Inputs:
                                                    * self.dataparallel), self.budget.gpu)
                 sizes = Sizes.affine(trace, big) or sizes
             self.progress("laying out blocks, block inputs and FLOPs")
-            self.done[precision] = (trace, model_layout(self.spec, precision), sizes)
-        return self.done[precision]
+            self.done[key] = (trace, model_layout(self.spec, precision), sizes)
+        return self.done[key]
 
 
 def _expandable_fits(out: list[StrategyEstimate], plans: dict[str, Strategy], cfg: TraceConfig,
@@ -181,7 +183,7 @@ def _expandable_fits(out: list[StrategyEstimate], plans: dict[str, Strategy], cf
         if e.fits or e.strategy == "pipeline2":
             continue
         st = plans[e.strategy]
-        trace, layout, sizes = inputs.of(trace_precision(st, cfg.precision))
+        trace, layout, sizes = inputs.of(trace_precision(st, cfg.precision), zero3_hooks(st))
         again = estimate_strategy(trace, layout, st, budget, roomy, sizes,
                                   grad_accum=cfg.grad_accum)
         if again.fits:

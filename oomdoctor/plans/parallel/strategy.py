@@ -185,6 +185,12 @@ def trace_precision(strategy: Strategy, precision: str) -> str:
     return precision
 
 
+def zero3_hooks(strategy: Strategy) -> bool:
+    """Whether the strategy's trace runs DeepSpeed ZeRO-3's module hooks (TraceConfig
+    zero3_hooks): stage 3 hooks every module, and its input tensors arrive as new objects."""
+    return strategy.is_deepspeed and strategy.zero_stage == 3
+
+
 POLICY_NOTE = ("FSDP2 MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch."
                "float32): trainable parameters, their gradients and AdamW state sharded in fp32, "
                "frozen ones in the dtype they were loaded in; each block all-gathered and "
