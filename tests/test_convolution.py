@@ -183,3 +183,20 @@ def test_the_probe_sizes_them_at_the_batch_it_extrapolates_to(resnet_trace):
     assert probe_config(spec, TraceConfig(1, precision="bf16-pure"), budget,
                         AllocatorConfig()).max_batch_size > 6
     assert estimate_trace(big, budget).peak_reserved_bytes == direct.peak_reserved_bytes
+
+
+def test_a_large_16_bit_batch_norm_input_takes_an_fp32_copy():
+    """Measured in ResNet-50's bf16 events at batch 3312 (benchmarks/results/newpaths/traces/
+    torchvision_resnet50-bf16-ck0-b3312-*): each batch norm whose input is past 2**31 - 1
+    elements took 4 bytes per element, 10,635,706,368 for 64 x 112 x 112 per sample, in the
+    forward only; at batch 64 none. Sized at the probe's batch, from a small trace."""
+    from oomdoctor.models.loader import load_model
+    from oomdoctor.sim.normalization import upcast_bytes
+    from oomdoctor.sim.workspaces import norm_upcasts
+    spec = load_model("torchvision:resnet50")
+    trace = trace_for(spec, TraceConfig(2, precision="bf16"), get_profile("h200"))
+    at = norm_upcasts(trace, get_profile("h200"), batch=3312)
+    assert sorted(at.values()) == [10_635_706_368] * 10      # five a forward, two steps
+    assert not norm_upcasts(trace, get_profile("h200"), batch=64)
+    assert not norm_upcasts(trace, get_profile("mi250"), batch=3312)
+    assert upcast_bytes(2**31 - 1) == 0 and upcast_bytes(2**31) == 2**33

@@ -24,7 +24,7 @@ from oomdoctor.models.spec import ModelFileError, ModelSpec, kept_for
 from oomdoctor.sim.trace import Category, Trace, TraceConfig, trace_training
 from oomdoctor.sim.versions import TorchVersion
 from oomdoctor.sim.workspaces import (CUBLASLT_WORKSPACE_BYTES, conv_note, conv_workspaces,
-                                      reduction_scratch, workspace_points)
+                                      norm_upcasts, reduction_scratch, workspace_points)
 
 # The JSON contract's breakdown keys, in display order.
 BREAKDOWN_KEYS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries",
@@ -155,6 +155,8 @@ def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None,
         next_handle += 1
     scratch = reduction_scratch(trace, gpu)
     conv = conv_workspaces(trace, gpu, batch)
+    for i, n in norm_upcasts(trace, gpu, batch).items():
+        conv[i] = conv.get(i, 0) + n
     scratch_handles: list[int] = []
     events: list[tuple[bool, int, int]] = []
     index: list[int] = []

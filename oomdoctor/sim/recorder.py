@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from oomdoctor.sim import convolution, reductions, values
+from oomdoctor.sim import convolution, normalization, reductions, values
 from oomdoctor.sim.flops import op_flops
 from oomdoctor.sim.fusion import Fusion
 
@@ -60,6 +60,7 @@ class Storage:
     blas_lt: bool = False        # a GEMM through cuBLASLt (see cublaslt_call)
     # A convolution pass's geometry: cuDNN's workspace follows this output (sim.convolution)
     conv: Any = None
+    upcast: int = 0              # a batch norm input's elements: a CUDA fp32 copy (normalization)
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ class Recorder(TorchDispatchMode):
         fresh = self._fresh_outputs(func)
         shape = reductions.reduce_shape(func.__name__, args, kwargs or {})
         convs = convolution.conv_calls(func.__name__, args, kwargs or {})
+        upcast = normalization.upcast_elements(func.__name__, args)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         order = CUDA_ALLOCATION_ORDER.get(func.__name__)
         if order is None or len(order) != len(outs):
@@ -214,6 +216,7 @@ class Recorder(TorchDispatchMode):
                     h = self.add(st, None, func.__name__)
                     self.storages[h].reduce = shape
                     self.storages[h].conv = convs.get(i)
+                    self.storages[h].upcast = upcast if i == 0 else 0
                     self.storages[h].blas_lt = cublaslt_call(func.__name__, args, kwargs or {})
                 else:
                     # A view of a storage made before tracing began (not ours to count).

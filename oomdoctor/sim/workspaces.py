@@ -19,7 +19,7 @@ Known limitation: only the ATen ops below are recognised; a GEMM inside a librar
 """
 from __future__ import annotations
 
-from oomdoctor.sim import convolution
+from oomdoctor.sim import convolution, normalization
 from oomdoctor.sim.gpus import GpuProfile
 from oomdoctor.sim.reductions import scratch_bytes
 from oomdoctor.sim.trace import Phase, Trace
@@ -93,6 +93,23 @@ def conv_workspaces(trace: Trace, gpu: GpuProfile, batch: int | None = None) -> 
             ws = convolution.workspace_bytes(s.conv, b)
             if ws:
                 out[i] = ws
+    return out
+
+
+def norm_upcasts(trace: Trace, gpu: GpuProfile, batch: int | None = None) -> dict[int, int]:
+    """Trace event index of each 16-bit batch norm output whose input is past 32-bit indexing
+    at ``batch`` -> the fp32 copy CUDA's kernel then allocates and frees (sim.normalization).
+    None on ROCm."""
+    if gpu.is_rocm:
+        return {}
+    scale = 1.0 if batch is None else batch / trace.config.batch_size
+    out = {}
+    for i, (is_alloc, handle, _) in enumerate(trace.events):
+        s = trace.storages.get(handle) if is_alloc else None
+        if s is not None and s.upcast:
+            copy = normalization.upcast_bytes(round(s.upcast * scale))
+            if copy:
+                out[i] = copy
     return out
 
 
