@@ -136,6 +136,7 @@ class DeviceEvents:
     trace_index: list[int]          # for each device event, the trace event index it follows
     workspace_handles: frozenset[int] = field(default_factory=frozenset)
     scratch_handles: frozenset[int] = field(default_factory=frozenset)
+    conv_workspaces: dict[int, int] = field(default_factory=dict)   # sim.workspaces
 
 
 def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None,
@@ -155,8 +156,9 @@ def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None,
         next_handle += 1
     scratch = reduction_scratch(trace, gpu)
     conv = conv_workspaces(trace, gpu, batch)
+    transient = dict(conv)             # allocated after an output, freed at once
     for i, n in norm_upcasts(trace, gpu, batch).items():
-        conv[i] = conv.get(i, 0) + n
+        transient[i] = transient.get(i, 0) + n
     scratch_handles: list[int] = []
     events: list[tuple[bool, int, int]] = []
     index: list[int] = []
@@ -173,13 +175,13 @@ def device_events(trace: Trace, gpu: GpuProfile, sizes: list[int] | None = None,
             events += [(True, buf, scratch[i][0]), (True, sem, scratch[i][1]),
                        (False, sem, scratch[i][1]), (False, buf, scratch[i][0])]
             index += [i] * 4
-        if i in conv:
+        if i in transient:
             scratch_handles.append(next_handle)
-            events += [(True, next_handle, conv[i]), (False, next_handle, conv[i])]
+            events += [(True, next_handle, transient[i]), (False, next_handle, transient[i])]
             index += [i] * 2
             next_handle += 1
     return DeviceEvents(events, index, frozenset(h for hs in insert_at.values() for h, _ in hs),
-                        frozenset(scratch_handles))
+                        frozenset(scratch_handles), conv)
 
 
 def blas_workspaces(trace: Trace, gpu: GpuProfile) -> list[tuple[int, int]]:
@@ -248,7 +250,7 @@ def estimate_trace(trace: Trace, budget: Budget, alloc: AllocatorConfig = Alloca
                      "allocator, one per thread that runs a matmul (PyTorch's default BLAS "
                      "library on this target)")
     modelled = versions.modelled_note(cfg.torch, gpu.is_rocm)
-    notes += [n for n in (conv_note(trace, gpu, batch), modelled) if n]
+    notes += [n for n in (conv_note(dev.conv_workspaces), modelled) if n]
     if not fits and limited.oom is not None:
         notes.append(f"out of memory in the {trace.phase_at(dev.trace_index[limited.oom_index]).phase.value}"
                      f" of step {trace.phase_at(dev.trace_index[limited.oom_index]).iteration + 1}")

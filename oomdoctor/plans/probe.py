@@ -289,8 +289,7 @@ def probe_strategy(spec: ModelSpec, cfg: TraceConfig, budget: Budget, strategy: 
                       mixed_precision=mixed_precision and cfg.precision == "bf16",
                       cpu_offload=cpu_offload)
     precision = cfg.precision
-    cfg = replace(cfg, precision=par.trace_precision(st, cfg.precision),
-                  zero3_hooks=par.zero3_hooks(st))
+    cfg = par.trace_config(st, cfg)
     layout = par.model_layout(spec, cfg.precision)
     exact: dict[int, Trace] = {}
     trials: list[Trial] = []

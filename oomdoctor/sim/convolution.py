@@ -58,7 +58,7 @@ class ConvCall:
     in_channels: int
     out_channels: int
     kernel: int                  # elements of one filter plane (kh * kw)
-    pointwise: bool              # a 1x1 kernel of stride 1
+    strided: bool                # a stride over 1
     in_plane: int                # elements of one input channel (h * w)
     out_plane: int               # of one output channel
 
@@ -67,13 +67,13 @@ def conv_calls(name: str, args: tuple, kwargs: dict) -> dict[int, ConvCall]:
     """The cuDNN passes of a ``convolution`` / ``convolution_backward`` call, by the index of
     the output each follows; {} for any other op or a convolution the rule does not cover."""
     if name == "convolution.default":      # input, weight, bias, stride, padding, dilation,
-        call = _call("forward", *args[:2], *args[3:7], args[8])  # transposed, _, groups
+        call = _forward(*args[:2], *args[3:7], args[8])   # transposed, _, groups
         return {0: call} if call else {}
     if name != "convolution_backward.default":
         return {}
     # grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, _, groups,
     # output_mask
-    call = _call("forward", *args[1:3], *args[4:8], args[9])
+    call = _forward(*args[1:3], *args[4:8], args[9])
     if call is None:
         return {}
     mask = args[10] if len(args) > 10 else kwargs.get("output_mask", (True, True, True))
@@ -85,16 +85,16 @@ def conv_calls(name: str, args: tuple, kwargs: dict) -> dict[int, ConvCall]:
     return out
 
 
-def _call(role: str, x, w, stride, padding, dilation, transposed, groups) -> ConvCall | None:
+def _forward(x, w, stride, padding, dilation, transposed, groups) -> ConvCall | None:
+    """The forward pass of a convolution the rule covers (2-D, one group, not transposed)."""
     if (not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() != 4
             or transposed or groups != 1 or x.dtype not in _DTYPES):
         return None
     kernel = prod(w.shape[2:])
     out = [(size + 2 * p - d * (k - 1) - 1) // s + 1 for size, k, s, p, d in
            zip(x.shape[2:], w.shape[2:], _pair(stride), _pair(padding), _pair(dilation))]
-    return ConvCall(role, _DTYPES[x.dtype], x.shape[0], x.shape[1], w.shape[0], kernel,
-                    kernel == 1 and _pair(stride) == (1, 1), x.shape[2] * x.shape[3],
-                    out[0] * out[1])
+    return ConvCall("forward", _DTYPES[x.dtype], x.shape[0], x.shape[1], w.shape[0], kernel,
+                    _pair(stride) != (1, 1), x.shape[2] * x.shape[3], out[0] * out[1])
 
 
 def _pair(v) -> tuple[int, int]:
@@ -124,14 +124,13 @@ def _pointwise(call: ConvCall, staged: int, x_sample: int, y_sample: int) -> int
     a few hundred bytes otherwise; at stride 2 an fp32 56x56 input stages the filter instead of
     the output. The weight pass of a plan that stages none keeps one partial filter per sample
     in fp32."""
-    strided = not call.pointwise
-    stages = strided or call.out_plane <= 49 or (
+    stages = call.strided or call.out_plane <= 49 or (
         call.itemsize == 2 and call.out_plane <= 196
         and call.in_channels * call.out_channels >= 1 << 19)
     if not stages:
         return staged * call.in_channels * call.out_channels * 4 if call.role == "weight" else 0
     second = staged * y_sample
-    if strided and call.role == "forward" and call.itemsize == 4 and call.in_plane >= 3136:
+    if call.strided and call.role == "forward" and call.itemsize == 4 and call.in_plane >= 3136:
         second = call.out_channels * call.in_channels           # the filter
     return ((staged * x_sample + second) * call.itemsize
             + (_WEIGHT_TAIL if call.role == "weight" else _TAIL))

@@ -113,9 +113,9 @@ def norm_upcasts(trace: Trace, gpu: GpuProfile, batch: int | None = None) -> dic
     return out
 
 
-def conv_note(trace: Trace, gpu: GpuProfile, batch: int | None = None) -> str | None:
-    """What an estimate says of the convolutions' workspaces it counted, or None."""
-    ws = conv_workspaces(trace, gpu, batch)
+def conv_note(ws: dict[int, int]) -> str | None:
+    """What an estimate says of the convolutions' workspaces it counted (:func:`conv_workspaces`),
+    or None."""
     if not ws:
         return None
     return (f"cuDNN convolution workspaces: {len(ws)} passes each take one from the caching "

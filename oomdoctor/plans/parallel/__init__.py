@@ -78,13 +78,13 @@ from oomdoctor.plans.parallel.strategy import (ALIASES, DEEPSPEED_STRATEGIES, DE
                                               NODE_STRATEGIES, STRATEGIES, DeepSpeedConfig,
                                               DeepSpeedRun, Strategy, default_policy,
                                               parse_strategy, policy_applies,
-                                              read_deepspeed_config, trace_precision,
-                                              zero3_hooks)
+                                              read_deepspeed_config, trace_config,
+                                              trace_precision)
 from oomdoctor.plans.parallel.timeline import Sizes
 
 __all__ = [
     "STRATEGIES", "NODE_STRATEGIES", "ALIASES", "DESCRIPTIONS", "parse_strategy", "Strategy",
-    "trace_precision", "zero3_hooks", "default_policy", "policy_applies",
+    "trace_precision", "trace_config", "default_policy", "policy_applies",
     "DEEPSPEED_STRATEGIES", "DeepSpeedConfig", "DeepSpeedRun", "read_deepspeed_config",
     "MAIN", "BlockInput", "Layout", "execution_blocks", "model_layout",
     "Sizes",

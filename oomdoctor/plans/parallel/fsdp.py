@@ -124,8 +124,8 @@ class _Params:
 
     def _copy_in(self, ps: list[int]) -> int:
         """Bytes of a block's all-gather inputs while they are made: each cast shard; offloaded,
-        every shard copied to the GPU, and the uncast copy of the one being cast (on one GPU,
-        one parameter at a time: ``wait_for_unshard``)."""
+        every shard copied to the GPU, and the uncast copy of the one being cast (one GPU
+        offloaded unshards parameter by parameter: :func:`_unshard_offloaded`)."""
         def uncast(i: int) -> int:
             return int(self.shard_numel(i) * self.stored(i)) \
                 if self.gathered(i) != self.stored(i) else 0
@@ -134,8 +134,6 @@ class _Params:
             return int(self.shard_numel(i) * self.gathered(i))
         if not self.offload:
             return sum(cast(i) for i in ps if self.gathered(i) != self.stored(i))
-        if self.world == 1:
-            return max((cast(i) + uncast(i) for i in ps), default=0)
         return sum(cast(i) for i in ps) + max((uncast(i) for i in ps), default=0)
 
     def reduce_bytes(self, i: int) -> tuple[int, int]:
@@ -376,28 +374,24 @@ def _gather(g: _Gpu, ps: _Params, block: int, at: float, free: float,
     """One all-gather and copy-out at ``at``: the cast buffer, the flat output (returned, to be
     freed by the caller unless ``keep`` is False), the unsharded parameters until ``free``; the
     previous flat output ``held`` is freed after the copy-out."""
-    full, out, cast = ps.gather_bytes(block)
+    if held is not None:
+        g.free(held, at + 0.04)
     if ps.world == 1 and ps.offload:
         _unshard_offloaded(g, ps, block, at, free)
-        if held is not None:
-            g.free(held, at + 0.04)
         return None
+    full, out, cast = ps.gather_bytes(block)
     if ps.world == 1:
         # One-GPU mesh: unshard() returns early and wait_for_unshard casts each parameter and
         # copies it out, with no flat output (FSDPParamGroup, world_size == 1)
         if cast:
             g.add("communication", cast, at, at + 0.035)
         g.add("parameters", full, at + 0.03, free)
-        if held is not None:
-            g.free(held, at + 0.04)
         return None
     if cast:
         g.add("communication", cast, at, at + 0.02, stream=ALL_GATHER_STREAM)
     flat = g.add("communication", out, at + 0.01, None if keep else at + 0.035,
                  stream=ALL_GATHER_STREAM)
     g.add("parameters", full, at + 0.03, free)
-    if held is not None:
-        g.free(held, at + 0.04)
     return flat
 
 

@@ -14,7 +14,7 @@ from oomdoctor.plans.parallel.layout import model_layout
 from oomdoctor.plans.parallel.results import Partition, StrategyEstimate
 from oomdoctor.plans.parallel.strategy import (DEEPSPEED_STRATEGIES, STRATEGIES,
                                               DeepSpeedConfig, Strategy, default_policy,
-                                              parse_strategy, trace_precision, zero3_hooks)
+                                              parse_strategy, trace_config)
 from oomdoctor.plans.parallel.timeline import Sizes
 from oomdoctor.sim.trace import TraceConfig
 
@@ -107,7 +107,7 @@ def estimate_strategies(spec: ModelSpec, cfg: TraceConfig, budget: Budget, num_g
             errors.append((name, "the naive split uses exactly 2 GPUs"))
             continue
         try:
-            trace, layout, sizes = inputs.of(trace_precision(st, cfg.precision), zero3_hooks(st))
+            trace, layout, sizes = inputs.of(trace_config(st, cfg))
             progress(f"{name}: replaying {st.num_gpus} GPU(s)")
             out.append(estimate_strategy(trace, layout, st, budget, alloc, sizes,
                                          grad_accum=cfg.grad_accum))
@@ -150,11 +150,12 @@ class _Inputs:
         """DataParallel's GPU 0 carries the whole batch: sizes from a second trace."""
         self.dataparallel = num_gpus
 
-    def of(self, precision: str, hooks: bool = False) -> tuple:
-        """(trace, layout, sizes) at ``precision``; ``hooks``: under ZeRO-3's module hooks."""
-        key = (precision, hooks)
+    def of(self, cfg: TraceConfig) -> tuple:
+        """(trace, layout, sizes) of the step as a strategy runs it (``trace_config``): one
+        per traced precision and ZeRO-3's hooks."""
+        key = (cfg.precision, cfg.zero3_hooks)
         if key not in self.done:
-            cfg = replace(self.cfg, precision=precision, zero3_hooks=hooks)
+            precision = cfg.precision
             self.progress(f"tracing {self.spec.name} at micro-batch {cfg.batch_size} "
                           f"({precision}{', checkpointing' if cfg.checkpointing else ''})")
             trace = trace_for(self.spec, cfg, self.budget.gpu)
@@ -183,7 +184,7 @@ def _expandable_fits(out: list[StrategyEstimate], plans: dict[str, Strategy], cf
         if e.fits or e.strategy == "pipeline2":
             continue
         st = plans[e.strategy]
-        trace, layout, sizes = inputs.of(trace_precision(st, cfg.precision), zero3_hooks(st))
+        trace, layout, sizes = inputs.of(trace_config(st, cfg))
         again = estimate_strategy(trace, layout, st, budget, roomy, sizes,
                                   grad_accum=cfg.grad_accum)
         if again.fits:

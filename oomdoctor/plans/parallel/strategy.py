@@ -5,6 +5,8 @@ import functools
 import importlib.metadata
 from dataclasses import dataclass, replace
 
+from oomdoctor.sim.trace import TraceConfig
+
 
 STRATEGIES = ("single", "ddp", "dp", "zero1", "zero2", "zero3", "pipeline2")
 # Strategies that only mean something across several nodes (recommend/smoke --nodes N): kept out
@@ -185,10 +187,13 @@ def trace_precision(strategy: Strategy, precision: str) -> str:
     return precision
 
 
-def zero3_hooks(strategy: Strategy) -> bool:
-    """Whether the strategy's trace runs DeepSpeed ZeRO-3's module hooks (TraceConfig
-    zero3_hooks): stage 3 hooks every module, and its input tensors arrive as new objects."""
-    return strategy.is_deepspeed and strategy.zero_stage == 3
+def trace_config(strategy: Strategy, cfg: TraceConfig, precision: str | None = None
+                 ) -> TraceConfig:
+    """``cfg`` as ``strategy`` runs its step at ``precision`` (default ``cfg``'s): the traced
+    precision (:func:`trace_precision`), and DeepSpeed ZeRO-3's module hooks and F.linear
+    (TraceConfig zero3_hooks, oomdoctor.sim.zero3), which stage 3 puts on every module."""
+    return replace(cfg, precision=trace_precision(strategy, precision or cfg.precision),
+                   zero3_hooks=strategy.is_deepspeed and strategy.zero_stage == 3)
 
 
 POLICY_NOTE = ("FSDP2 MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch."

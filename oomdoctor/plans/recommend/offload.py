@@ -38,7 +38,7 @@ from dataclasses import replace
 from oomdoctor.models.spec import ModelSpec
 from oomdoctor.plans.estimate import Budget, trace_for
 from oomdoctor.plans.parallel import (Strategy, default_policy, estimate_strategy, model_layout,
-                                      read_deepspeed_config, trace_precision, zero3_hooks)
+                                      read_deepspeed_config, trace_config)
 from oomdoctor.plans.recommend.facts import _Facts
 from oomdoctor.plans.recommend.machine import Hardware, link_gbps
 from oomdoctor.plans.recommend.offload_code import OffloadSetting, ds_config, how_to_run
@@ -123,9 +123,8 @@ def replay_offload(spec: ModelSpec, cfg: TraceConfig, hw: Hardware, budget: Budg
     out = {}
     for name in OFFLOAD_NAMES:
         st, p = offload_strategy(name, hw, s)
-        traced = replace(cfg, batch_size=1, checkpointing=s.checkpointing,
-                         grad_accum=min(2, s.accumulation), precision=trace_precision(st, p),
-                         zero3_hooks=zero3_hooks(st))
+        traced = trace_config(st, replace(cfg, batch_size=1, checkpointing=s.checkpointing,
+                                          grad_accum=min(2, s.accumulation)), p)
         try:
             trace = trace_for(spec, traced, budget.gpu)
             e = estimate_strategy(trace, model_layout(spec, traced.precision), st, budget, alloc,
