@@ -17,7 +17,7 @@ def test_the_linear_function_computes_f_linear_and_its_gradients():
             x = torch.randn(*shape, requires_grad=True)
             w = torch.randn(6, 8, requires_grad=True)
             b = torch.randn(6, requires_grad=True) if with_bias else None
-            ours = zero3.linear(x, w, b)
+            ours = zero3.linear(input=x, weight=w, bias=b)   # F.linear's keywords too
             theirs = F.linear(x, w, b)
             assert torch.allclose(ours, theirs, atol=1e-5)
             g = torch.randn_like(theirs)

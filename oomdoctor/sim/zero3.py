@@ -60,9 +60,9 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def linear(x, weight, bias=None):
+def linear(input, weight, bias=None):   # noqa: A002 - F.linear's own names, for keyword calls
     """``zero3_linear_wrap``."""
-    return _Linear.apply(x, weight, bias)
+    return _Linear.apply(input, weight, bias)
 
 
 @contextlib.contextmanager
