@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or os.path.join(ROOT, "benchmarks", "results", f"{gpu_slug}-{torch_slug}.json")
     records: list[dict] = []
     doc = {"schema": SCHEMA_VERSION,
+           "process": "one",     # every run in this process, in record order (each emptied)
            "gpu": {"name": props.name, "total_bytes": props.total_memory,
                    "compute_capability": list(cc), "profile": profile.name,
                    "context_bytes": context, "driver": _driver(),

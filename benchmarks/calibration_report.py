@@ -72,19 +72,100 @@ def built_on_device(doc: dict) -> bool:
     return doc.get("build", "device") == "device"
 
 
-def estimate_record(spec, rec: dict, budget, torch_version=None, on_device: bool = True):
+def estimate_record(spec, rec: dict, budget, torch_version=None, on_device: bool = True,
+                    freed_bytes: int = 0):
     """oomdoctor's estimate of the configuration one record measured, with the CUDA facts of
     ``torch_version`` (:func:`torch_of`; None: the installed torch's). Where the harness built
     the model on the GPU (oomdoctor/runs/measure.py ``_train``; ``on_device``), its
     construction is replayed ahead of the step (oomdoctor.runs.onbuild): under pure bf16 at
-    small batches its fp32 weights are the measured peak."""
+    small batches its fp32 weights are the measured peak. ``freed_bytes``: the address range
+    the record's process had taken and returned before it (:func:`freed_before`)."""
     from oomdoctor.plans.estimate import estimate
     from oomdoctor.runs.onbuild import harness_peaks
     from oomdoctor.sim.trace import TraceConfig
     cfg = TraceConfig(rec["batch_size"], precision=rec["precision"],
                       checkpointing=rec["checkpointing"], torch=torch_version)
     e = estimate(spec, cfg, budget)
-    return harness_peaks(spec, cfg, budget, e) if on_device else e
+    return harness_peaks(spec, cfg, budget, e, freed_bytes=freed_bytes) if on_device else e
+
+
+# How a results file's runs shared processes (its "process" key): "fresh", one process per
+# record (trace_sample.py); "per-model", the records of each model in one process, in file
+# order (calibrate.py run once per model); "one", every record in one process (calibrate.py).
+PROCESSES = ("fresh", "per-model", "one")
+
+
+def freed_before(doc: dict, i: int, limit_bytes: int) -> int:
+    """The address range record ``i``'s process had taken and returned before its run: the
+    largest peak reserved of the runs before it there, each emptied from the cache when it
+    ended (oomdoctor.runs.measure TorchRunner.cleanup), and the whole budget after a run that
+    ran out of memory or a max-batch search (whose last trial did). Those segments' ranges,
+    freed, are where the driver puts the next run's (oomdoctor.sim.allocator.addresses); 0 in
+    a fresh process."""
+    process = doc.get("process", "fresh")
+    if process not in PROCESSES:
+        raise ValueError(f"results file: unknown process {process!r}; one of {PROCESSES}")
+    if process == "fresh":
+        return 0
+    model = doc["records"][i]["model"]
+    freed = 0
+    for r in doc["records"][:i]:
+        if process == "one" or r["model"] == model:
+            to_limit = r["oom"] or r.get("measured_max_batch") is not None
+            freed = max(freed, limit_bytes if to_limit else r["max_memory_reserved"])
+    return freed
+
+
+class ReplayRunner:
+    """The device half of oomdoctor.runs.measure.measured_probe, replayed: a trial runs out of
+    memory where the harness's run (the model built on the GPU, then the step, in a process
+    that freed ``freed_bytes`` before) does not fit ``budget`` in the replay. Lets a test run
+    the harness's own max-batch search on the simulator and compare its answer with the GPU's."""
+
+    device = "replay"
+
+    def __init__(self, budget, freed_bytes: int = 0) -> None:
+        self.budget = budget
+        self.freed_bytes = freed_bytes
+
+    def device_name(self) -> str:
+        return self.budget.gpu.name
+
+    def memory(self):
+        return None, None
+
+    def peaks(self):
+        return None, None
+
+    def reset_peaks(self) -> None:
+        pass
+
+    def cleanup(self) -> None:
+        pass
+
+    def train(self, spec, cfg) -> None:
+        import torch
+        from oomdoctor.plans.estimate import estimate
+        from oomdoctor.runs.onbuild import harness_peaks
+        e = harness_peaks(spec, cfg, self.budget, estimate(spec, cfg, self.budget),
+                          freed_bytes=self.freed_bytes)
+        if not e.fits:
+            raise torch.OutOfMemoryError(f"replayed: batch {cfg.batch_size} does not fit")
+
+
+def harness_max_batch(spec, rec: dict, budget, torch_version=None, freed_bytes: int = 0):
+    """The largest batch the harness's search finds in the replay: measured_probe as
+    calibrate.py ran it, seeded with the record's ``predicted_max_batch``, on a
+    :class:`ReplayRunner`. A process's search runs after the configuration's own run at
+    that batch, so ``freed_bytes`` is the budget's where the file shared processes."""
+    from calibrate import MAX_SEARCH
+    from oomdoctor.runs.measure import measured_probe
+    from oomdoctor.sim.trace import TraceConfig
+    base = TraceConfig(1, precision=rec["precision"], checkpointing=rec["checkpointing"],
+                       torch=torch_version)
+    return measured_probe(spec, base, runner=ReplayRunner(budget, freed_bytes),
+                          predicted_max=rec["predicted_max_batch"],
+                          max_batch=MAX_SEARCH).max_batch_size
 
 
 def report(path: str) -> list[float]:
@@ -101,11 +182,12 @@ def report(path: str) -> list[float]:
           f"{'err':>6}  {'resv MiB':>10} {'pred':>10} {'err':>6}")
     specs: dict[str, object] = {}
     errors: list[float] = []
-    for rec in doc["records"]:
+    for i, rec in enumerate(doc["records"]):
         name = rec["model"]
         if name not in specs:
             specs[name] = load_record_model(name)
-        e = estimate_record(specs[name], rec, budget, torch_of(gpu), built_on_device(doc))
+        e = estimate_record(specs[name], rec, budget, torch_of(gpu), built_on_device(doc),
+                            freed_before(doc, i, budget.limit_bytes))
         row = f"{name:<11} {rec['precision']:<9} {'y' if rec['checkpointing'] else 'n':>2} " \
               f"{rec['batch_size']:>5}"
         if rec["oom"]:

@@ -378,6 +378,25 @@ def test_of_two_equal_cached_segments_the_newer_is_reused():
     assert a.segments()[0].address < a.segments()[1].address
 
 
+def test_in_a_process_that_freed_earlier_runs_the_older_of_two_equal_segments_is_reused():
+    # After earlier runs returned their segments (empty_cache), new segments fill that freed
+    # range from its bottom up (addresses.py), so the first of two equal segments lies lower
+    # and best fit reuses A's, the opposite of a fresh process (test above). What that does to
+    # a whole run is checked against calibrate.py's long-lived H200 process in
+    # tests/test_calibration.py (lora_gpt at batch 540: the peaks to the byte).
+    a = CachingAllocator(freed_bytes=1024 * MiB)
+    a.malloc("A", 100 * MiB)
+    a.malloc("B", 100 * MiB)
+    a.free("A")
+    a.free("B")
+    a.malloc("C", 100 * MiB)
+    assert layout(a) == [("large", [(100 * MiB, True)]), ("large", [(100 * MiB, False)])]
+    assert a.segments()[0].address < a.segments()[1].address
+    # Past the freed range, new granules go below everything, as in a fresh process.
+    a.malloc("D", 2000 * MiB)
+    assert a.segments()[0].size == 2000 * MiB
+
+
 # ----------------------------------------------------------------- expandable segments
 
 FRAGMENTING = [

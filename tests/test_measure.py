@@ -268,3 +268,45 @@ def test_runner_builds_where_asked(spec, monkeypatch, on_device):
     monkeypatch.setattr(torch.nn.Module, "to", recording)
     TorchRunner("cpu", build_on_device=on_device).train(spec, TraceConfig(2))
     assert (torch.device("cpu"),) in moved if not on_device else (torch.device("cpu"),) not in moved
+
+
+# A model whose step raises what CUDA raises past batch 3, from inside its forward (loss_fn),
+# where an OOM on a real GPU happens most often.
+_OOM_ABOVE_3 = ("import torch\n"
+                "def build_model():\n    return torch.nn.Linear(4, 2)\n"
+                "def make_batch(b):\n    return torch.randn(b, 4)\n"
+                "def loss_fn(model, batch):\n"
+                "    if batch.shape[0] > 3:\n"
+                "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB')\n"
+                "    return model(batch).sum()\n")
+
+
+def test_an_oom_inside_the_forward_is_an_oom_not_a_model_error(tmp_path):
+    path = tmp_path / "oom_above_3.py"
+    path.write_text(_OOM_ABOVE_3)
+    r = measured_probe(load_model_file(str(path)), TraceConfig(1), device="cpu",
+                       predicted_max=5, max_batch=8)
+    assert r.max_batch_size == 3
+    assert [(t.batch_size, t.fits) for t in r.trials] == [(5, False), (4, False), (3, True)]
+    assert r.trials[0].error == "CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+def test_fresh_process_runner_runs_each_trial_in_a_new_process(tmp_path):
+    """Each trial in a spawned child (oomdoctor.runs.fresh_process): the model rebuilt there
+    from its file, the child's OOM reported to the search as an OOM."""
+    from oomdoctor.models.loader import load_model
+    from oomdoctor.runs.fresh_process import FreshProcessRunner
+    path = tmp_path / "oom_above_3.py"
+    pids = tmp_path / "pids"
+    path.write_text(_OOM_ABOVE_3 + "import os\n_build = build_model\n"
+                    f"def build_model():\n    open({str(pids)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+                    "    return _build()\n")
+    r = measured_probe(load_model(str(path)), TraceConfig(1), predicted_max=3, max_batch=8,
+                       runner=FreshProcessRunner("cpu"))
+    assert (r.max_batch_size, r.device_name) == (3, "cpu")
+    assert [(t.batch_size, t.fits) for t in r.trials] == [(3, True), (4, False)]
+    assert r.trials[1].error == "CUDA out of memory. Tried to allocate 2.00 GiB"
+    built_in = pids.read_text().split()
+    assert len(set(built_in)) == 2 and str(os.getpid()) not in built_in
+    with pytest.raises(MeasureError, match="cuda:5"):
+        FreshProcessRunner("cuda:5")

@@ -336,15 +336,19 @@ def _measure_probe(spec, base, predicted, device, max_batch, as_json, debug):
     from tabulate import tabulate
 
     from oomdoctor.runs import measure
+    from oomdoctor.runs.fresh_process import FreshProcessRunner
     runs = []
     try:
+        # Each trial in a new process, as the simulator models and the user's run starts;
+        # a spec built in memory (no file or Hub id to rebuild it from) trains in this one.
+        runner = FreshProcessRunner(device) if spec.origin is not None else None
         for r in predicted.results:
             if r.error:
                 continue
             cfg = dc_replace(base, precision=r.precision, checkpointing=r.checkpointing)
             runs.append((r, measure.measured_probe(
                 spec, cfg, device, r.max_batch_size or 0, progress=_progress,
-                max_batch=max_batch)))
+                max_batch=max_batch, runner=runner)))
     except measure.MeasureError as e:
         _die(e, debug, EXIT_USAGE)
     if as_json:

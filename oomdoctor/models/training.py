@@ -197,8 +197,8 @@ _DATA_DEPENDENT_TEXT = ("data-dependent", "item()", "on meta tensors", "register
 def _call(spec: ModelSpec, name: str, fn: Callable, *args: Any) -> Any:
     try:
         return fn(*args)
-    except ModelFileError:
-        raise
+    except (ModelFileError, torch.OutOfMemoryError):
+        raise     # a real device's OOM is the measured probe's answer, not the file's fault
     except Exception as e:
         kind = type(e).__name__
         text = str(e)

@@ -26,7 +26,12 @@ search and the cleanup guarantees are tested on CPU-only machines with a fake-OO
 
 Known limitations:
 - A trial that OOMs part-way can leave the caching allocator fragmented; ``empty_cache()``
-  returns every unused segment to the driver, so the next trial starts from nothing reserved.
+  returns every unused segment to the driver, so the next trial starts from nothing reserved -
+  but not from a new process's device: the driver puts the next trial's segments in the range
+  the earlier ones freed, and what fits changes (lora_gpt, measured on an H200: 540 trained
+  after earlier runs and not in a new process). ``probe --device`` runs each trial in a new
+  process (:mod:`oomdoctor.runs.fresh_process`); calibrate.py keeps one process and its results
+  say so (``"process"``), which the calibration test replays.
 - Memory other processes take on the card during the probe changes the answer.
 - On ``device="cpu"`` (for tests) nothing is measured: the memory numbers are ``None``.
 """

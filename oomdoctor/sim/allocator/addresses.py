@@ -14,9 +14,21 @@ the fitting ones' reserved peaks to 2 MiB. With increasing addresses best fit to
 two equal cached activation segments: the replay fitted 432, 436 and 440 (and gpt2_small fp32
 at 214), which ran out of memory.
 
-Known limitations: in a process that already freed segments (an earlier run, ``empty_cache``),
-the driver reuses their addresses, which this models only for the process's own frees; the CUDA
-context's own allocations (lazily loaded kernels) that fall between segments are not modelled.
+A process that ran training before and emptied the cache (a notebook, a batch-size search, a
+benchmark harness) starts with the range those segments took free: ``AddressSpace(freed=N)``.
+The driver puts new segments there, lowest first, so addresses increase and best fit takes the
+older of two equal segments. Measured on the same H200 in calibrate.py's long-lived process
+(benchmarks/results/nvidia-h200-2.11.0.json): lora_gpt AMP with checkpointing at batch 540
+trained there, peaks 145,512,678,912 / 146,383,306,752 bytes, and runs out of memory in a fresh
+process (-fresh.json); replayed after a freed range as large as the earlier runs', it trains
+with those two peaks to the byte (fp16 and bf16), and a search replayed so finds the 540, 441,
+358 and 213 that process found.
+
+Known limitations: the freed range is one range here; on the GPU the CUDA context's lazily
+loaded kernels sit between the freed segments, so which hole a segment lands in depends on the
+order earlier runs loaded kernels and placed segments (ResNet's 6 GiB workspace segments:
+measured -6.5% reserved between a fresh and a long-lived process, replayed -3.9%, and up to 13%
+off after other runs). In a fresh process only the run's own frees are reused.
 """
 from __future__ import annotations
 
@@ -29,9 +41,14 @@ class AddressSpace:
     """The device's virtual addresses for cudaMalloc'd segments: free ranges, best fit, and new
     granules below everything handed out so far."""
 
-    def __init__(self, top: int = 1 << 47) -> None:   # x86-64 user space's top, as real ones
-        self._low = top
-        self._free: list[list[int]] = []   # [address, size] of unused ranges, by address
+    def __init__(self, top: int = 1 << 47, freed: int = 0) -> None:
+        """``top``: x86-64 user space's top, as real addresses. ``freed``: bytes of segments
+        the process handed out and returned before (an earlier run, then ``empty_cache``):
+        one range just below the top, whole granules, which new segments fill from its
+        bottom up before any new granule is taken below it."""
+        span = -(-freed // GRANULE) * GRANULE
+        self._low = top - span
+        self._free: list[list[int]] = [[self._low, span]] if span else []   # by address
 
     def place(self, size: int) -> int:
         """The address of a new ``size``-byte segment."""

@@ -41,7 +41,7 @@ class CachingAllocator:
     """
 
     def __init__(self, config: AllocatorConfig = AllocatorConfig(),
-                 limit_bytes: int | None = None) -> None:
+                 limit_bytes: int | None = None, freed_bytes: int = 0) -> None:
         if not isinstance(config, AllocatorConfig):
             raise ValueError(f"config must be an AllocatorConfig, got {config!r}")
         if limit_bytes is not None and (isinstance(limit_bytes, bool)
@@ -59,7 +59,8 @@ class CachingAllocator:
         self._live: dict[int, _Block] = {}
         self._zero: set[int] = set()  # handles of 0-byte tensors (no block)
         self._next_addr = 1 << 40  # expandable segments' address ranges, increasing
-        self._addresses = AddressSpace()   # cudaMalloc'd segments' (addresses.py: ties)
+        # cudaMalloc'd segments' addresses (addresses.py: they break best fit's ties)
+        self._addresses = AddressSpace(freed=freed_bytes)
         self.allocated_bytes = 0
         self.reserved_bytes = 0
         self.requested_bytes = 0
@@ -520,16 +521,18 @@ EMPTY_CACHE = -(1 << 62)
 
 def replay(events: Iterable[tuple[bool, int, int]],
            config: AllocatorConfig = AllocatorConfig(),
-           limit_bytes: int | None = None, streams: dict[int, int] | None = None
-           ) -> ReplayResult:
+           limit_bytes: int | None = None, streams: dict[int, int] | None = None,
+           freed_bytes: int = 0) -> ReplayResult:
     """Replay ``(is_alloc, handle, nbytes)`` events through a fresh allocator.
 
     For frees, ``nbytes`` is ignored.  ``streams``: handle -> the stream it is allocated on,
     for those not on the default stream.  Stops at the first OOM, which is
     returned in the result (not raised) together with its event index.
-    A free of :data:`EMPTY_CACHE` empties the cache.
+    A free of :data:`EMPTY_CACHE` empties the cache. ``freed_bytes``: the address range
+    earlier runs in the same process took and returned (:class:`AddressSpace`); 0, a fresh
+    process.
     """
-    alloc = CachingAllocator(config, limit_bytes)
+    alloc = CachingAllocator(config, limit_bytes, freed_bytes)
     malloc = alloc.malloc
     if streams:
         def malloc(handle: int, nbytes: int) -> None:
