@@ -40,9 +40,10 @@ with its known gap.
    optimizer), ``max_memory_allocated`` per GPU since before the model was built (GiB: the
    script divides by 1024**3). The 6.86B model (hidden 4096, 32 layers, 32 heads, micro-batch
    1 x 512) on 4 GPUs with activation checkpointing: 31.38 GiB, asserted (the optimizer step's
-   peak). Without checkpointing 41.28 GiB, reported: the trace's backward holds 10 GiB less, about
-   the whole 16-bit model (12.8 GiB) gathered at once; why DeepSpeed keeps it gathered there
-   was not found. The 254M model (hidden 1024, 12 layers, 16 heads, micro-batch 4): 5.93 GiB on
+   peak). Without checkpointing 41.28 GiB, reported: -19% (-24% before DeepSpeed's coordinator
+   was replayed, oomdoctor.plans.parallel.zero3_coordinator, which keeps up to
+   stage3_max_live_parameters gathered into the backward); 8 GiB more stay gathered on the
+   four GPUs than that, about half the 16-bit model, not found in the source. The 254M model (hidden 1024, 12 layers, 16 heads, micro-batch 4): 5.93 GiB on
    one GPU, asserted; 3.57 GiB per GPU on four, reported (-7%).
 5. DeepSpeed-Chat step 1 (DeepSpeedExamples 3a77097, training_log_output/opt-1.3b-
    globalBatchSize128.log, April 2023): facebook/opt-1.3b, ZeRO-2 with fp16, micro-batch 8 x 512

@@ -51,3 +51,77 @@ def test_hooks_unpack_multihead_attention_and_are_undone():
     assert F.linear is original and not mha._forward_pre_hooks
     assert len(calls) == 4               # q, k and v apart, then the output projection
     assert torch.allclose(plain, hooked, atol=1e-5)
+
+
+def test_a_view_the_linear_saves_is_marked_on_its_parameter():
+    """nn.MultiheadAttention under the hooks passes views of its packed in_proj_weight to
+    F.linear; the stand-in marks that parameter's traced storage (the backward holds it after
+    DeepSpeed releases it), and not the out projection's, passed whole."""
+    from oomdoctor.sim.recorder import Category, Recorder
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 3, 8)
+    rec = Recorder()
+    with rec:
+        h_in = rec.add(mha.in_proj_weight.untyped_storage(), Category.PARAMETERS, "parameter")
+        h_out = rec.add(mha.out_proj.weight.untyped_storage(), Category.PARAMETERS, "parameter")
+        with zero3.applied(mha, rec=rec):
+            mha(x, x, x)[0].sum().backward()
+    assert rec.storages[h_in].view_saved and not rec.storages[h_out].view_saved
+
+
+# DeepSpeed's coordinator (oomdoctor.plans.parallel.zero3_coordinator) on
+# ds_simple_transformer's modules at the held-out 1.4B size (hidden 2048, 24 layers): each
+# layer's attention (its packed projection and, registered with it, out_proj), norm, the two
+# feed-forward linears and norm, between the embeddings and the output projection.
+def _ds_simple_modules(hidden=2048, layers=24, vocab=50000, seq=512):
+    from oomdoctor.plans.parallel.zero3_coordinator import Module
+    names, mods = [], []
+
+    def module(block, *numels):
+        params = []
+        for name, n in numels:
+            params.append((len(names), n))
+            names.append(name)
+        mods.append(Module(block, tuple(params)))
+    module(-1, ("embedding", vocab * hidden))
+    module(-1, ("pos", seq * hidden))
+    for i in range(layers):
+        h = hidden
+        module(i, (f"{i}.in_proj", 3 * h * h), (f"{i}.in_bias", 3 * h), (f"{i}.out_proj", h * h),
+               (f"{i}.out_bias", h))
+        module(i, (f"{i}.norm1", h), (f"{i}.norm1_bias", h))
+        module(i, (f"{i}.ff0", 4 * h * h), (f"{i}.ff0_bias", 4 * h))
+        module(i, (f"{i}.ff2", 4 * h * h), (f"{i}.ff2_bias", h))
+        module(i, (f"{i}.norm2", h), (f"{i}.norm2_bias", h))
+    module(-1, ("output", vocab * hidden), ("output_bias", vocab))
+    return names, mods
+
+
+def test_the_coordinator_keeps_the_last_18_layers_as_measured():
+    """Measured on an H200 (benchmarks/results/deepspeed/traces/zero3-bf16-offload-all-1.4b-*):
+    after the second forward the last 18 of the 24 layers' weights stayed gathered. The
+    coordinator's defaults (prefetch bucket 5e7, live and reuse limits 1e9) keep those 18,
+    where the reuse distance alone would keep the last 10."""
+    from oomdoctor.plans.parallel.zero3_coordinator import coordinate
+    names, mods = _ds_simple_modules()
+    n = len(mods)
+    held = coordinate(mods + mods[::-1], 50_000_000, 1_000_000_000, 1_000_000_000)
+    through = {names[h.handle].split(".")[0] for h in held
+               if h.gathered < n and (h.released is None or h.released >= n)}
+    layers = sorted(int(x) for x in through if x.isdigit())
+    assert layers == list(range(6, 24))
+    assert "output" in through and "embedding" not in through
+    # every parameter is released by the end of the backward, each use gathered once
+    assert all(h.released is not None for h in held)
+
+
+def test_the_coordinator_while_it_records_keeps_nothing_and_prefetches_nothing():
+    from oomdoctor.plans.parallel.zero3_coordinator import coordinate
+    names, mods = _ds_simple_modules(hidden=64, layers=3, vocab=100, seq=8)
+    steps = mods + mods[::-1]
+    held = coordinate(steps, 50_000_000, 1_000_000_000, 1_000_000_000, complete=False)
+    assert all(h.gathered == h.released for h in held)
+    assert len(held) == 2 * sum(len(m.params) for m in mods)
+    # with the trace recorded, a model under the reuse distance stays gathered throughout
+    kept = coordinate(steps, 50_000_000, 1_000_000_000, 1_000_000_000)
+    assert len(kept) == len(names) and all(h.released >= len(mods) for h in kept)

@@ -150,9 +150,10 @@ class ScriptEngine(torch.nn.Module):
 class Recorder:
     """The stand-in of one run and what it recorded (``config``; None: no DeepSpeed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, traced: Any = None) -> None:
         self.config: dict | None = None
         self.stack: contextlib.ExitStack | None = None    # what the run's end undoes
+        self.traced = traced             # the script's recorder (zero3 marks saved views)
 
     def initialize(self, args: Any = None, model: torch.nn.Module | None = None,
                    optimizer: Any = None, model_parameters: Any = None,
@@ -176,7 +177,7 @@ class Recorder:
         if int((cfg.get("zero_optimization") or {}).get("stage", 0)) == 3:
             zero3.input_hooks(model)        # stage 3's hooks and F.linear (oomdoctor.sim.zero3)
             if self.stack is not None:
-                self.stack.enter_context(zero3.linear_patched())
+                self.stack.enter_context(zero3.linear_patched(self.traced))
         params = list(model_parameters) if model_parameters is not None else \
             list(model.parameters())
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
@@ -269,10 +270,11 @@ def _uses_deepspeed(source: str, words: tuple[str, ...]) -> bool:
 
 
 @contextlib.contextmanager
-def stand_ins(source: str, words: tuple[str, ...]) -> Iterator[Recorder]:
+def stand_ins(source: str, words: tuple[str, ...], traced: Any = None) -> Iterator[Recorder]:
     """``deepspeed.initialize`` and ``init_distributed`` replaced by :class:`Recorder`'s for the
-    block, where DeepSpeed is installed and the script may use it."""
-    rec = Recorder()
+    block, where DeepSpeed is installed and the script may use it (``traced``: the script's
+    recorder)."""
+    rec = Recorder(traced)
     with contextlib.ExitStack() as stack:
         rec.stack = stack
         if _uses_deepspeed(source, words) and importlib.util.find_spec("deepspeed") is not None:

@@ -61,6 +61,7 @@ class Storage:
     # A convolution pass's geometry: cuDNN's workspace follows this output (sim.convolution)
     conv: Any = None
     upcast: int = 0              # a batch norm input's elements: a CUDA fp32 copy (normalization)
+    view_saved: bool = False     # ZeRO-3's F.linear saved a view of it for backward (sim.zero3)
 
 
 @dataclass(frozen=True)

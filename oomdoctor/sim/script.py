@@ -194,7 +194,7 @@ def trace_script(script: ScriptSpec, cfg: TraceConfig, gpu: fakecuda.FakeGpu, *,
             fakecuda.fake_cuda(device), \
             ddp.rank_zero(script.world, script.environment()) as sharded, \
             spreading.stand_ins() as spread, \
-            deepspeed_engine.stand_ins(script.source(), script.args) as engine, \
+            deepspeed_engine.stand_ins(script.source(), script.args, rec) as engine, \
             _loaders(batch_size, run), \
             (emulate.CudaKernels(cfg.compute_capability, notes, cfg.gpu_arch,
                                  cfg.torch)

@@ -446,7 +446,7 @@ def _run_steps(loop: _Loop, notes: list[str]) -> list[torch.optim.Optimizer]:
                     if cfg.emulate_cuda else None)
     try:
         with rec, values.active(rec.shadows), \
-                zero3.applied(loop.model, cfg.zero3_hooks), \
+                zero3.applied(loop.model, cfg.zero3_hooks, rec), \
                 (emulate.autocast_on_meta() if cfg.emulate_cuda else contextlib.nullcontext()), \
                 every_step(lambda opt: label_state(rec, cfg.emulate_cuda, opt)) as stepped:
             if loop.scaler is not None:

@@ -14,6 +14,10 @@ saves, where the plain model keeps one packed 12 MiB projection):
   ``LinearFunctionForZeroStage3``), an autograd Function that saves its input, weight and
   bias as given and computes ``input.matmul(weight.t())`` (``addmm`` for a 2-D input with a
   bias), its backward ``grad_output.matmul(weight)`` and a flattened matmul for the weight.
+  A weight it saves as a view (``nn.MultiheadAttention``'s q, k and v chunks of its packed
+  ``in_proj_weight``) holds the gathered parameter's storage until that backward, after the
+  coordinator has released the parameter: the traced storage is marked ``view_saved``
+  (measured: every layer's ``in_proj_weight`` stayed gathered through the forward).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias=None):
+        _note_views(weight, bias)
         ctx.save_for_backward(x, weight, bias)
         if x.dim() == 2 and bias is not None:
             return torch.addmm(bias, x, weight.t())
@@ -60,31 +65,47 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+_recorders: list = []      # the recorder of the trace under way (linear_patched's)
+
+
+def _note_views(*saved) -> None:
+    """Mark the storage of each view the stand-in saves (its base's, a parameter's)."""
+    rec = _recorders[-1] if _recorders else None
+    for t in saved:
+        if rec is not None and t is not None and t._base is not None:
+            h = rec.handle_of(t)
+            if h is not None:
+                rec.storages[h].view_saved = True
+
+
 def linear(input, weight, bias=None):   # noqa: A002 - F.linear's own names, for keyword calls
     """``zero3_linear_wrap``."""
     return _Linear.apply(input, weight, bias)
 
 
 @contextlib.contextmanager
-def linear_patched() -> Iterator[None]:
-    """``torch.nn.functional.linear`` is :func:`linear` for the block."""
+def linear_patched(rec=None) -> Iterator[None]:
+    """``torch.nn.functional.linear`` is :func:`linear` for the block; ``rec`` (the
+    trace's recorder) gets the saved views marked."""
     original = torch.nn.functional.linear
     torch.nn.functional.linear = linear
+    _recorders.append(rec)
     try:
         yield
     finally:
+        _recorders.pop()
         torch.nn.functional.linear = original
 
 
 @contextlib.contextmanager
-def applied(model: torch.nn.Module, on: bool = True) -> Iterator[None]:
+def applied(model: torch.nn.Module, on: bool = True, rec=None) -> Iterator[None]:
     """Both, for the block (nothing where ``on`` is False): a traced step under ZeRO-3."""
     if not on:
         yield
         return
     handles = input_hooks(model)
     try:
-        with linear_patched():
+        with linear_patched(rec):
             yield
     finally:
         for h in handles:

@@ -40,9 +40,9 @@ deepspeed/runtime 0.19.8, checked event by event against its allocator on an H20
   sub-group at a time (``_prepare_fp32_grad_for_sub_group``), its state made by the first step.
 - **Parameters at stage 3**: 16-bit partitions (1/N); parameters under
   ``stage3_param_persistence_threshold`` elements stay whole. DeepSpeed gathers module by module
-  with a prefetch bucket; modelled as the largest layer plus ``stage3_prefetch_bucket_size``
-  gathered through each forward and backward (the "largest layer" term of DeepSpeed's own
-  ``estimate_zero3_model_states_mem_needs``).
+  as its coordinator prefetches and keeps them (:mod:`oomdoctor.plans.parallel.zero3_gathers`,
+  :mod:`~oomdoctor.plans.parallel.zero3_coordinator`); at start-up it gathers each parameter
+  once to hook its gradient (:func:`_hook_gathers`).
 
 In fp32 (neither mode enabled) there is no master copy and no conversion; the buffers remain.
 Stage 3 reduce-scatters each full bucket through a flat buffer on its reduce stream.
@@ -70,8 +70,8 @@ import importlib.util
 from oomdoctor.plans.parallel.deepspeed_model import _FP32, _Hooks, _Model
 from oomdoctor.plans.parallel.events import _Context, _Gpu
 from oomdoctor.plans.parallel.fsdp import REDUCE_SCATTER_STREAM, _shard
-from oomdoctor.plans.parallel.layout import MAIN
 from oomdoctor.plans.parallel.strategy import DeepSpeedConfig, Strategy
+from oomdoctor.plans.parallel.zero3_gathers import gathers
 from oomdoctor.sim.trace import Category, Phase
 
 
@@ -85,7 +85,7 @@ def deepspeed(ctx: _Context, strategy: Strategy) -> tuple[list[_Gpu], list[str]]
     _optimizer_buffers(ctx, g, m)
     _gradient_buffers(ctx, g, m, hooks)
     if m.stage == 3:
-        _gathers(ctx, g, m)
+        gathers(ctx, g, m)
     return [g], _notes(m)
 
 
@@ -381,6 +381,7 @@ def _gradient_buffers(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
         g.add("gradients", m.bucket_bytes(), ctx.setup_end - 0.35, None)
         if not m.offload_opt:                  # offloaded: the partition is the host's
             g.add("gradients", partition, ctx.setup_end - 0.34, None)
+        _hook_gathers(ctx, g, m)
         for ph in backwards:
             _reduce_scatters(ctx, g, m, hooks, ph)
         return
@@ -420,6 +421,23 @@ def _gradient_buffers(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks) -> None:
             g.free(handle, step - 0.12)        # the step has converted and dropped it
 
 
+def _hook_gathers(ctx: _Context, g: _Gpu, m: _Model) -> None:
+    """Stage 3's start-up gathers each trainable parameter in turn on the default stream to
+    hook its gradient, and partitions it again (stage3.py ``create_reduce_and_remove_grad_hooks``:
+    ``param.all_gather()`` then ``param.partition()``): the gathered buffer, and first a copy
+    of the partition where it is the host's (``_allgather_params_sequential``; measured, one
+    buffer per parameter, and with offload_param a copy inside it, traces/zero3-*). What it
+    caches on the default stream - a segment of the largest parameter - the forward reuses."""
+    t0, n = ctx.setup_end - 0.33, max(1, len(m.numels))
+    dt = 0.009 / n
+    for k, numel in enumerate(m.numels):
+        t = t0 + k * dt
+        g.add("parameters", numel * m.grad_itemsize, t, t + 0.75 * dt)
+        if m.offload_param:
+            g.add("parameters", _shard(numel, m.world) * m.grad_itemsize, t + 0.25 * dt,
+                  t + 0.5 * dt)
+
+
 def _offloaded_reduces(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks, ph: int) -> None:
     """Stages 1-2 offloaded, at each reduce of the bucket: each of its gradients' slice in this
     rank's partition taken to float64 for its norm, then to fp32 for the host, one at a time:
@@ -438,8 +456,8 @@ def _reduce_scatters(ctx: _Context, g: _Gpu, m: _Model, hooks: _Hooks, ph: int) 
     (zero/coalesced_collectives.py) flattens the bucket's gradients into one buffer on the
     reduce stream and drops it once reduced; a bucket of one gradient whose elements split
     evenly across the ranks is reduced in place (measured: no buffer for the output
-    projection's bucket, traces/zero3-bf16-offload-*). The stream's blocks are its own: measured, two
-    cached segments of 92-101 MB beside the default stream's (traces/zero3-*)."""
+    projection's bucket, traces/zero3-bf16-offload-*). The stream's blocks are its own:
+    measured, two cached segments of 92-101 MB beside the default stream's (traces/zero3-*)."""
     hi = ctx.timing.phases[ph][1]
     for t, elements, largest in _bucket_fills(_phase_gradients(ctx, ph), m):
         at = hooks.ready(t) - 0.004 if t is not None else hi - 0.34
@@ -501,71 +519,3 @@ def _bucket_fills(grads: list[tuple[float, int]], m: _Model
         elements += n
         largest = max(largest, n)
     return out + [(None, elements, largest)] if elements else out
-
-
-def _gathers(ctx: _Context, g: _Gpu, m: _Model) -> None:
-    """Stage 3's gathered parameters, block by block (DeepSpeed fetches module by module; a
-    block is the unit here). A gathered block is released after its forward unless the
-    coordinator keeps it: from the second step on (the first records the module order),
-    ``__params_to_release`` (partitioned_param_coordinator.py) keeps a parameter that is used
-    again within ``stage3_max_reuse_distance`` parameters of upcoming modules - its own
-    backward, for the last blocks, or every block of a model smaller than that. One rank alone
-    gathers nothing (``_no_gather_coalesced``: the partition is the parameter)."""
-    if m.world == 1 and not m.offload_param:
-        return
-    tl = ctx.timing
-    full = _block_bytes(ctx, m)
-    prefetch = min(m.ds.prefetch_bucket_size, m.numel) * m.grad_itemsize
-    for ph in tl.marks_of(Phase.FORWARD):
-        start, stop, mark = tl.phases[ph]
-        spans = tl.fwd_spans.get(ph, {})
-        order = [b for b in sorted(spans, key=lambda b: spans[b][0]) if full.get(b)]
-        bw = tl.backward_of(ph)
-        bstop = tl.phases[bw][1] if bw is not None else stop
-        wins = {b: (lo, hi) for lo, hi, b in tl.bwd_windows.get(bw, [])} if bw is not None \
-            else {}
-        kept = _kept(order, full, m) if mark.iteration else set()
-        g.add("communication", prefetch, start + 0.05, bstop - 0.25)
-        if full.get(MAIN):                    # the root's own parameters, the whole step
-            g.add("parameters", full[MAIN], start + 0.06, bstop - 0.25)
-        for b in order:
-            lo, hi = spans[b]
-            free = wins[b][1] - 0.3 if b in kept and b in wins else hi + 0.5
-            _copy_in(g, m, full[b], lo - 0.41)
-            g.add("parameters", full[b], lo - 0.4, free)
-        for b, (lo, hi) in wins.items():
-            if b not in kept and full.get(b):
-                _copy_in(g, m, full[b], lo + 0.09)
-                g.add("parameters", full[b], lo + 0.1, hi - 0.3)
-
-
-def _copy_in(g: _Gpu, m: _Model, gathered: int, at: float) -> None:
-    """Offloaded parameters: a gather first copies this rank's partitions of the block to the
-    GPU, held through the all-gather (one GPU: the copy is the parameter)."""
-    if m.offload_param and m.world > 1:
-        g.add("communication", _shard(gathered, m.world), at, at + 0.015)
-
-
-def _block_bytes(ctx: _Context, m: _Model) -> dict[int, int]:
-    """Gathered 16-bit bytes per block (parameters that stay whole are held already)."""
-    out: dict[int, int] = {}
-    for h, i in ctx.param_index.items():
-        if i < ctx.layout.num_param_storages and h not in m.persistent:
-            owner = ctx.layout.param_owner[i]
-            out[owner] = out.get(owner, 0) + ctx.size[h]
-    return out
-
-
-def _kept(order: list[int], full: dict[int, int], m: _Model) -> set[int]:
-    """Blocks whose backward comes within ``max_reuse_distance`` parameters of their forward:
-    the modules between (the rest of the forward, the backward down to it) are counted as
-    the coordinator walks them."""
-    numel = {b: full[b] // m.grad_itemsize for b in order}
-    n = len(order)
-    walk = order + order[::-1]
-    kept = set()
-    for i, b in enumerate(order):
-        between = sum(numel[x] for x in walk[i + 1:2 * n - 1 - i])
-        if between < m.ds.max_reuse_distance:
-            kept.add(b)
-    return kept

@@ -214,6 +214,7 @@ class DeepSpeedConfig:
     prefetch_bucket_size: int = 50_000_000       # stage3_prefetch_bucket_size
     param_persistence_threshold: int = 100_000   # stage3_param_persistence_threshold
     max_reuse_distance: int = 1_000_000_000      # stage3_max_reuse_distance
+    max_live_parameters: int = 1_000_000_000     # stage3_max_live_parameters
     contiguous_gradients: bool = True
     # Stage 0's fp16/bf16 wrapper (engine.py _configure_fp16_optimizer): FP16_Optimizer, flat,
     # for DeepSpeed's FusedAdam (the config's Adam/AdamW, or a client FusedAdam as
@@ -272,6 +273,7 @@ _DS_KEYS = {"reduce_bucket_size": "reduce_bucket_size",
             "stage3_prefetch_bucket_size": "prefetch_bucket_size",
             "stage3_param_persistence_threshold": "param_persistence_threshold",
             "stage3_max_reuse_distance": "max_reuse_distance",
+            "stage3_max_live_parameters": "max_live_parameters",
             "contiguous_gradients": "contiguous_gradients"}
 
 
