@@ -125,3 +125,21 @@ def test_the_coordinator_while_it_records_keeps_nothing_and_prefetches_nothing()
     # with the trace recorded, a model under the reuse distance stays gathered throughout
     kept = coordinate(steps, 50_000_000, 1_000_000_000, 1_000_000_000)
     assert len(kept) == len(names) and all(h.released >= len(mods) for h in kept)
+
+
+def test_a_checkpointed_block_is_fetched_again_for_its_recomputation():
+    """Under activation checkpointing a block's forward runs again at the start of its
+    backward, and its modules' forward hooks fetch again: DeepSpeed's trace has the block's
+    modules in forward order, then in reverse; a block not checkpointed only in reverse."""
+    from types import SimpleNamespace
+
+    from oomdoctor.plans.parallel.layout import MAIN
+    from oomdoctor.plans.parallel.zero3_coordinator import Module
+    from oomdoctor.plans.parallel.zero3_gathers import _backward
+    mods = [Module(MAIN, ((0, 10),), leading=True), Module(0, ((1, 5),)), Module(0, ((2, 5),)),
+            Module(1, ((3, 5),)), Module(1, ((4, 5),)), Module(MAIN, ((5, 10),))]
+    ctx = SimpleNamespace(trace=SimpleNamespace(checkpointed=("layers.1",)),
+                          layout=SimpleNamespace(blocks=("layers.0", "layers.1")))
+    order = [(mod.params[0][0], again) for mod, again in _backward(ctx, mods)]
+    assert order == [(5, False), (3, True), (4, True), (4, False), (3, False), (2, False),
+                     (1, False), (0, False)]

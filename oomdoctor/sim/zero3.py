@@ -40,7 +40,6 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias=None):
-        _note_views(weight, bias)
         ctx.save_for_backward(x, weight, bias)
         if x.dim() == 2 and bias is not None:
             return torch.addmm(bias, x, weight.t())
@@ -79,7 +78,10 @@ def _note_views(*saved) -> None:
 
 
 def linear(input, weight, bias=None):   # noqa: A002 - F.linear's own names, for keyword calls
-    """``zero3_linear_wrap``."""
+    """``zero3_linear_wrap``. Only a call that records the graph saves anything (a
+    checkpointed block's first forward runs without)."""
+    if torch.is_grad_enabled():
+        _note_views(weight, bias)
     return _Linear.apply(input, weight, bias)
 
 

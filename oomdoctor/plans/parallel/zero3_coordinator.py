@@ -22,7 +22,8 @@ last 18 of 24 layers' weights (and every layer's packed attention projection, wh
 backward saves); a rule by the reuse distance alone kept the last 10.
 
 Each module here is one module path's parameters (a block's linear, norm, attention), in the
-layout's order; the backward runs them in reverse.
+order they ran; the backward runs them in reverse, a checkpointed block's forward again first
+(:mod:`oomdoctor.plans.parallel.zero3_gathers` builds the order and places it on the timeline).
 """
 from __future__ import annotations
 

@@ -68,11 +68,13 @@ class _Steps:
             path = path.rpartition(".")[0]
         return None
 
-    def times(self, mod: Module, backward: bool) -> tuple[float, float]:
-        """(fetch, release) of ``mod``'s parameters."""
+    def times(self, mod: Module, backward: bool, recompute: bool = False
+              ) -> tuple[float, float]:
+        """(fetch, release) of ``mod``'s parameters (``recompute``: its checkpointed block's
+        forward run again at the start of the block's backward window)."""
         if backward and mod.block != MAIN:
             lo, hi = self.wins.get(mod.block, (self.bstart, self.bstop))
-            return lo + 0.1, hi - 0.3
+            return (lo + 0.05, lo + 0.08) if recompute else (lo + 0.1, hi - 0.3)
         if backward:
             return (self.bstop - 0.3, self.bstop - 0.26) if mod.leading else \
                 (self.bstart + 0.05, self.bstart + 0.2)
@@ -90,10 +92,14 @@ def _coordinated(ctx: _Context, g: _Gpu, m: _Model, at: _Steps, complete: bool) 
     """One iteration: every parameter from the fetch that gathers it to the release after
     which it goes (``complete``: the module trace is recorded, the coordinator prefetches)."""
     modules = _modules(ctx, m, at)
-    steps = modules + modules[::-1]
+    backward = _backward(ctx, modules)
+    steps = modules + [mod for mod, _ in backward]
     n = len(modules)
-    times = [at.times(mod, s >= n) for s, mod in enumerate(steps)]
+    times = [at.times(mod, False) for mod in modules] + \
+        [at.times(mod, True, again) for mod, again in backward]
     block = {h: mod.block for mod in modules for h, _ in mod.params}
+    # a checkpointed block's forward saves nothing; its recomputation keeps what it saves
+    recomputed = {mod.block for mod, again in backward if again}
     # the first iteration's getter gathers: a module path that never ran, under one that did
     getter = set() if complete else {h for mod in modules for h, _ in mod.params
                                      if at.span(mod.path) != at.paths.get(mod.path)}
@@ -104,10 +110,31 @@ def _coordinated(ctx: _Context, g: _Gpu, m: _Model, at: _Steps, complete: bool) 
         stream = 0 if h.handle in getter and h.gathered < n or m.world > 1 else GATHER
         _copy_in(g, m, ctx.size[h.handle], t0 - 0.01)
         g.add("parameters", ctx.size[h.handle], t0, max(t1, t0 + 0.001), stream=stream)
-        saved = at.wins.get(block[h.handle]) if ctx.trace.storages[h.handle].view_saved else None
+        saved = at.wins.get(block[h.handle]) if ctx.trace.storages[h.handle].view_saved \
+            and block[h.handle] not in recomputed else None
         if saved is not None and h.released is not None and h.released < n:
             # released, but a saved view holds the storage until the block's backward
             g.add("parameters", ctx.size[h.handle], t1, saved[1] - 0.3, stream=stream)
+
+
+def _backward(ctx: _Context, modules: list[Module]) -> list[tuple[Module, bool]]:
+    """The backward's module order, each with whether it is a recomputation: blocks last
+    first, a checkpointed block's modules run forward again before their backward (its
+    forward hooks fire again, and DeepSpeed fetches for them)."""
+    recomputed = set(ctx.trace.checkpointed)
+    blocks: list[list[Module]] = []
+    for mod in modules:
+        if blocks and blocks[-1][0].block == mod.block:
+            blocks[-1].append(mod)
+        else:
+            blocks.append([mod])
+    out: list[tuple[Module, bool]] = []
+    for group in reversed(blocks):
+        block = group[0].block
+        if block != MAIN and ctx.layout.blocks[block] in recomputed:
+            out += [(mod, True) for mod in group]
+        out += [(mod, False) for mod in reversed(group)]
+    return out
 
 
 def _modules(ctx: _Context, m: _Model, at: _Steps) -> list[Module]:
