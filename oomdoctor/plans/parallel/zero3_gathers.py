@@ -1,10 +1,12 @@
 """Stage 3's gathered parameters on one rank's timeline: when each is gathered and released.
 
-The first iteration gathers each block's parameters for its forward and again for its
-backward, releasing them after each; from the second, DeepSpeed's coordinator prefetches along
-the module order the first recorded and keeps what it passed
-(:mod:`oomdoctor.plans.parallel.zero3_coordinator`). With ``offload_param`` each gather copies
-the rank's partitions to the GPU first.
+The modules are the layout's parameter paths in the order the traced forward ran them (its
+storages' module labels place each fetch and release); the backward runs them in reverse, a
+checkpointed block's forward again first. The first iteration gathers each module's parameters
+as it runs and releases them after it; from the second, DeepSpeed's coordinator prefetches along
+the order the first recorded and keeps what it passed
+(:mod:`oomdoctor.plans.parallel.zero3_coordinator`). With ``offload_param`` on several GPUs each
+gather copies the rank's partitions to the GPU first.
 """
 from __future__ import annotations
 
@@ -107,7 +109,7 @@ def _coordinated(ctx: _Context, g: _Gpu, m: _Model, at: _Steps, complete: bool) 
                         m.ds.max_reuse_distance, complete):
         t0 = times[h.gathered][0]
         t1 = times[h.released][1] if h.released is not None else at.bstop - 0.25
-        stream = 0 if h.handle in getter and h.gathered < n or m.world > 1 else GATHER
+        stream = 0 if (h.handle in getter and h.gathered < n) or m.world > 1 else GATHER
         _copy_in(g, m, ctx.size[h.handle], t0 - 0.01)
         g.add("parameters", ctx.size[h.handle], t0, max(t1, t0 + 0.001), stream=stream)
         saved = at.wins.get(block[h.handle]) if ctx.trace.storages[h.handle].view_saved \
