@@ -2,13 +2,16 @@
 
     python benchmarks/calibrate.py                       # all sample models, on cuda:0
     python benchmarks/calibrate.py --models tiny_mlp gpt2_small --out /tmp/x.json
+    python benchmarks/calibrate.py --fresh --models resnet_cnn --precisions fp16 bf16
 
 Writes benchmarks/results/<gpu>-<torch>.json (schema in benchmarks/results/README.md): for each
 sample model (llama7b only on cards with >= 80 GiB), precision (fp32, fp16, bf16 and bf16-pure
 where the card has bf16) and checkpointing off/on, the real max_memory_allocated/reserved at
 batch 1, 2, 4 and at the simulator's predicted maximum, plus the measured maximum batch
 (oomdoctor.runs.measure.measured_probe) for fp32 and the 16-bit AMP configuration. Without CUDA it
-exits with code 2.
+exits with code 2. Every run shares this process unless ``--fresh`` (each in a new one,
+oomdoctor.runs.fresh_process): the file's "process" says which, and the calibration test replays
+a shared process's history (the address ranges its earlier runs freed).
 """
 from __future__ import annotations
 
@@ -67,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                          "AMP with checkpointing")
     ap.add_argument("--precisions", nargs="*", help="fp32 fp16 bf16 bf16-pure (default: all the "
                                                     "card runs)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="each run in a new process (a few seconds more each), as a training "
+                         "run starts; without it every run shares this process, whose freed "
+                         "address ranges change what fits (the file says which)")
     args = ap.parse_args(argv)
 
     import torch
@@ -82,22 +89,27 @@ def main(argv: list[str] | None = None) -> int:
 
     from oomdoctor.sim.allocator import AllocatorConfig
     from oomdoctor.plans.estimate import Budget
-    from oomdoctor.models.loader import load_model_file
+    from oomdoctor.models.loader import load_model
     from oomdoctor.runs.measure import TorchRunner, measured_probe, profile_for_device
     from oomdoctor.plans.probe import probe_config
     from oomdoctor.sim.trace import TraceConfig
 
+    from oomdoctor.runs.fresh_process import FreshProcessRunner, first_context
     dev = torch.device("cuda", 0)
-    props = torch.cuda.get_device_properties(dev)
-    torch.zeros(1, device=dev)                       # create the context before measuring it
-    free, total = torch.cuda.mem_get_info(dev)
-    context = total - free - torch.cuda.memory_reserved(dev)   # outside the allocator
+    props = torch.cuda.get_device_properties(dev)    # no context yet (torch's lazy init)
+    if args.fresh:     # this process stays without a context: it would take the runs' memory
+        context = first_context("cuda:0")
+        runner = FreshProcessRunner("cuda:0", build_on_device=True)
+    else:
+        torch.zeros(1, device=dev)                   # create the context before measuring it
+        free, total = torch.cuda.mem_get_info(dev)
+        context = total - free - torch.cuda.memory_reserved(dev)   # outside the allocator
+        runner = TorchRunner("cuda:0")
     cc = (props.major, props.minor)
     profile = profile_for_device(props.name, props.total_memory, cc)
     budget = Budget(profile, margin=0.0, context_bytes=context)
-    bf16 = torch.cuda.is_bf16_supported()
+    bf16 = cc >= (8, 0)
     precisions = args.precisions or ["fp32", "fp16"] + (["bf16", "bf16-pure"] if bf16 else [])
-    runner = TorchRunner("cuda:0")
 
     names = args.models or sorted(os.path.splitext(os.path.basename(p))[0]
                                   for p in glob.glob(os.path.join(ROOT, "sample_models", "*.py")))
@@ -108,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or os.path.join(ROOT, "benchmarks", "results", f"{gpu_slug}-{torch_slug}.json")
     records: list[dict] = []
     doc = {"schema": SCHEMA_VERSION,
-           "process": "one",     # every run in this process, in record order (each emptied)
+           "process": "fresh" if args.fresh else "one",   # "one": this process, record order
            "gpu": {"name": props.name, "total_bytes": props.total_memory,
                    "compute_capability": list(cc), "profile": profile.name,
                    "context_bytes": context, "driver": _driver(),
@@ -120,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     for name in names:
-        spec = load_model_file(os.path.join(ROOT, "sample_models", f"{name}.py"))
+        spec = load_model(os.path.join(ROOT, "sample_models", f"{name}.py"))  # --fresh rebuilds
         for precision in precisions:
             for ck in (False, True):
                 base = TraceConfig(1, precision=precision, checkpointing=ck)
@@ -161,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "measured_max_batch": r.max_batch_size,
                                 "predicted_max_batch": predicted})
 
-    doc["gpu"]["context_after_bytes"] = _context_after(runner, dev)
+    doc["gpu"]["context_after_bytes"] = runner.context_after if args.fresh else \
+        _context_after(runner, dev)
     _write(out, doc)
     log(f"wrote {len(records)} records to {out}")
     return 0

@@ -308,5 +308,7 @@ def test_fresh_process_runner_runs_each_trial_in_a_new_process(tmp_path):
     assert r.trials[1].error == "CUDA out of memory. Tried to allocate 2.00 GiB"
     built_in = pids.read_text().split()
     assert len(set(built_in)) == 2 and str(os.getpid()) not in built_in
+    from oomdoctor.runs.fresh_process import first_context
+    assert first_context("cpu") is None      # no CUDA context to measure on the host
     with pytest.raises(MeasureError, match="cuda:5"):
         FreshProcessRunner("cuda:5")

@@ -1,4 +1,4 @@
-"""Each measured trial in a new process: what fits there is what a training run started afresh fits.
+"""Each measured trial in a new process: what fits there is what a new training run fits.
 
     from oomdoctor.runs.fresh_process import FreshProcessRunner
     measured_probe(spec, cfg, runner=FreshProcessRunner("cuda:0"), predicted_max=12)
@@ -43,6 +43,9 @@ class FreshProcessRunner:
         self.build_on_device = build_on_device
         self._name: str | None = None
         self._peaks: tuple[int | None, int | None] = (None, None)
+        # the most any trial's process held outside the allocator at its end: the CUDA context
+        # with the kernels the step loaded (lazily); None without CUDA
+        self.context_after: int | None = None
 
     def device_name(self) -> str:
         return self._name or self.device
@@ -72,6 +75,8 @@ class FreshProcessRunner:
                                "crash in a CUDA extension)") from e
         self._name = out["device_name"]
         self._peaks = (out["max_memory_allocated"], out["max_memory_reserved"])
+        if out["outside_allocator"] is not None:
+            self.context_after = max(self.context_after or 0, out["outside_allocator"])
         if out["oom"] is not None:
             raise torch.OutOfMemoryError(out["oom"])
 
@@ -88,4 +93,28 @@ def _trial(source: Any, cfg: TraceConfig, device: str, build_on_device: bool) ->
         oom = (str(e).strip().splitlines() or ["out of memory"])[0]
     allocated, reserved = runner.peaks()
     return {"oom": oom, "max_memory_allocated": allocated, "max_memory_reserved": reserved,
-            "device_name": runner.device_name()}
+            "device_name": runner.device_name(), "outside_allocator": _outside(runner)}
+
+
+def _outside(runner: TorchRunner) -> int | None:
+    """What the device holds outside the caching allocator now (the CUDA context)."""
+    if not runner.cuda:
+        return None
+    free, total = torch.cuda.mem_get_info(runner.dev)
+    return total - free - torch.cuda.memory_reserved(runner.dev)
+
+
+def first_context(device: str = "cuda:0") -> int | None:
+    """The CUDA context right after a new process's first allocation, measured in one (this
+    process stays without one); None without CUDA."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        return pool.submit(_first_context, device).result()
+
+
+def _first_context(device: str) -> int | None:
+    runner = TorchRunner(device)
+    if not runner.cuda:
+        return None
+    torch.zeros(1, device=runner.dev)
+    return _outside(runner)
