@@ -155,17 +155,19 @@ KNOWN_DEVIATIONS: dict[str, list[tuple]] = {
         (_H200, "resnet_cnn", "fp32", True, 4096, "reserved"),
         (_FRESH, "resnet_cnn", "fp32", False, 4096, "reserved"),
     ],
-    # ResNet in 16 bits at batch 4096, measured in calibrate.py's long-lived process: where the
-    # driver puts each run's workspace-sized segments depends on the layout the earlier runs
-    # left, which the replay has as one freed range (freed_before, oomdoctor.sim.allocator.
-    # addresses) and the GPU does not: the CUDA context's lazily loaded kernels (it grew from
-    # 619 to 771 MiB over gpt2_small's runs, -search.json) sit between the freed segments. Measured
-    # effect: the same bf16 run reserved 59.37 GiB in a fresh process (-fresh.json, the replay
-    # -1.1%) and 55.54 GiB in the long-lived one (the replay with the freed range +1.6%); fp16
-    # and bf16, identical in every allocation, reserved 63.55 and 55.54 GiB there, and 46.82
-    # and 47.81 GiB with checkpointing, after different runs. Replayed: -11.2%, -11.0%, -12.8%,
-    # and pure bf16 -5.4% (not measured in a fresh process).
-    "ResNet's workspaces in a process that freed earlier runs": [
+    # ResNet in 16 bits at batch 4096, measured in calibrate.py's long-lived process, where
+    # two measured effects move the reserve by GiBs and are not separated for these rows:
+    # - the process's history: the same bf16 run reserved 59.37 GiB in a fresh process
+    #   (-fresh.json, the replay -1.1%) and 55.54 GiB in the long-lived one (the replay with the
+    #   freed range, freed_before, +1.6%). The replay's freed range is one range; on the GPU the
+    #   CUDA context's lazily loaded kernels (it grew from 619 to 771 MiB over gpt2_small's
+    #   runs, -search.json) sit between the freed segments (the events of lora_gpt's run after
+    #   others, newpaths/traces/*-after, place segments in scattered holes);
+    # - cuDNN's plans per dtype: fp16 and bf16, identical in every allocation the simulator
+    #   sees, reserved 63.55 and 55.54 GiB without checkpointing, 46.82 and 47.81 with.
+    # Replayed: -11.2%, -11.0%, -12.8%, and pure bf16 -5.4%. Each row run fresh (prepared:
+    # benchmarks/results/README.md) would say which.
+    "ResNet's 16-bit workspaces after earlier runs, or cuDNN's fp16 plans": [
         (_H200, "resnet_cnn", p, ck, 4096, "reserved")
         for p, ck in (("fp16", False), ("fp16", True), ("bf16", True), ("bf16-pure", False))
     ],
