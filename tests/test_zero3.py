@@ -143,3 +143,28 @@ def test_a_checkpointed_block_is_fetched_again_for_its_recomputation():
     order = [(mod.params[0][0], again) for mod, again in _backward(ctx, mods)]
     assert order == [(5, False), (3, True), (4, True), (4, False), (3, False), (2, False),
                      (1, False), (0, False)]
+
+
+def test_a_tied_weight_is_fetched_again_by_its_other_module(monkeypatch):
+    """gpt2_small ties lm_head.weight to wte.weight: DeepSpeed fetches that one parameter for
+    the embedding at the forward's start and again for lm_head at its end (each module's
+    own parameters, partitioned_param_coordinator.py), so the coordinator's module order has
+    the tied weight in both (the layout's param_aliases)."""
+    import oomdoctor.plans.parallel.zero3_gathers as gathers
+    from click.testing import CliRunner
+
+    from oomdoctor.cli import cli
+    seen = []
+    original = gathers._modules
+
+    def spy(ctx, m, at):
+        mods = original(ctx, m, at)
+        seen.append([(mod.path, ctx.layout.param_names[ctx.param_index[h]])
+                     for mod in mods for h, _ in mod.params])
+        return mods
+    monkeypatch.setattr(gathers, "_modules", spy)
+    r = CliRunner().invoke(cli, ["parallel", "sample_models/gpt2_small.py", "--gpus", "2",
+                                 "--strategy", "ds3", "-b", "1", "--gpu", "rtx3090", "--json"])
+    assert r.exit_code == 0, r.output
+    assert seen[0][0] == ("wte", "wte.weight")
+    assert seen[0][-1] == ("lm_head", "wte.weight")

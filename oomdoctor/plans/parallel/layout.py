@@ -59,6 +59,9 @@ class Layout:
     has_batchnorm: bool
     # weights stored 4-bit (bitsandbytes): each matmul dequantizes them to 16 bits first
     dequantized_params: int = 0
+    # per parameter storage, its other names (a tied weight: lm_head.weight beside
+    # model.embed_tokens.weight): the modules that use it besides its owner's
+    param_aliases: tuple[tuple[str, ...], ...] = ()
 
     def block_of(self, module: str) -> int | None:
         """Execution index of the block a module path belongs to; MAIN for root-level code,
@@ -154,7 +157,7 @@ def _layout(spec: ModelSpec, precision: str, batch_size: int, min_blocks: int | 
         num_parameters=sum(t.numel() for t in st.tensors.values()),
         num_trainable=sum(t.numel() for t in st.tensors.values() if t.requires_grad),
         largest_leaf_params=st.largest_leaf, has_batchnorm=st.has_bn,
-        dequantized_params=st.four_bit)
+        dequantized_params=st.four_bit, param_aliases=tuple(st.aliases))
 
 
 def script_layout(trace: Trace, name: str) -> Layout:
@@ -216,7 +219,7 @@ def script_layout(trace: Trace, name: str) -> Layout:
         num_parameters=sum(t.numel() for t in st.tensors.values()),
         num_trainable=sum(t.numel() for t in st.tensors.values() if t.requires_grad),
         largest_leaf_params=st.largest_leaf, has_batchnorm=st.has_bn,
-        dequantized_params=st.four_bit)
+        dequantized_params=st.four_bit, param_aliases=tuple(st.aliases))
 
 
 def _script_block_flops(trace: Trace, blocks: list[str], by_params: list[float],
@@ -294,6 +297,7 @@ class _Storages:
     owners_def: list[int]                    # per key: owning block (definition index) or MAIN
     owner_by_key: dict[int, int]
     tied_def: list[tuple[int, ...]]
+    aliases: list[tuple[str, ...]]           # per parameter key: its names after the first
     trainable: list[bool]
     numel: list[int]
     block_numel: list[int]
@@ -348,6 +352,7 @@ def _storages(model: torch.nn.Module, defined: list[str],
         group = sorted({owner_of([n]) for n in names_by_key[k]})
         if len(group) > 1:
             tied_def.append(tuple(group))
+    aliases = [tuple(names_by_key[k][1:]) for k in param_keys]
     trainable = [bool(k in names_by_key and tensors[k].requires_grad) for k in keys]
     numel = [tensors[k].numel() if k in tensors else 0 for k in keys]
     block_numel = [0] * len(defined)
@@ -362,8 +367,8 @@ def _storages(model: torch.nn.Module, defined: list[str],
     four_bit = sum(logical_numel(t) for t in tensors.values()
                    if getattr(t, "quant_state", None) is not None)
     return _Storages(param_keys, keys, tensors, names, owners_def, owner_by_key, tied_def,
-                     trainable, numel, block_numel, persistent_names, largest_leaf, has_bn,
-                     four_bit)
+                     aliases, trainable, numel, block_numel, persistent_names, largest_leaf,
+                     has_bn, four_bit)
 
 
 def _saved_names(model: torch.nn.Module) -> set[str]:

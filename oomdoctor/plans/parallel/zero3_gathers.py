@@ -62,6 +62,16 @@ class _Steps:
                 lo, hi = self.paths.get(st.module, (st.t_alloc, st.t_alloc))
                 self.paths[st.module] = (min(lo, st.t_alloc), max(hi, st.t_alloc))
 
+    def _window(self, block: int) -> tuple[float, float] | None:
+        """The backward window ``block``'s gradients fall in: its own, else that of the
+        nearest later block with one (the windows are cut where each block's last gradient
+        is made, last block first, and a block whose gradients end inside a later block's
+        window has none); None for a block after every window (its backward runs first)."""
+        if block in self.wins:
+            return self.wins[block]
+        later = [b for b in self.wins if b > block]
+        return self.wins[min(later)] if later else None
+
     def span(self, path: str) -> tuple[float, float] | None:
         """The forward allocations of the module at ``path`` or the nearest module above it."""
         while path:
@@ -74,10 +84,11 @@ class _Steps:
               ) -> tuple[float, float]:
         """(fetch, release) of ``mod``'s parameters (``recompute``: its checkpointed block's
         forward run again at the start of the block's backward window)."""
-        if backward and mod.block != MAIN:
-            lo, hi = self.wins.get(mod.block, (self.bstart, self.bstop))
+        window = self._window(mod.block) if backward and mod.block != MAIN else None
+        if window is not None:
+            lo, hi = window
             return (lo + 0.05, lo + 0.08) if recompute else (lo + 0.1, hi - 0.3)
-        if backward:
+        if backward:        # the root's, or a block whose backward runs first (a tied lm_head)
             return (self.bstop - 0.3, self.bstop - 0.26) if mod.leading else \
                 (self.bstart + 0.05, self.bstart + 0.2)
         own = self.span(mod.path)
@@ -141,12 +152,13 @@ def _backward(ctx: _Context, modules: list[Module]) -> list[tuple[Module, bool]]
 
 def _modules(ctx: _Context, m: _Model, at: _Steps) -> list[Module]:
     """The modules whose parameters stage 3 gathers, in forward order: each module path's
-    parameters (the layout's names), a block's in the order its modules ran, the root's own
-    before the first block or after the one registered before them."""
+    parameters (the layout's names, and a tied weight's other names), a block's in the order
+    its modules ran, the root's own before the first block or after the one registered
+    before them."""
     lay = ctx.layout
     params = sorted((i, h) for h, i in ctx.param_index.items()
                     if i < lay.num_param_storages and h not in m.persistent)
-    groups: dict[tuple, list] = {}
+    groups: dict[tuple, tuple[int, list]] = {}     # order key -> (block, [(index, handle)])
     prev = -1
     for i, h in params:
         owner = lay.param_owner[i]
@@ -154,14 +166,34 @@ def _modules(ctx: _Context, m: _Model, at: _Steps) -> list[Module]:
             prev = owner
         key = (owner if owner != MAIN else prev, owner == MAIN and prev >= 0,
                lay.param_names[i].rpartition(".")[0])
-        groups.setdefault(key, []).append((i, h))
+        groups.setdefault(key, (owner, []))[1].append((i, h))
+        for alias in (lay.param_aliases[i] if i < len(lay.param_aliases) else ()):
+            found = _alias_key(lay, at, alias.rpartition(".")[0])
+            if found is not None:        # a tied weight fetched again by its other module
+                groups.setdefault(found[0], (found[1], []))[1].append((i, h))
 
     def ran(item):
-        (block, trailing, path), members = item
+        (block, trailing, path), (_, members) = item
         span = at.span(path)
         return block, trailing, span[0] if span else float("inf"), members[0][0]
-    return [Module(lay.param_owner[v[0][0]], tuple((h, lay.param_numel[i]) for i, h in v),
-                   leading=k[0] < 0, path=k[2]) for k, v in sorted(groups.items(), key=ran)]
+    return [Module(owner, tuple((h, lay.param_numel[i]) for i, h in members),
+                   leading=key[0] < 0, path=key[2])
+            for key, (owner, members) in sorted(groups.items(), key=ran)]
+
+
+def _alias_key(lay, at: _Steps, path: str) -> tuple[tuple, int] | None:
+    """Where a tied weight's other module runs, as :func:`_modules` orders modules, and its
+    block: in its block, or the root's before the first block or after the last; None where
+    the traced forward never ran it."""
+    span = at.paths.get(path)
+    if span is None:
+        return None
+    block = lay.block_of(path)
+    if block is not None and block != MAIN:
+        return (block, False, path), block
+    if span[0] < at.first:
+        return (-1, False, path), MAIN
+    return (len(lay.blocks), True, path), MAIN
 
 
 def _copy_in(g: _Gpu, m: _Model, gathered: int, at: float) -> None:
