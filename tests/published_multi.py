@@ -40,7 +40,7 @@ with its known gap.
    optimizer), ``max_memory_allocated`` per GPU since before the model was built (GiB: the
    script divides by 1024**3). The 6.86B model (hidden 4096, 32 layers, 32 heads, micro-batch
    1 x 512) on 4 GPUs with activation checkpointing: 31.38 GiB, asserted (the optimizer step's
-   peak). Without checkpointing 41.28 GiB, reported: -19% (-24% before DeepSpeed's coordinator
+   peak). Without checkpointing 41.28 GiB, reported: -19.5% (-24% before DeepSpeed's coordinator
    was replayed, oomdoctor.plans.parallel.zero3_coordinator, which keeps up to
    stage3_max_live_parameters gathered into the backward); 8 GiB more stay gathered on the
    four GPUs than that, about half the 16-bit model, not found in the source. The 254M model (hidden 1024, 12 layers, 16 heads, micro-batch 4): 5.93 GiB on
