@@ -48,15 +48,13 @@ def _write(path: str, doc: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _context_after(runner, dev) -> int:
+def _context_after(runner) -> int:
     """The memory outside the allocator once the runs are over. CUDA loads kernel modules
     lazily (CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7), so the context grows past
     what it held after the first allocation as cuBLAS, cuDNN and the step's kernels load; the
     largest batch that fits sees this one."""
-    import torch
     runner.cleanup()
-    free, total = torch.cuda.mem_get_info(dev)
-    return total - free - torch.cuda.memory_reserved(dev)
+    return runner.outside_allocator()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,10 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         context = first_context("cuda:0")
         runner = FreshProcessRunner("cuda:0", build_on_device=True)
     else:
-        torch.zeros(1, device=dev)                   # create the context before measuring it
-        free, total = torch.cuda.mem_get_info(dev)
-        context = total - free - torch.cuda.memory_reserved(dev)   # outside the allocator
         runner = TorchRunner("cuda:0")
+        torch.zeros(1, device=dev)                   # create the context before measuring it
+        context = runner.outside_allocator()
     cc = (props.major, props.minor)
     profile = profile_for_device(props.name, props.total_memory, cc)
     budget = Budget(profile, margin=0.0, context_bytes=context)
@@ -174,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "predicted_max_batch": predicted})
 
     doc["gpu"]["context_after_bytes"] = runner.context_after if args.fresh else \
-        _context_after(runner, dev)
+        _context_after(runner)
     _write(out, doc)
     log(f"wrote {len(records)} records to {out}")
     return 0

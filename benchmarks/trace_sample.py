@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print("trace_sample.py: no CUDA GPU visible", file=sys.stderr)
         return 2
     from oomdoctor.models.loader import load_model, load_model_file
-    from oomdoctor.runs.measure import TorchRunner
+    from oomdoctor.runs.measure import TorchRunner, oom_line
     from oomdoctor.sim.trace import TraceConfig
     spec = (load_model(args.model) if ":" in args.model else
             load_model_file(os.path.join(ROOT, "sample_models", f"{args.model}.py")))
@@ -62,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runner.train(spec, cfg)
     except torch.OutOfMemoryError as e:   # the events up to the OOM are the point (issue 34)
-        oom = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
+        oom = oom_line(e)[:300]
         traceback.clear_frames(e.__traceback__)   # its frames hold the run's tensors
-    free, total = torch.cuda.mem_get_info()
     os.makedirs(args.out, exist_ok=True)
     name = (f"{args.model.replace(':', '_')}-{args.precision}-ck{int(args.checkpointing)}-b{args.batch}"
             f"{'-moved' if args.moved else ''}{'-after' if args.before else ''}.json.gz")
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                       "max_memory_allocated": alloc, "max_memory_reserved": reserved,
                       "oom": oom, "moved": args.moved, "before": before,
                       # what the card holds outside the allocator at the end (CUDA context)
-                      "outside_allocator_bytes": total - free - torch.cuda.memory_reserved(),
+                      "outside_allocator_bytes": runner.outside_allocator(),
                       "cudnn": torch.backends.cudnn.version(),
                       "cudnn_benchmark": torch.backends.cudnn.benchmark,
                       "torch": torch.__version__, "trace_error": err}), flush=True)
@@ -85,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
 def _untraced(runner, spec, cfg, batch: int) -> dict:
     """One earlier run in this process, as measured_probe's trial runs it."""
     import torch
+    from oomdoctor.runs.measure import oom_line
     from dataclasses import replace
     runner.cleanup()
     oom = None
     try:
         runner.train(spec, replace(cfg, batch_size=batch))
     except torch.OutOfMemoryError as e:
-        oom = (str(e).strip().splitlines() or ["out of memory"])[0][:300]
+        oom = oom_line(e)[:300]
         traceback.clear_frames(e.__traceback__)
     alloc, reserved = runner.peaks()
     runner.cleanup()

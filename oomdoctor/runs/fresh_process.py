@@ -28,7 +28,7 @@ import torch
 
 from oomdoctor.models.loader import for_process, in_process
 from oomdoctor.models.spec import ModelSpec
-from oomdoctor.runs.measure import MeasureError, TorchRunner
+from oomdoctor.runs.measure import MeasureError, TorchRunner, oom_line
 from oomdoctor.sim.trace import TraceConfig
 
 
@@ -64,11 +64,9 @@ class FreshProcessRunner:
 
     def train(self, spec: ModelSpec, cfg: TraceConfig) -> None:
         """One trial in a new process; raises torch.OutOfMemoryError when the child ran out."""
-        source = for_process(spec, "spawn")
-        ctx = multiprocessing.get_context("spawn")
         try:
-            with ProcessPoolExecutor(1, mp_context=ctx) as pool:
-                out = pool.submit(_trial, source, cfg, self.device, self.build_on_device).result()
+            out = _in_new_process(_trial, for_process(spec, "spawn"), cfg, self.device,
+                                  self.build_on_device)
         except BrokenProcessPool as e:
             raise MeasureError(f"the trial's process at batch {cfg.batch_size} died without a "
                                f"result ({e}); run it alone to see why (out of host memory, a "
@@ -90,31 +88,26 @@ def _trial(source: Any, cfg: TraceConfig, device: str, build_on_device: bool) ->
     try:
         runner.train(spec, cfg)
     except torch.OutOfMemoryError as e:
-        oom = (str(e).strip().splitlines() or ["out of memory"])[0]
+        oom = oom_line(e)
     allocated, reserved = runner.peaks()
     return {"oom": oom, "max_memory_allocated": allocated, "max_memory_reserved": reserved,
-            "device_name": runner.device_name(), "outside_allocator": _outside(runner)}
+            "device_name": runner.device_name(), "outside_allocator": runner.outside_allocator()}
 
 
-def _outside(runner: TorchRunner) -> int | None:
-    """What the device holds outside the caching allocator now (the CUDA context)."""
-    if not runner.cuda:
-        return None
-    free, total = torch.cuda.mem_get_info(runner.dev)
-    return total - free - torch.cuda.memory_reserved(runner.dev)
+def _in_new_process(fn, *args: Any) -> Any:
+    """``fn(*args)`` in a spawned process (CUDA does not survive a fork), its result."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def first_context(device: str = "cuda:0") -> int | None:
     """The CUDA context right after a new process's first allocation, measured in one (this
     process stays without one); None without CUDA."""
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=ctx) as pool:
-        return pool.submit(_first_context, device).result()
+    return _in_new_process(_first_context, device)
 
 
 def _first_context(device: str) -> int | None:
     runner = TorchRunner(device)
-    if not runner.cuda:
-        return None
-    torch.zeros(1, device=runner.dev)
-    return _outside(runner)
+    if runner.cuda:
+        torch.zeros(1, device=runner.dev)
+    return runner.outside_allocator()

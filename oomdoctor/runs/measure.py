@@ -181,6 +181,14 @@ class TorchRunner:
             return None, None
         return torch.cuda.max_memory_allocated(self.dev), torch.cuda.max_memory_reserved(self.dev)
 
+    def outside_allocator(self) -> int | None:
+        """What the device holds outside the caching allocator now: the CUDA context, with the
+        kernels loaded so far (lazily); None on the host."""
+        if not self.cuda:
+            return None
+        free, total = torch.cuda.mem_get_info(self.dev)
+        return total - free - torch.cuda.memory_reserved(self.dev)
+
     def train(self, spec: ModelSpec, cfg: TraceConfig) -> None:
         _train(spec, cfg, self.dev, self.build_on_device)
         if self.cuda:
@@ -301,7 +309,7 @@ def _run_trial(spec: ModelSpec, cfg: TraceConfig, runner: Runner,
     try:
         runner.train(spec, cfg)
     except torch.OutOfMemoryError as e:   # the caching allocator's OOM (torch >= 2.1 name)
-        error = (str(e).strip().splitlines() or ["out of memory"])[0]
+        error = oom_line(e)
         # The traceback's frames hold the trial's tensors until it dies; drop their locals.
         traceback.clear_frames(e.__traceback__)
     except BaseException as e:            # KeyboardInterrupt, model errors: clean up, re-raise
@@ -313,6 +321,11 @@ def _run_trial(spec: ModelSpec, cfg: TraceConfig, runner: Runner,
     runner.cleanup()
     return MeasuredTrial(cfg.batch_size, error is None, peak_allocated, peak_reserved,
                          predicted[0], predicted[1], seconds, error)
+
+
+def oom_line(e: BaseException) -> str:
+    """The first line of an out-of-memory error's message (what a trial records)."""
+    return (str(e).strip().splitlines() or ["out of memory"])[0]
 
 
 def _search_from(fits: Callable[[int], bool], guess: int, max_batch: int) -> tuple[int | None, bool]:
