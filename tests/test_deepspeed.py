@@ -94,6 +94,11 @@ def test_config_file_reading():
             "stage": 2, "offload_param": {"device": "cpu"}}})
     with pytest.raises(ValueError, match="both fp16 and bf16"):
         par.read_deepspeed_config({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    with pytest.raises(ValueError, match="stage3_max_live_parameters is 'lots'"):
+        par.read_deepspeed_config({"zero_optimization": {
+            "stage": 3, "stage3_max_live_parameters": "lots"}})
+    assert par.read_deepspeed_config({"zero_optimization": {
+        "stage": 3, "stage3_max_live_parameters": 1e8}}).config.max_live_parameters == 10**8
 
 
 def test_every_stage_and_precision_runs(tmp_path):

@@ -312,3 +312,19 @@ def test_fresh_process_runner_runs_each_trial_in_a_new_process(tmp_path):
     assert first_context("cpu") is None      # no CUDA context to measure on the host
     with pytest.raises(MeasureError, match="cuda:5"):
         FreshProcessRunner("cuda:5")
+
+
+def test_a_trial_whose_process_dies_is_an_error_not_a_verdict(tmp_path):
+    """A child that dies without a result (here os._exit in build_model; on a GPU, the host
+    out of memory or a crashing extension) stops the probe with an error - exit 5 through the
+    CLI's guard, one line - never "does not fit", as an OOM would be counted."""
+    from oomdoctor.models.loader import load_model
+    from oomdoctor.runs.fresh_process import FreshProcessRunner
+    path = tmp_path / "dies.py"
+    path.write_text(_OOM_ABOVE_3)
+    spec = load_model(str(path))           # loaded here; the child rebuilds it from the file
+    path.write_text(_OOM_ABOVE_3.replace("def build_model():\n",
+                                         "def build_model():\n    import os; os._exit(3)\n"))
+    with pytest.raises(RuntimeError, match="died without a result"):
+        measured_probe(spec, TraceConfig(1), predicted_max=2, max_batch=4,
+                       runner=FreshProcessRunner("cpu"))

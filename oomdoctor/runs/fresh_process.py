@@ -28,7 +28,7 @@ import torch
 
 from oomdoctor.models.loader import for_process, in_process
 from oomdoctor.models.spec import ModelSpec
-from oomdoctor.runs.measure import MeasureError, TorchRunner, oom_line
+from oomdoctor.runs.measure import TorchRunner, oom_line
 from oomdoctor.sim.trace import TraceConfig
 
 
@@ -67,8 +67,8 @@ class FreshProcessRunner:
         try:
             out = _in_new_process(_trial, for_process(spec, "spawn"), cfg, self.device,
                                   self.build_on_device)
-        except BrokenProcessPool as e:
-            raise MeasureError(f"the trial's process at batch {cfg.batch_size} died without a "
+        except BrokenProcessPool as e:    # not a verdict, nor the user's usage: exit 5
+            raise RuntimeError(f"the trial's process at batch {cfg.batch_size} died without a "
                                f"result ({e}); run it alone to see why (out of host memory, a "
                                "crash in a CUDA extension)") from e
         self._name = out["device_name"]

@@ -311,10 +311,15 @@ def read_deepspeed_config(doc: dict, source: str = "the DeepSpeed config") -> De
         if key in zero:
             if zero[key] == "auto":
                 auto.append(key)
+            elif field in ("overlap_comm", "contiguous_gradients"):
+                values[field] = bool(zero[key])
             else:
-                values[field] = bool(zero[key]) if field in ("overlap_comm",
-                                                              "contiguous_gradients") \
-                    else int(float(zero[key]))
+                try:
+                    values[field] = int(float(zero[key]))
+                except (TypeError, ValueError):
+                    raise ValueError(f"{source}: zero_optimization.{key} is {zero[key]!r}; "
+                                     "give it as a number of elements (5e7), or \"auto\"") \
+                        from None
     return DeepSpeedRun(stage, enabled[0] if enabled else None,
                         DeepSpeedConfig(**values, fused_optimizer=_fused_optimizer(doc),
                                         auto=tuple(auto), **offload))
