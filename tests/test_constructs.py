@@ -87,6 +87,20 @@ def test_every_command_runs_every_container(tmp_path, container):
     path = constructs.write(tmp_path, container, 20)
     for command, *args in COMMANDS:
         _run(command, path, *args)
+    # DeepSpeed ZeRO-3 module by module (plans/parallel/zero3_gathers): the container's
+    # modules, the tied weight fetched by both its modules, checkpointed blocks recomputed,
+    # limits small enough that the coordinator prefetches, keeps and releases
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+                              "zero_optimization": {"stage": 3,
+                                                    "stage3_prefetch_bucket_size": 2000,
+                                                    "stage3_max_live_parameters": 20000,
+                                                    "stage3_max_reuse_distance": 5000,
+                                                    "stage3_param_persistence_threshold": 0}}))
+    for ck in ((), ("--checkpointing",)):
+        plan = json.loads(_run("parallel", path, "--gpus", "2", "--ds-config", str(ds),
+                               "--json", *ck))
+        assert [s["strategy"] for s in plan["strategies"]] == ["ds3"]
     if container == "sequential-named":          # named blocks, cut in place (CI time: one)
         out = _run("recommend", path, "--num-gpus", "2", "--precision", "bf16")
         assert "fsdp" in out.lower() or "ddp" in out.lower()
