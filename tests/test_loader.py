@@ -123,3 +123,77 @@ def test_build_model_may_move_its_model_to_the_gpu(tmp_path):
     assert first.weight_dtypes == (("bfloat16",), ())
     for t in traces.values():
         assert (t.events, t.parameter_bytes) == (first.events, first.parameter_bytes)
+
+
+# A library that is installed but does not load: the innermost error and its fix, exit 3. The
+# common case is a torchvision built for another torch (PyPI's CUDA wheel next to a CPU-only
+# torch): its import raises "operator torchvision::nms does not exist", which transformers'
+# lazy import hides behind "Could not import module 'LlamaConfig'". The tests raise that chain
+# themselves (their own torchvision loads, tests/_site/sitecustomize.py).
+TORCHVISION_BROKEN = "operator torchvision::nms does not exist"
+
+
+def _lazy_import_error():
+    try:
+        raise RuntimeError(TORCHVISION_BROKEN)
+    except RuntimeError as e:
+        raise ModuleNotFoundError("Could not import module 'LlamaConfig'. Are this object's "
+                                  "requirements defined correctly?") from e
+
+
+def _one_line(res) -> str:
+    assert res.exit_code == EXIT_MODEL, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    return lines[0]
+
+
+def test_hugging_face_config_whose_import_fails_names_torchvision(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, '
+        '"intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, '
+        '"vocab_size": 128}')
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: _lazy_import_error())
+    line = _one_line(CliRunner().invoke(cli, ["estimate", str(tmp_path), "-b", "1", "--gpu",
+                                              "rtx3090"]))
+    assert f"transformers {transformers.__version__} does not load because torchvision does " \
+           "not load with this torch" in line
+    assert TORCHVISION_BROKEN in line and "--index-url https://download.pytorch.org/whl/cpu" in line
+    assert "Could not import module" not in line and "limit of oomdoctor" not in line
+
+
+def test_vision_library_that_fails_inside_its_import(tmp_path, monkeypatch):
+    from oomdoctor.models.vision import _import
+    (tmp_path / "brokenvis_dep.py").write_text("import nosuchdep_xyz\n")
+    (tmp_path / "brokenvis_tv.py").write_text(f"raise RuntimeError({TORCHVISION_BROKEN!r})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModelFileError, match=r"timm:x: brokenvis_dep does not load "
+                                             r"\(ModuleNotFoundError: No module named "
+                                             r"'nosuchdep_xyz'\); install what it names"):
+        _import("brokenvis_dep", "timm:x")
+    with pytest.raises(ModelFileError, match=r"brokenvis_tv does not load because torchvision "
+                                             r"does not load with this torch"):
+        _import("brokenvis_tv", "timm:x")
+    with pytest.raises(ModelFileError, match=r"needs notinstalled_xyz: pip install"):
+        _import("notinstalled_xyz", "timm:x")
+
+
+def test_training_script_whose_import_fails(tmp_path):
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("try:\n"
+                    f"    raise RuntimeError({TORCHVISION_BROKEN!r})\n"
+                    "except RuntimeError as e:\n"
+                    "    raise ModuleNotFoundError(\"Could not import module 'LlamaConfig'\") "
+                    "from e\n")
+    line = _one_line(CliRunner().invoke(cli, ["estimate", "--gpu", "rtx3090", "--", "python",
+                                              str(lazy)]))
+    assert line.startswith("error: lazy.py:4 ") and "does not load because torchvision" in line
+    assert "fake GPU could not follow" not in line
+    missing = tmp_path / "missing.py"
+    missing.write_text("import torch\nimport nosuchpkg_xyz\n")
+    line = _one_line(CliRunner().invoke(cli, ["estimate", "--gpu", "rtx3090", "--", "python",
+                                              str(missing)]))
+    assert "missing.py:2 (import nosuchpkg_xyz): nosuchpkg_xyz (imported where oomdoctor " \
+           "runs) does not load (ModuleNotFoundError: No module named 'nosuchpkg_xyz')" in line

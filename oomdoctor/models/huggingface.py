@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 from oomdoctor import configs
-from oomdoctor.models.spec import ModelFileError, ModelSpec
+from oomdoctor.models.spec import ModelFileError, ModelSpec, import_failure, root_cause
 
 # task name (configs.TASKS, what --task offers) -> (the transformers auto class, the
 # architecture-name suffixes that imply it)
@@ -54,18 +54,27 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
     installed release's ``from_pretrained`` loads, :func:`loaded_dtype`)."""
     try:
         import transformers
-    except ImportError:
+    except ImportError as e:
+        if e.name != "transformers":
+            raise import_failure(source, "transformers", e) from None
         raise ModelFileError(f"{source}: not a .py model file, and reading it as a Hugging Face "
                              "model needs transformers: " + configs.install_hint("hf")) from None
     # transformers' warnings about a from-scratch model (an unset loss_type, generation
     # defaults) concern inference and weights, which oomdoctor never uses; they would repeat
     # around every estimate. Only its errors are let through from here on in this process.
     transformers.utils.logging.set_verbosity_error()
-    config = _config(transformers, source)
-    dtype = loaded_dtype(transformers, config, weights_dtype)
-    task = task or _task_of(config, source)
-    auto_name, _ = TASKS[task]
-    auto = getattr(transformers, auto_name)
+    try:
+        # transformers imports each architecture's modules on first use: a dependency that
+        # does not load (a torchvision built for another torch) fails here, not at the import
+        config = _config(transformers, source)
+        dtype = loaded_dtype(transformers, config, weights_dtype)
+        task = task or _task_of(config, source)
+        auto_name, _ = TASKS[task]
+        auto = getattr(transformers, auto_name)
+    except (ImportError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "torchvision::" not in str(root_cause(e)):
+            raise
+        raise import_failure(source, f"transformers {transformers.__version__}", e) from None
     if task in IMAGE_TASKS or image_size or num_classes:
         return _hf_images(source, config, task, auto, seq_len, image_size, num_classes, attn,
                           dtype)

@@ -55,6 +55,38 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
+def root_cause(e: BaseException) -> BaseException:
+    """The innermost exception of ``e``'s chain (``raise ... from``, or raised while handling)."""
+    seen = {id(e)}
+    while True:
+        nxt = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+        if nxt is None or id(nxt) in seen:
+            return e
+        seen.add(id(nxt))
+        e = nxt
+
+
+def import_failure(source: str, what: str, e: BaseException) -> ModelFileError:
+    """The one-line error for ``what`` (a library, or a class a library imports on first use)
+    failing to import, from the innermost error: transformers' lazy imports say only "Could not
+    import module 'LlamaConfig'" and hide it in the chain. The common cause: a torchvision built
+    for another torch (PyPI's CUDA wheel next to a CPU-only torch) whose compiled ops do not load,
+    so its import raises "operator torchvision::nms does not exist" inside every transformers or
+    timm import that touches it."""
+    import torch
+    root = root_cause(e)
+    why = f"{type(root).__name__}: {first_line(root)}"
+    if "torchvision::" in str(root):
+        lead = "" if what == "torchvision" else f"{what} does not load because "
+        return ModelFileError(
+            f"{source}: {lead}torchvision does not load with this torch "
+            f"{torch.__version__} ({why}); install the torchvision release built for this torch "
+            "(pytorch.org/get-started; for a CPU-only torch: pip install torchvision "
+            "--index-url https://download.pytorch.org/whl/cpu), or uninstall torchvision")
+    return ModelFileError(f"{source}: {what} does not load ({why}); install what it names, a "
+                          f"release built for this torch {torch.__version__}")
+
+
 # What moving a fake/meta tensor to CUDA raises: a CPU-only build, or a meta tensor's copy.
 _TO_CUDA_TEXT = ("Torch not compiled with CUDA enabled", "Cannot copy out of meta tensor",
                  "Found no NVIDIA driver")

@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from oomdoctor.configs import install_hint
-from oomdoctor.models.spec import ModelFileError, ModelSpec, first_line
+from oomdoctor.models.spec import ModelFileError, ModelSpec, import_failure
 
 
 VISION_PREFIXES = ("timm:", "torchvision:")
@@ -151,16 +151,14 @@ def _import(library: str, source: str) -> Any:
     import importlib
     try:
         return importlib.import_module(library)
-    except ImportError:
-        raise ModelFileError(f"{source}: needs {library}: {install_hint('vision')}"
-                             ) from None
+    except ImportError as e:
+        if e.name == library:
+            raise ModelFileError(f"{source}: needs {library}: {install_hint('vision')}"
+                                 ) from None
+        raise import_failure(source, library, e) from None
     except RuntimeError as e:
-        # torchvision's compiled ops built for another torch (e.g. the PyPI CUDA wheel next to
-        # a CPU-only torch) fail at import with "operator torchvision::nms does not exist".
-        import torch
-        raise ModelFileError(f"{source}: {library} does not load with this torch "
-                             f"{torch.__version__} ({first_line(e)}); install the torchvision "
-                             "release built for it (see pytorch.org/get-started)") from None
+        # torchvision's compiled ops built for another torch fail at import
+        raise import_failure(source, library, e) from None
 
 
 def _close(names: list[str]) -> str:
