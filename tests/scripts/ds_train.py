@@ -1,6 +1,8 @@
 """A DeepSpeed training script as DeepSpeedExamples' training/bf16_master_weight/train.py is
 written: the model built on the host, `deepspeed.initialize(model, model_parameters, config)`,
-then `logits = engine(ids)`, cross-entropy, backward, `engine.step()`. The model is that
+then cross-entropy on `engine(ids)`, backward, `engine.step()` (the loss taken on the logits
+inline, as benchmarks/measure_deepspeed.py's harness measured it; train.py itself keeps
+`logits` in a local through the backward, tests/published_multi.py). The model is that
 benchmark's transformer (tests/models/ds_simple_transformer.py, sizes from DS_HIDDEN/DS_LAYERS/
 DS_HEADS); the config a JSON file, as the launcher passes it:
 
