@@ -147,7 +147,7 @@ def test_a_missing_library_names_the_extra(monkeypatch):
 
     def no_timm(name, *a, **k):
         if name == "timm":
-            raise ImportError("No module named 'timm'")
+            raise ModuleNotFoundError("No module named 'timm'", name="timm")   # as Python does
         return real(name, *a, **k)
     monkeypatch.setattr(importlib, "import_module", no_timm)
     with pytest.raises(ModelFileError, match=r"pip install 'oomdoctor\[vision\]'"):

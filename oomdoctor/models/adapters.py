@@ -44,7 +44,7 @@ import torch
 
 from oomdoctor.configs import QUANTIZATIONS, WRAPPER_CASTS, install_hint
 from oomdoctor.models.casting import pure_dtype, to_dtype
-from oomdoctor.models.spec import ModelFileError, first_line
+from oomdoctor.models.spec import ModelFileError, first_line, root_cause
 
 _BLOCKSIZE_4BIT = 64          # bitsandbytes Linear4bit / Params4bit default blocksize
 _INT8_THRESHOLD = 6.0         # transformers BitsAndBytesConfig(llm_int8_threshold=6.0)
@@ -262,7 +262,7 @@ def missing_library(name: str, what: str, error: BaseException) -> str:
         return f"{what} needs the {name} package, which is not installed; " \
                + install_hint("peft")
     return (f"{what} needs {name}, which is installed but does not import "
-            f"({first_line(error)}); "
+            f"({first_line(root_cause(error))}); "
             f"run `python -c 'import {name}'` to see why")
 
 

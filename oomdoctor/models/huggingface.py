@@ -55,7 +55,8 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
     try:
         import transformers
     except ImportError as e:
-        if e.name != "transformers":
+        import importlib.util
+        if e.name != "transformers" and importlib.util.find_spec("transformers") is not None:
             raise import_failure(source, "transformers", e) from None
         raise ModelFileError(f"{source}: not a .py model file, and reading it as a Hugging Face "
                              "model needs transformers: " + configs.install_hint("hf")) from None

@@ -149,10 +149,11 @@ def _torchvision(name: str, source: str) -> tuple[Any, int, bool]:
 
 def _import(library: str, source: str) -> Any:
     import importlib
+    import importlib.util
     try:
         return importlib.import_module(library)
     except ImportError as e:
-        if e.name == library:
+        if e.name == library or importlib.util.find_spec(library) is None:
             raise ModelFileError(f"{source}: needs {library}: {install_hint('vision')}"
                                  ) from None
         raise import_failure(source, library, e) from None
