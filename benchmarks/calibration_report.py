@@ -72,6 +72,13 @@ def built_on_device(doc: dict) -> bool:
     return doc.get("build", "device") == "device"
 
 
+def record_config(rec: dict, torch_version=None):
+    """The TraceConfig of the configuration one record measured."""
+    from oomdoctor.sim.trace import TraceConfig
+    return TraceConfig(rec["batch_size"], precision=rec["precision"],
+                       checkpointing=rec["checkpointing"], torch=torch_version)
+
+
 def estimate_record(spec, rec: dict, budget, torch_version=None, on_device: bool = True,
                     freed_bytes: int = 0):
     """oomdoctor's estimate of the configuration one record measured, with the CUDA facts of
@@ -82,9 +89,7 @@ def estimate_record(spec, rec: dict, budget, torch_version=None, on_device: bool
     the record's process had taken and returned before it (:func:`freed_before`)."""
     from oomdoctor.plans.estimate import estimate
     from oomdoctor.runs.onbuild import harness_peaks
-    from oomdoctor.sim.trace import TraceConfig
-    cfg = TraceConfig(rec["batch_size"], precision=rec["precision"],
-                      checkpointing=rec["checkpointing"], torch=torch_version)
+    cfg = record_config(rec, torch_version)
     e = estimate(spec, cfg, budget)
     return harness_peaks(spec, cfg, budget, e, freed_bytes=freed_bytes) if on_device else e
 

@@ -26,20 +26,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from calibration_report import (ROOT, budget_of, freed_before, load_record_model,  # noqa: E402
-                                torch_of)
+                                record_config, torch_of)
 
 GIB = 2**30
 HANDLES_PER_RUN = 10**9      # each run's handles apart from every other's
-
-
-def _run_events(spec, rec: dict, budget, torch_version):
-    """The harness's run of one record (construction on the device, then the step)."""
-    from oomdoctor.plans.estimate import trace_for
-    from oomdoctor.runs.onbuild import chained_events
-    from oomdoctor.sim.trace import TraceConfig
-    cfg = TraceConfig(rec["batch_size"], precision=rec["precision"],
-                      checkpointing=rec["checkpointing"], torch=torch_version)
-    return chained_events(spec, cfg, trace_for(spec, cfg, budget.gpu), budget.gpu)
 
 
 def _in_history(alloc, events: list, offset: int) -> int:
@@ -65,6 +55,7 @@ def _in_history(alloc, events: list, offset: int) -> int:
 def history(path: str, model: str) -> list[tuple[dict, int, int]]:
     """(record, one-range replay's peak reserved, whole-history replay's) for each of
     ``model``'s records in ``path``, in the order the process ran them."""
+    from oomdoctor.runs.onbuild import harness_events
     from oomdoctor.sim.allocator import AllocatorConfig, replay
     from oomdoctor.sim.allocator.caching import CachingAllocator
     with open(path) as f:
@@ -80,7 +71,7 @@ def history(path: str, model: str) -> list[tuple[dict, int, int]]:
             continue
         if rec["model"] not in specs:
             specs[rec["model"]] = load_record_model(rec["model"])
-        events = _run_events(specs[rec["model"]], rec, budget, tv)
+        events = harness_events(specs[rec["model"]], record_config(rec, tv), budget.gpu)
         whole = _in_history(alloc, events, (i + 1) * HANDLES_PER_RUN)
         if rec["model"] != model or rec["oom"]:
             continue

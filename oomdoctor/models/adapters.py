@@ -44,7 +44,7 @@ import torch
 
 from oomdoctor.configs import QUANTIZATIONS, WRAPPER_CASTS, install_hint
 from oomdoctor.models.casting import pure_dtype, to_dtype
-from oomdoctor.models.spec import ModelFileError, first_line, root_cause
+from oomdoctor.models.spec import ModelFileError, first_line, not_installed, root_cause
 
 _BLOCKSIZE_4BIT = 64          # bitsandbytes Linear4bit / Params4bit default blocksize
 _INT8_THRESHOLD = 6.0         # transformers BitsAndBytesConfig(llm_int8_threshold=6.0)
@@ -257,8 +257,7 @@ def missing_library(name: str, what: str, error: BaseException) -> str:
     """Why `name` did not import: not installed (install the extra), or installed but broken by
     something it imports - e.g. peft -> transformers -> a torchvision built for another torch,
     which no extra fixes."""
-    import importlib.util
-    if importlib.util.find_spec(name) is None:
+    if not_installed(name, error):
         return f"{what} needs the {name} package, which is not installed; " \
                + install_hint("peft")
     return (f"{what} needs {name}, which is installed but does not import "

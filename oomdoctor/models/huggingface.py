@@ -22,7 +22,8 @@ import os
 from typing import Any
 
 from oomdoctor import configs
-from oomdoctor.models.spec import ModelFileError, ModelSpec, import_failure, root_cause
+from oomdoctor.models.spec import (ModelFileError, ModelSpec, failed_import, import_failure,
+                                   not_installed)
 
 # task name (configs.TASKS, what --task offers) -> (the transformers auto class, the
 # architecture-name suffixes that imply it)
@@ -55,8 +56,7 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
     try:
         import transformers
     except ImportError as e:
-        import importlib.util
-        if e.name != "transformers" and importlib.util.find_spec("transformers") is not None:
+        if not not_installed("transformers", e):
             raise import_failure(source, "transformers", e) from None
         raise ModelFileError(f"{source}: not a .py model file, and reading it as a Hugging Face "
                              "model needs transformers: " + configs.install_hint("hf")) from None
@@ -73,7 +73,7 @@ def load_hf(source: str, task: str | None = None, seq_len: int | None = None,
         auto_name, _ = TASKS[task]
         auto = getattr(transformers, auto_name)
     except (ImportError, RuntimeError) as e:
-        if isinstance(e, RuntimeError) and "torchvision::" not in str(root_cause(e)):
+        if not failed_import(e):
             raise
         raise import_failure(source, f"transformers {transformers.__version__}", e) from None
     if task in IMAGE_TASKS or image_size or num_classes:

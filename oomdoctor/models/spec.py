@@ -66,6 +66,22 @@ def root_cause(e: BaseException) -> BaseException:
         e = nxt
 
 
+_TORCHVISION_OPS = "torchvision::"     # in the error of a torchvision whose compiled ops fail
+
+
+def not_installed(library: str, e: BaseException) -> bool:
+    """Whether ``library`` itself is missing (Python names it in the ImportError, or it is not
+    found), rather than installed and failing in something it imports."""
+    import importlib.util
+    return getattr(e, "name", None) == library or importlib.util.find_spec(library) is None
+
+
+def failed_import(e: BaseException) -> bool:
+    """Whether ``e`` is an import that failed: an ImportError, or the RuntimeError of a
+    torchvision built for another torch, raised inside whatever imported it."""
+    return isinstance(e, ImportError) or _TORCHVISION_OPS in str(root_cause(e))
+
+
 def import_failure(source: str, what: str, e: BaseException) -> ModelFileError:
     """The one-line error for ``what`` (a library, or a class a library imports on first use)
     failing to import, from the innermost error: transformers' lazy imports say only "Could not
@@ -76,7 +92,7 @@ def import_failure(source: str, what: str, e: BaseException) -> ModelFileError:
     import torch
     root = root_cause(e)
     why = f"{type(root).__name__}: {first_line(root)}"
-    if "torchvision::" in str(root):
+    if _TORCHVISION_OPS in str(root):
         lead = "" if what == "torchvision" else f"{what} does not load because "
         return ModelFileError(
             f"{source}: {lead}torchvision does not load with this torch "

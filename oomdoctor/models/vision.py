@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from oomdoctor.configs import install_hint
-from oomdoctor.models.spec import ModelFileError, ModelSpec, import_failure
+from oomdoctor.models.spec import ModelFileError, ModelSpec, import_failure, not_installed
 
 
 VISION_PREFIXES = ("timm:", "torchvision:")
@@ -149,11 +149,10 @@ def _torchvision(name: str, source: str) -> tuple[Any, int, bool]:
 
 def _import(library: str, source: str) -> Any:
     import importlib
-    import importlib.util
     try:
         return importlib.import_module(library)
     except ImportError as e:
-        if e.name == library or importlib.util.find_spec(library) is None:
+        if not_installed(library, e):
             raise ModelFileError(f"{source}: needs {library}: {install_hint('vision')}"
                                  ) from None
         raise import_failure(source, library, e) from None

@@ -69,15 +69,20 @@ def chained_events(spec: ModelSpec, cfg, trace, gpu) -> list[tuple[bool, int, in
     return events
 
 
+def harness_events(spec: ModelSpec, cfg, gpu) -> list[tuple[bool, int, int]]:
+    """The harness's run of ``cfg`` as allocator events: construction on the device, then the
+    step traced for ``gpu``."""
+    from oomdoctor.plans.estimate import trace_for
+    return chained_events(spec, cfg, trace_for(spec, cfg, gpu), gpu)
+
+
 def harness_peaks(spec: ModelSpec, cfg, budget, estimate, alloc=AllocatorConfig(),
                   freed_bytes: int = 0):
     """``estimate`` (oomdoctor.plans.estimate.estimate of ``cfg``) with the peaks and fit of
     the harness's run: construction on the device, then the step. ``freed_bytes``: the address
     range the process's earlier runs took and returned (oomdoctor.sim.allocator.addresses);
     0 for a run in a fresh process."""
-    from oomdoctor.plans.estimate import trace_for
-    trace = trace_for(spec, cfg, budget.gpu)
-    events = chained_events(spec, cfg, trace, budget.gpu)
+    events = harness_events(spec, cfg, budget.gpu)
     limited = replay(events, alloc, budget.limit_bytes, freed_bytes=freed_bytes)
     result = limited if limited.oom is None else replay(events, alloc, None,
                                                         freed_bytes=freed_bytes)

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from oomdoctor.models import adapters
 from oomdoctor.models.script import ScriptSpec
-from oomdoctor.models.spec import first_line, import_failure, root_cause, user_frame
+from oomdoctor.models.spec import failed_import, first_line, import_failure, user_frame
 from oomdoctor.sim import (cudaoptim, ddp, deepspeed_engine, eager, emulate, fakecuda, sharding,
                           spreading, values)
 from oomdoctor.sim.labels import allocator_events, label_activations, label_state
@@ -169,7 +169,7 @@ def _failure(script: ScriptSpec, e: BaseException) -> str:
     if isinstance(e, ImportError) and "deepspeed" in str(e).lower():
         return (f"{where}: {type(e).__name__}: {first_line(e)}; install DeepSpeed here to "
                 f"estimate the script, or {deepspeed_engine.NOT_FOLLOWED}")
-    if isinstance(e, ImportError) or "torchvision::" in str(root_cause(e)):
+    if failed_import(e):
         # the script runs in oomdoctor's process: its imports must load here
         name = getattr(e, "name", None)
         return str(import_failure(where, f"{name} (imported where oomdoctor runs)" if name
